@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks behind ``trainwright bench NAME``."""
