@@ -1,0 +1,144 @@
+"""``trainwright run | report | schedule | bench``: the command line.
+
+Configuration errors print one line and exit 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainwright.errors import ConfigError, PlanError
+
+__all__ = ["main"]
+
+EXIT_CONFIG = 2
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from trainwright.config import load_config
+    from trainwright.launch import create_run_dir, in_torchrun, launch_local
+
+    if args.resume:
+        resume_dir = Path(args.resume)
+        if not (resume_dir / "config.toml").exists():
+            raise ConfigError(f"--resume {args.resume}: no config.toml there; pass the run "
+                              f"directory a previous `trainwright run` printed")
+        if args.config:
+            raise ConfigError("give either CONFIG or --resume RUN_DIR (the run keeps its config; "
+                              "change keys with --set)")
+        cfg = load_config(resume_dir / "config.toml", args.set)
+    else:
+        resume_dir = None
+        cfg = load_config(args.config, args.set)
+
+    if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
+        from trainwright.worker import run_worker
+        run_dir = create_run_dir(cfg, resume_dir) if resume_dir else None
+        code = run_worker(cfg, run_dir, resume=resume_dir is not None)
+        import os
+        if code == 0 and os.environ["RANK"] == "0":
+            _finish_message(cfg, run_dir)
+        return code
+
+    run_dir = create_run_dir(cfg, resume_dir)
+    print(f"trainwright: {cfg.world_size} ranks ({cfg.parallel.pp} stages x {cfg.parallel.dp} "
+          f"replicas), {cfg.train.schedule}, {cfg.train.steps} steps -> {run_dir}",
+          file=sys.stderr)
+    result = launch_local(cfg, run_dir, resume=resume_dir is not None)
+    if not result.ok:
+        others = [r for r in range(len(result.returncodes)) if r != result.first_failure]
+        print(f"error: {result.describe(result.first_failure)}; "
+              + ", ".join(result.describe(r) for r in others)
+              + f". Partial outputs are in {run_dir}; continue with "
+              f"`trainwright run --resume {run_dir}`", file=sys.stderr)
+        return 1
+    _finish_message(cfg, run_dir)
+    return 0
+
+
+def _finish_message(cfg, run_dir: Path | None) -> None:
+    if run_dir is None:
+        return
+    if cfg.run.report:
+        print(f"report: {run_dir / 'report.html'}")
+    print(f"run directory: {run_dir}")
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from trainwright.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {args.run_dir!r} does not exist")
+    print(write_report(run_dir))
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from trainwright.pipeline.schedule import build_schedule, format_grid
+
+    sched = build_schedule(args.schedule, args.pp, args.micro_batches)
+    print(format_grid(sched))
+    if args.actions:
+        for acts in sched:
+            print(" ".join(map(str, acts)))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from trainwright.bench import BENCHMARKS
+
+    if args.name not in BENCHMARKS:
+        raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {sorted(BENCHMARKS)}")
+    return BENCHMARKS[args.name](args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``trainwright`` command."""
+    p = argparse.ArgumentParser(prog="trainwright", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="train (default: small GPT, 2 stages, 1F1B, local ranks)")
+    run.add_argument("config", nargs="?", help="TOML config file (default: built-in defaults)")
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config key, e.g. --set parallel.pp=4 (repeatable)")
+    run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    run.set_defaults(func=_cmd_run)
+
+    rep = sub.add_parser("report", help="write RUN_DIR/report.html from a run's outputs")
+    rep.add_argument("run_dir")
+    rep.set_defaults(func=_cmd_report)
+
+    sch = sub.add_parser("schedule", help="print a pipeline schedule as a step x stage grid")
+    sch.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sch.add_argument("--pp", type=int, default=4)
+    sch.add_argument("--micro-batches", type=int, default=8)
+    sch.add_argument("--actions", action="store_true", help="also list every stage's actions")
+    sch.set_defaults(func=_cmd_schedule)
+
+    ben = sub.add_parser("bench", help="run a side-by-side benchmark, e.g. `bench pipeline`")
+    ben.add_argument("name")
+    ben.add_argument("--json", metavar="PATH", help="write the results as JSON here")
+    ben.add_argument("--repeats", type=int, default=3, help="interleaved runs per system")
+    ben.add_argument("--steps", type=int, default=None, help="steps per run (default: spec)")
+    ben.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``trainwright`` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, PlanError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

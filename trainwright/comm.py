@@ -1,0 +1,252 @@
+"""Point-to-point transfers with metadata headers and deadlines, and the peer watchdog.
+
+[Note: why a header per message] A stage cannot know the shape of what its neighbour sends
+(layers migrate, frontiers carry several tensors), and a receive posted with the wrong size
+waits forever. So every transfer is a fixed-size int64 header followed by the payloads:
+``[MAGIC, kind, micro-batch, n, (dtype, requires_grad, ndim, d0..d6) * n]``. The receiver
+checks kind and micro-batch against what its schedule expects, so an ordering bug or a
+mismatch between ranks raises with both ranks named instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from trainwright.errors import CommError, PeerLost
+
+__all__ = ["P2P", "Watchdog", "pack_header", "unpack_header"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x7477  # "tw"
+MAX_TENSORS = 6
+MAX_DIMS = 7
+PER_TENSOR = 3 + MAX_DIMS
+HEADER_LEN = 4 + MAX_TENSORS * PER_TENSOR
+KIND_CODES = {"act": 1, "grad": 2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+          torch.uint8, torch.bool, torch.int8, torch.int16]
+NONE_DTYPE = -1  # a missing gradient (input that needs none) travels as a placeholder
+
+
+def pack_header(kind: str, mb: int, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Encode the metadata of ``tensors`` (``None`` allowed) into an int64 header."""
+    if len(tensors) > MAX_TENSORS:
+        raise CommError(f"{len(tensors)} tensors in one transfer; at most {MAX_TENSORS} supported")
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[:4] = torch.tensor([MAGIC, KIND_CODES[kind], mb, len(tensors)])
+    for i, t in enumerate(tensors):
+        o = 4 + i * PER_TENSOR
+        if t is None:
+            h[o] = NONE_DTYPE
+            continue
+        if t.dim() > MAX_DIMS or t.dtype not in DTYPES:
+            raise CommError(f"cannot send a {t.dim()}-d {t.dtype} tensor between stages "
+                            f"(at most {MAX_DIMS} dims, dtypes {DTYPES})")
+        h[o], h[o + 1], h[o + 2] = DTYPES.index(t.dtype), int(t.requires_grad), t.dim()
+        h[o + 3 : o + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def unpack_header(h: torch.Tensor) -> tuple[int, int, list[tuple | None]]:
+    """Decode a header into ``(kind code, mb, [(dtype, requires_grad, shape) or None])``."""
+    vals = h.tolist()
+    if vals[0] != MAGIC:
+        raise CommError(f"corrupt pipeline header (magic {vals[0]:#x}); ranks run different "
+                        f"schedules or versions")
+    metas: list[tuple | None] = []
+    for i in range(vals[3]):
+        o = 4 + i * PER_TENSOR
+        if vals[o] == NONE_DTYPE:
+            metas.append(None)
+        else:
+            metas.append((DTYPES[vals[o]], bool(vals[o + 1]), tuple(vals[o + 3 : o + 3 + vals[o + 2]])))
+    return vals[1], vals[2], metas
+
+
+class P2P:
+    """Send and receive tensor lists between pipeline neighbours.
+
+    Sends are asynchronous (their buffers are kept until :meth:`wait_sends`); receives block
+    until the payload arrives or ``timeout_s`` passes.
+
+    Args:
+        group: the pipeline process group.
+        rank: this rank (global).
+        timeout_s: deadline of one receive or of draining the pending sends.
+        device: where received tensors are placed.
+        describe: ``rank -> str`` for messages, e.g. ``Topology.describe``.
+        on_failure: called with the exception when a transfer fails; returns the PeerLost to
+            raise when the watchdog knows which rank died, else None.
+    """
+
+    def __init__(self, group, rank: int, timeout_s: float, device: torch.device,
+                 describe: Callable[[int], str] = lambda r: f"rank {r}",
+                 on_failure: Callable[[Exception], PeerLost | None] | None = None):
+        self.group, self.rank, self.device = group, rank, device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.describe = describe
+        self.on_failure = on_failure or (lambda exc: None)
+        self._pending: list[tuple[object, list[torch.Tensor]]] = []
+
+    def send(self, peer: int, kind: str, mb: int, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Post the header and payloads of ``tensors`` to ``peer`` without waiting."""
+        header = pack_header(kind, mb, tensors)
+        payload = [t.detach().contiguous() for t in tensors if t is not None]
+        # gloo sends from host memory; the header always lives on CPU for gloo, device for NCCL
+        header = header.to(self.device)
+        works = [dist.isend(header, dst=peer, group=self.group)]
+        works += [dist.isend(t, dst=peer, group=self.group) for t in payload]
+        self._pending.extend((w, [header, *payload]) for w in works)
+        if len(self._pending) > 64:
+            self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+
+    def recv(self, peer: int, kind: str, mb: int) -> list[torch.Tensor | None]:
+        """Receive the tensors ``peer`` sent for micro-batch ``mb`` of this ``kind``.
+
+        Raises:
+            CommError: wrong kind or micro-batch arrived, or the deadline passed.
+            PeerLost: the peer (or another rank, per the watchdog) is gone.
+        """
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(header, src=peer, group=self.group), peer, f"{kind} header")
+        got_kind, got_mb, metas = unpack_header(header.cpu())
+        if got_kind != KIND_CODES[kind] or got_mb != mb:
+            names = {v: k for k, v in KIND_CODES.items()}
+            raise CommError(f"{self.describe(self.rank)} expected {kind} of micro-batch {mb} from "
+                            f"{self.describe(peer)} but received {names.get(got_kind, got_kind)} "
+                            f"of micro-batch {got_mb}; the ranks run different schedules")
+        out: list[torch.Tensor | None] = []
+        for meta in metas:
+            if meta is None:
+                out.append(None)
+                continue
+            dtype, _, shape = meta
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            self._wait(dist.irecv(t, src=peer, group=self.group), peer, f"{kind} payload")
+            out.append(t)
+        return out
+
+    def wait_sends(self) -> None:
+        """Block until every posted send has completed (call before the step ends)."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work, None, "send")
+
+    def _wait(self, work, peer: int | None, what: str) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except Exception as exc:  # gloo raises RuntimeError for timeouts and closed peers
+            lost = self.on_failure(exc)
+            if lost is not None:
+                raise lost from exc
+            who = self.describe(peer) if peer is not None else "a neighbour"
+            raise CommError(f"{self.describe(self.rank)}: {what} with {who} failed: "
+                            f"{str(exc).splitlines()[0][:300]}") from exc
+
+
+class Watchdog:
+    """Heartbeats through the rendezvous store; declares a silent rank lost.
+
+    Each rank bumps its counter every ``timeout_s / 5`` seconds from a daemon thread and
+    watches everyone else's. A rank whose counter stops moving for ``timeout_s``, or that
+    wrote a failure note, is reported once to ``on_lost(rank, reason)`` (which normally logs
+    and ends the process: the main thread may be blocked inside a collective and cannot be
+    interrupted otherwise).
+
+    Args:
+        store_factory: returns a fresh store client (the watchdog needs its own connection).
+        rank: this rank.
+        world_size: ranks in the job.
+        timeout_s: silence after which a peer is declared lost.
+        on_lost: callback ``(rank, reason) -> None``.
+        store_host: description of who hosts the store, used when the store itself vanishes.
+    """
+
+    def __init__(self, store_factory: Callable[[], dist.Store], rank: int, world_size: int,
+                 timeout_s: float, on_lost: Callable[[int, str], None], store_host: int = -1):
+        self.store_factory, self.rank, self.world = store_factory, rank, world_size
+        self.timeout_s, self.on_lost, self.store_host = timeout_s, on_lost, store_host
+        self._stop = threading.Event()
+        self._verdict: tuple[int, str] | None = None
+        self._found = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainwright-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        """Start the heartbeat thread; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self, failed: str | None = None) -> None:
+        """Stop heartbeating; mark this rank done (or failed with a reason) for the others."""
+        self._stop.set()
+        try:
+            store = self.store_factory()
+            key = f"tw/failed/{self.rank}" if failed else f"tw/done/{self.rank}"
+            store.set(key, failed or "1")
+        except Exception:  # the store may be gone already; nothing left to tell
+            pass
+
+    def verdict(self, wait_s: float) -> tuple[int, str] | None:
+        """Wait up to ``wait_s`` for a lost-peer verdict; ``(rank, reason)`` or None."""
+        self._found.wait(wait_s)
+        return self._verdict
+
+    def _declare(self, rank: int, reason: str) -> None:
+        if self._verdict is None:
+            self._verdict = (rank, reason)
+            self._found.set()
+            self.on_lost(rank, reason)
+
+    def _run(self) -> None:
+        period = max(self.timeout_s / 5, 0.05)
+        try:
+            store = self.store_factory()
+        except Exception as exc:
+            self._declare(self.store_host, f"cannot reach the rendezvous store: {exc}")
+            return
+        peers = [r for r in range(self.world) if r != self.rank]
+        seen = {r: (-1, time.monotonic()) for r in peers}
+        while not self._stop.wait(period):
+            try:
+                store.add(f"tw/hb/{self.rank}", 1)
+                beats = [store.add(f"tw/hb/{r}", 0) for r in peers]
+                finished = {r for r in peers if store.check([f"tw/done/{r}"])}
+                failed = [r for r in peers if store.check([f"tw/failed/{r}"])]
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                self._declare(self.store_host, "the rendezvous store stopped answering "
+                              f"({str(exc).splitlines()[0][:120]})")
+                return
+            if failed:
+                r = failed[0]
+                self._declare(r, f"it failed: {store.get(f'tw/failed/{r}').decode()[:300]}")
+                return
+            now = time.monotonic()
+            for r, beat in zip(peers, beats):
+                last, when = seen[r]
+                if beat != last:
+                    seen[r] = (beat, now)
+                elif r not in finished and beat > 0 and now - when > self.timeout_s:
+                    self._declare(r, f"no heartbeat for {now - when:.1f} s "
+                                  f"(process killed, stopped or host down)")
+                    return
+
+
+def exit_now(code: int) -> None:
+    """Flush logging and end the process at once (used by the watchdog thread)."""
+    for h in logging.getLogger().handlers:
+        try:
+            h.flush()
+        except Exception:
+            pass
+    os._exit(code)

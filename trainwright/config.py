@@ -1,0 +1,335 @@
+"""Validated run configuration: a TOML file plus ``--set section.key=value`` overrides.
+
+Every field lives in a section dataclass with a docstring under it. Validation runs before
+any process starts and raises :class:`~trainwright.errors.ConfigError` with one line naming
+the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainwright.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "RunConfig",
+           "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "gpt"
+    """Built-in model: ``"gpt"`` (embedding, blocks, head) or ``"mlp"``."""
+    n_blocks: int = 4
+    """GPT: transformer blocks. MLP: hidden layers."""
+    d_model: int = 128
+    """GPT: residual width. MLP: hidden width."""
+    n_heads: int = 4
+    """GPT: attention heads (must divide d_model)."""
+    context: int = 64
+    """GPT: sequence length."""
+    d_in: int = 32
+    """MLP: input features."""
+    n_classes: int = 10
+    """MLP: output classes."""
+
+    @property
+    def n_layers(self) -> int:
+        """Layers the pipeline partitions: GPT = blocks + embedding + head, MLP = hidden + 1."""
+        return self.n_blocks + (2 if self.name == "gpt" else 1)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: str = "stdlib"
+    """``"stdlib"`` (byte-level text of Python's own sources) or ``"synthetic"``."""
+    max_bytes: int = 2_000_000
+    """stdlib corpus: bytes to read."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 120
+    """Optimizer steps to run (a resumed run continues up to this number)."""
+    batch_size: int = 32
+    """Global samples per step, over all data-parallel replicas."""
+    micro_batches: int = 4
+    """Micro-batches per step per replica; must divide batch_size / dp."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+    optimizer: str = "adamw"
+    """``"sgd"``, ``"adam"`` or ``"adamw"``."""
+    lr: float = 3e-3
+    """Learning rate (constant)."""
+    momentum: float = 0.0
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """Weight decay of the optimizer."""
+    seed: int = 0
+    """Seed for model initialisation and data order."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    pp: int = 2
+    """Pipeline stages."""
+    dp: int = 1
+    """Data-parallel replicas of each stage."""
+    partition: list = field(default_factory=list)
+    """Layers per stage, e.g. ``[3, 3]``; empty = as even as possible."""
+    backend: str = "auto"
+    """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
+    threads_per_rank: int = 0
+    """Intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
+    bucket_mb: float = 25.0
+    """Size of the data-parallel all-reduce buckets, MiB."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    dir: str = "runs"
+    """Parent folder of run directories."""
+    name: str = ""
+    """Run directory name; empty = ``<model>-<timestamp>``."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps (0 = only at the end)."""
+    profile_every: int = 10
+    """Write the per-layer profile to the metrics every N steps."""
+    trace_steps: int = 20
+    """Record the actions of the first N steps in trace.json (0 = none)."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    report: bool = True
+    """Write report.html at the end."""
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    p2p_timeout_s: float = 300.0
+    """Deadline of one pipeline send or receive."""
+    peer_timeout_s: float = 10.0
+    """A rank whose heartbeat is silent this long is declared lost."""
+    collective_timeout_s: float = 300.0
+    """Process-group timeout for collectives."""
+
+
+@dataclass(kw_only=True)
+class FaultConfig:
+    kill_rank: int = -1
+    """Testing: this rank SIGKILLs itself in the middle of step ``kill_step``."""
+    kill_step: int = -1
+    """Testing: the step (1-based) in which ``kill_rank`` dies."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
+    "run": RunConfig, "runtime": RuntimeConfig, "fault": FaultConfig,
+}
+CHOICES = {
+    "model.name": ("gpt", "mlp"), "data.name": ("stdlib", "synthetic"),
+    "train.schedule": ("1f1b", "gpipe"), "train.optimizer": ("sgd", "adam", "adamw"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+}
+POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
+            "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
+            "parallel.pp", "parallel.dp", "runtime.p2p_timeout_s", "runtime.peer_timeout_s",
+            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run configuration, one attribute per TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the run needs: ``pp * dp``."""
+        return self.parallel.pp * self.parallel.dp
+
+    def partition(self) -> list[int]:
+        """Layers per stage: the configured one, or as even as possible (extra to early stages)."""
+        if self.parallel.partition:
+            return list(self.parallel.partition)
+        n, p = self.model.n_layers, self.parallel.pp
+        return [n // p + (1 if s < n % p else 0) for s in range(p)]
+
+    def validate(self) -> None:
+        """Check choices, ranges and cross-field rules; raise ConfigError on the first problem."""
+        for key, allowed in CHOICES.items():
+            value = self.get(key)
+            if value not in allowed:
+                raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {list(allowed)}")
+        for key in POSITIVE:
+            if not self.get(key) > 0:
+                raise ConfigError(f"{key} = {self.get(key)!r} must be positive")
+        m, p, par = self.model, self.parallel.pp, self.parallel
+        if m.name == "gpt" and m.d_model % m.n_heads:
+            raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
+                              f"{m.d_model}; pick a divisor of {m.d_model}")
+        if p > m.n_layers:
+            raise ConfigError(f"parallel.pp = {p} is larger than the model's {m.n_layers} layers; "
+                              f"use parallel.pp <= {m.n_layers} or a deeper model "
+                              f"(model.n_blocks)")
+        if par.partition:
+            parts = par.partition
+            if (len(parts) != p or not all(isinstance(x, int) and x > 0 for x in parts)
+                    or sum(parts) != m.n_layers):
+                raise ConfigError(f"parallel.partition = {parts} must be {p} positive integers "
+                                  f"summing to the model's {m.n_layers} layers")
+        t = self.train
+        if t.batch_size % par.dp:
+            raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
+                              f"parallel.dp = {par.dp} replicas; use a multiple of {par.dp}")
+        per_replica = t.batch_size // par.dp
+        if per_replica % t.micro_batches:
+            divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+            raise ConfigError(f"train.micro_batches = {t.micro_batches} does not divide the "
+                              f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
+                              f"; allowed: {divisors}")
+
+    def get(self, key: str) -> Any:
+        """Value of a dotted key such as ``"train.steps"``."""
+        section, name = key.split(".", 1)
+        return getattr(getattr(self, section), name)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict, section -> key -> value."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        """Serialise as TOML that :func:`load_config` reads back to an equal Config."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build from a nested dict, checking every key and type."""
+        sections = {}
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(_unknown(section, list(SECTIONS), "section"))
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+            section_cls = SECTIONS[section]
+            hints = typing.get_type_hints(section_cls)
+            fields = [f.name for f in dataclasses.fields(section_cls)]
+            kwargs = {}
+            for key, value in values.items():
+                if key not in fields:
+                    raise ConfigError(_unknown(f"{section}.{key}",
+                                               [f"{section}.{f}" for f in fields], "key"))
+                kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+            sections[section] = section_cls(**kwargs)
+        return cls(**sections)
+
+
+def _unknown(name: str, allowed: list[str], what: str) -> str:
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown config {what} {name!r}; {hint}allowed: {', '.join(allowed)}"
+
+
+def _coerce(key: str, value: Any, expected: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected."""
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool)))
+    if not ok:
+        names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                 list: "a list such as [3, 3]"}
+        raise ConfigError(f"{key} = {value!r} has the wrong type ({type(value).__name__}); "
+                          f"expected {names.get(expected, expected)}")
+    return value
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not of the form section.key=value "
+                          f"(e.g. --set train.steps=10)")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    if key.count(".") != 1:
+        raise ConfigError(f"--set key {key!r} must be section.key, e.g. parallel.pp")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare words are strings: --set train.schedule=gpipe
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (optional) and apply ``section.key=value`` overrides.
+
+    Args:
+        path: a TOML file with the sections of :class:`Config`, or None for the defaults.
+        overrides: ``"section.key=value"`` strings; values are parsed as TOML, else as text.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type, or an invalid combination.
+    """
+    data: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        section, name = key.split(".")
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"[{section}] must be a table of keys")
+        data[section][name] = value
+    return Config.from_dict(data)
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse ``"512MB"``, ``"1.5GiB"`` or a plain integer into bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    try:
+        return int(float(num) * units[s[len(num):]])
+    except (KeyError, ValueError):
+        raise ConfigError(f"{text!r} is not a size; write e.g. 512MB, 2GiB or 1048576") from None

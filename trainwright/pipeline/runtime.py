@@ -1,0 +1,150 @@
+"""The executor: interprets one stage's action list for one training step.
+
+The same ``Action`` lists that :mod:`trainwright.pipeline.schedule` prints (and that a
+simulator replays) drive the run here, one action at a time; every action becomes a trace
+event. Sends are asynchronous and drained before the optimizer step; receives block with
+a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from trainwright.comm import P2P
+from trainwright.pipeline.schedule import Action
+from trainwright.pipeline.stage import Stage
+
+__all__ = ["StepStats", "PipelineRuntime"]
+
+
+@dataclass
+class StepStats:
+    """What one stage measured during one step."""
+
+    step: int
+    stage: int
+    replica: int
+    wall_s: float
+    compute_s: float
+    loss: float | None
+    activation_peak_bytes: int
+    held_microbatches_peak: int
+    events: list = field(default_factory=list)
+    """``(kind, mb, start_ns, dur_ns)`` per action, when tracing."""
+
+    @property
+    def idle_s(self) -> float:
+        """Time in the step not spent in forward or backward compute."""
+        return max(self.wall_s - self.compute_s, 0.0)
+
+
+class PipelineRuntime:
+    """Runs a stage through its schedule, one step at a time.
+
+    Args:
+        stage: the layers of this rank.
+        actions: this stage's action list (one step).
+        p2p: transfers to the neighbouring stages.
+        prev_rank / next_rank: global ranks of the neighbours (None at the ends).
+        grad_sync: ``params -> None`` averaging gradients over replicas (the SYNC action).
+        replica: this rank's data-parallel index (for the stats).
+        fault: ``(step, action_index) -> None`` hook called before each action (testing).
+    """
+
+    def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, *,
+                 prev_rank: int | None, next_rank: int | None,
+                 grad_sync: Callable[[list], None], replica: int = 0,
+                 fault: Callable[[int, int], None] | None = None):
+        self.stage, self.actions, self.p2p = stage, actions, p2p
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.grad_sync, self.replica = grad_sync, replica
+        self.fault = fault
+        self.stage_index = actions[0].stage
+        self.pipeline_costs: list[dict] = []
+        """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
+
+    def run_step(self, step: int, inputs: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor] | None, trace: bool = False) -> StepStats:
+        """Run one step: every micro-batch forward and backward, sync, optimizer step.
+
+        Args:
+            step: step number (for stats and the fault hook).
+            inputs: micro-batch inputs (first stage only).
+            targets: micro-batch targets (last stage only).
+            trace: whether to record an event per action.
+
+        Returns:
+            The stage's measurements; ``loss`` is the step's mean loss on the last stage.
+        """
+        st = self.stage
+        st.store.reset_peaks()
+        received: dict[int, tuple] = {}
+        outputs: dict[int, tuple] = {}
+        grads_in: dict[int, tuple] = {}
+        grads_out: dict[int, tuple] = {}
+        losses: list[torch.Tensor] = []
+        events = []
+        compute_ns = 0
+        t_step = time.perf_counter_ns()
+        for i, a in enumerate(self.actions):
+            if self.fault is not None:
+                self.fault(step, i)
+            t0 = time.perf_counter_ns()
+            k, mb = a.kind, a.mb
+            if k == "RECV_F":
+                received[mb] = tuple(self.p2p.recv(self.prev_rank, "act", mb))
+            elif k == "F":
+                x = (inputs[mb],) if st.is_first else received.pop(mb)
+                out = st.forward(mb, x, targets[mb] if st.is_last else None)
+                if st.is_last:
+                    losses.append(out[0])
+                else:
+                    outputs[mb] = out
+            elif k == "SEND_F":
+                self.p2p.send(self.next_rank, "act", mb, outputs.pop(mb))
+            elif k == "RECV_B":
+                grads_in[mb] = tuple(self.p2p.recv(self.next_rank, "grad", mb))
+            elif k == "B":
+                g = st.backward(mb, None if st.is_last else grads_in.pop(mb))
+                if not st.is_first:
+                    grads_out[mb] = g
+            elif k == "SEND_B":
+                self.p2p.send(self.prev_rank, "grad", mb, grads_out.pop(mb))
+            elif k == "SYNC":
+                self.p2p.wait_sends()
+                self.grad_sync(st.parameters())
+            elif k == "STEP":
+                for slot in st.slots:
+                    if slot.optimizer is not None:
+                        slot.optimizer.step()
+                        slot.optimizer.zero_grad(set_to_none=True)
+            else:  # pragma: no cover - schedule.KINDS is closed
+                raise ValueError(f"unknown action {a}")
+            t1 = time.perf_counter_ns()
+            if k in ("F", "B"):
+                compute_ns += t1 - t0
+            if trace:
+                events.append((k, mb, time.time_ns() - (time.perf_counter_ns() - t0), t1 - t0))
+        wall = (time.perf_counter_ns() - t_step) / 1e9
+        st.profiler.end_step()
+        loss = float(torch.stack(losses).sum()) if losses else None
+        return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
+                         compute_s=compute_ns / 1e9, loss=loss,
+                         activation_peak_bytes=st.store.peak_bytes,
+                         held_microbatches_peak=st.store.peak_microbatches, events=events)
+
+
+def kill_self_at(kill_step: int, action_index: int) -> Callable[[int, int], None]:
+    """Fault hook that SIGKILLs this process before ``action_index`` of step ``kill_step``."""
+
+    def hook(step: int, i: int) -> None:
+        if step == kill_step and i == action_index:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook

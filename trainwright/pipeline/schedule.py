@@ -1,0 +1,168 @@
+"""Pipeline schedules as data: one list of actions per stage.
+
+An action is ``Action(stage, kind, mb)`` and prints like torch pipelining's notation,
+``"1F0"`` = stage 1, forward, micro-batch 0. Communication is explicit
+(``RECV_F``/``SEND_F`` carry activations forward, ``RECV_B``/``SEND_B`` gradients back) so
+that the executor and a simulator replay exactly the same lists. A step ends with one
+``SYNC`` (data-parallel gradient reduction) and one ``STEP`` (optimizer) per stage.
+
+GPipe, 4 stages, 4 micro-batches (compute only)::
+
+    stage 0: F0 F1 F2 F3 .  .  .  B3 B2 B1 B0
+    stage 3: .  .  .  F0 F1 F2 F3 B3 B2 B1 B0   (last stage turns each F straight into B)
+
+1F1B keeps at most ``p - i`` micro-batches in flight on stage ``i``: ``p - i - 1`` warm-up
+forwards, then alternate one forward and one backward, then drain the backwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwright.errors import PlanError
+
+__all__ = ["Action", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
+           "SCHEDULES", "max_in_flight"]
+
+COMPUTE = ("F", "B")
+KINDS = ("F", "B", "RECV_F", "SEND_F", "RECV_B", "SEND_B", "SYNC", "STEP")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing a stage does: ``kind`` on micro-batch ``mb`` (``-1`` for SYNC/STEP)."""
+
+    stage: int
+    kind: str
+    mb: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}" + ("" if self.mb < 0 else str(self.mb))
+
+
+def _with_comm(stage: int, n_stages: int, compute: list[tuple[str, int]]) -> list[Action]:
+    """Lower compute-only ``(kind, mb)`` pairs to actions with explicit send/recv."""
+    out: list[Action] = []
+    first, last = stage == 0, stage == n_stages - 1
+    for kind, mb in compute:
+        if kind == "F":
+            if not first:
+                out.append(Action(stage, "RECV_F", mb))
+            out.append(Action(stage, "F", mb))
+            if not last:
+                out.append(Action(stage, "SEND_F", mb))
+        else:
+            if not last:
+                out.append(Action(stage, "RECV_B", mb))
+            out.append(Action(stage, "B", mb))
+            if not first:
+                out.append(Action(stage, "SEND_B", mb))
+    out += [Action(stage, "SYNC"), Action(stage, "STEP")]
+    return out
+
+
+def _check(n_stages: int, n_micro: int) -> None:
+    if n_stages < 1 or n_micro < 1:
+        raise PlanError(f"need at least 1 stage and 1 micro-batch, got {n_stages} and {n_micro}")
+
+
+def gpipe(n_stages: int, n_micro: int) -> list[list[Action]]:
+    """All forwards, then all backwards (in reverse micro-batch order).
+
+    Args:
+        n_stages: pipeline stages ``p``.
+        n_micro: micro-batches per step ``m``.
+
+    Returns:
+        One action list per stage.
+    """
+    _check(n_stages, n_micro)
+    compute = [("F", m) for m in range(n_micro)] + [("B", m) for m in reversed(range(n_micro))]
+    return [_with_comm(s, n_stages, compute) for s in range(n_stages)]
+
+
+def one_f_one_b(n_stages: int, n_micro: int) -> list[list[Action]]:
+    """PipeDream-flush 1F1B: warm-up forwards, one-forward-one-backward, drain.
+
+    Args:
+        n_stages: pipeline stages ``p``.
+        n_micro: micro-batches per step ``m``.
+
+    Returns:
+        One action list per stage; stage ``i`` holds at most ``min(p - i, m)`` micro-batches.
+    """
+    _check(n_stages, n_micro)
+    schedules = []
+    for s in range(n_stages):
+        warm = min(n_stages - s - 1, n_micro)
+        compute = [("F", m) for m in range(warm)]
+        fwd, bwd = warm, 0
+        while bwd < n_micro:
+            if fwd < n_micro:
+                compute.append(("F", fwd))
+                fwd += 1
+            compute.append(("B", bwd))
+            bwd += 1
+        schedules.append(_with_comm(s, n_stages, compute))
+    return schedules
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build_schedule(name: str, n_stages: int, n_micro: int) -> list[list[Action]]:
+    """Look up a schedule by name (``"gpipe"`` or ``"1f1b"``) and generate it."""
+    try:
+        return SCHEDULES[name](n_stages, n_micro)
+    except KeyError:
+        raise PlanError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+
+
+def max_in_flight(actions: list[Action]) -> int:
+    """Largest number of micro-batches forwarded but not yet back-propagated at once."""
+    live, peak = 0, 0
+    for a in actions:
+        live += (a.kind == "F") - (a.kind == "B")
+        peak = max(peak, live)
+    return peak
+
+
+def format_grid(schedule: list[list[Action]]) -> str:
+    """Render compute actions as a step x stage grid (rows are clock ticks).
+
+    The tick of an action is found by a dry run: a forward waits for the previous stage's
+    forward of the same micro-batch, a backward for the next stage's backward, and every
+    action waits for the one before it on its stage. A deadlocked schedule raises.
+    """
+    n = len(schedule)
+    compute = [[a for a in acts if a.kind in COMPUTE] for acts in schedule]
+    done: dict[tuple[int, str, int], int] = {}
+    pos = [0] * n
+    free = [0] * n
+    while any(pos[s] < len(compute[s]) for s in range(n)):
+        progressed = False
+        for s in range(n):
+            if pos[s] >= len(compute[s]):
+                continue
+            a = compute[s][pos[s]]
+            dep = (s - 1, "F", a.mb) if a.kind == "F" else (s + 1, "B", a.mb)
+            if a.kind == "B" and s == n - 1:
+                dep = (s, "F", a.mb)
+            if 0 <= dep[0] < n and dep not in done:
+                continue
+            tick = max(free[s], done.get(dep, -1) + 1)
+            done[(s, a.kind, a.mb)] = tick
+            free[s] = tick + 1
+            pos[s] += 1
+            progressed = True
+        if not progressed:
+            stuck = {s: str(compute[s][pos[s]]) for s in range(n) if pos[s] < len(compute[s])}
+            raise PlanError(f"schedule deadlocks; stages wait on {stuck}")
+    ticks = max(done.values()) + 1
+    grid = [["." for _ in range(n)] for _ in range(ticks)]
+    for (s, kind, mb), t in done.items():
+        grid[t][s] = f"{kind}{mb}"
+    width = max(4, *(len(c) for row in grid for c in row)) + 1
+    head = "step " + "".join(f"s{s}".ljust(width) for s in range(n))
+    rows = [f"{t:<5}" + "".join(c.ljust(width) for c in row) for t, row in enumerate(grid)]
+    return "\n".join([head, *rows])

@@ -1,0 +1,130 @@
+"""A stage: an ordered list of layers, each run as its own autograd segment.
+
+[Note: one segment per layer] Each layer's input is detached (and set to require grad), so
+every (layer, micro-batch) pair owns a separate autograd graph held in the activation
+store. Backward walks the layers in reverse, feeding each segment the gradient of its
+output and reading the gradient of its input. This costs nothing in arithmetic and gives
+per-layer control: a layer can change its memory policy, or leave for another stage,
+between any two schedule actions, because no graph spans two layers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainwright.pipeline.store import ActivationStore, Segment, as_tuple
+from trainwright.profile import LayerProfiler
+
+__all__ = ["LayerSlot", "Stage"]
+
+
+@dataclass
+class LayerSlot:
+    """A layer placed on a stage, with its own optimizer (so it can migrate alone)."""
+
+    index: int
+    """Position in the whole model."""
+    name: str
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+
+
+def _nbytes(values: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
+def _detach(values: tuple, grad: bool) -> tuple:
+    return tuple(
+        t.detach().requires_grad_(grad and t.is_floating_point())
+        if isinstance(t, torch.Tensor) else t
+        for t in values
+    )
+
+
+class Stage:
+    """Runs forward and backward of its layers on micro-batches.
+
+    Args:
+        slots: the layers, in model order.
+        store: the activation store holding segments between forward and backward.
+        profiler: per-layer cost collection.
+        is_first: whether this is stage 0 (its model inputs need no gradient).
+        loss_fn: ``(output, target) -> loss`` on the last stage, else None.
+        loss_scale: multiplies each micro-batch loss (``1 / micro_batches``) so the
+            accumulated gradient is the gradient of the mean loss.
+    """
+
+    def __init__(self, slots: list[LayerSlot], store: ActivationStore, profiler: LayerProfiler,
+                 *, is_first: bool, loss_fn: Callable | None = None, loss_scale: float = 1.0):
+        self.slots = list(slots)
+        self.store, self.profiler = store, profiler
+        self.is_first, self.loss_fn, self.loss_scale = is_first, loss_fn, loss_scale
+        for s in self.slots:
+            self._adopt(s)
+
+    def _adopt(self, slot: LayerSlot) -> None:
+        self.store.exclude_params([slot.module])
+        pbytes = sum(p.numel() * p.element_size() for p in slot.module.parameters())
+        self.profiler.register(slot.index, slot.name, pbytes)
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this stage computes the loss."""
+        return self.loss_fn is not None
+
+    def parameters(self) -> list[nn.Parameter]:
+        """All parameters of the stage's layers, in layer order."""
+        return [p for s in self.slots for p in s.module.parameters()]
+
+    def forward(self, mb: int, inputs: tuple, target: torch.Tensor | None = None) -> tuple:
+        """Run every layer on micro-batch ``mb`` and hold the segments.
+
+        Returns:
+            The last layer's outputs, detached (what is sent on), or ``(loss,)`` detached
+            on the last stage.
+        """
+        x = as_tuple(inputs)
+        last = len(self.slots) - 1
+        for i, slot in enumerate(self.slots):
+            inp = _detach(x, grad=not (self.is_first and i == 0))
+            with self.store.capture(slot.index, mb) as saved:
+                t0 = time.perf_counter()
+                out = as_tuple(slot.module(inp[0] if len(inp) == 1 else inp))
+                if i == last and self.loss_fn is not None:
+                    out = (self.loss_fn(out[0], target) * self.loss_scale,)
+                dt = time.perf_counter() - t0
+            self.profiler.forward(slot.index, dt, sum(saved.values()), _nbytes(out))
+            self.store.put(Segment(slot.index, mb, inp, out, storages=saved))
+            x = out
+        return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in x)
+
+    def backward(self, mb: int, grads: tuple | None = None) -> tuple:
+        """Back-propagate micro-batch ``mb`` through every layer, releasing its segments.
+
+        Args:
+            grads: gradients of this stage's outputs, aligned with them (None entries for
+                outputs that need none); None on the last stage, which starts from the loss.
+
+        Returns:
+            Gradients of the stage's inputs (None where an input needs no gradient).
+        """
+        for slot in reversed(self.slots):
+            seg = self.store.pop(slot.index, mb)
+            t0 = time.perf_counter()
+            if grads is None:
+                pairs = [(o, None) for o in seg.outputs]
+            else:
+                pairs = [(o, g) for o, g in zip(seg.outputs, grads) if g is not None]
+            pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs],
+                                        grad_tensors=[g for _, g in pairs] if grads else None)
+            self.profiler.backward(slot.index, time.perf_counter() - t0)
+            grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                          for t in seg.inputs)
+        return grads

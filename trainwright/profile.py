@@ -1,0 +1,84 @@
+"""Per-layer cost table collected during normal steps: time, saved bytes, output bytes.
+
+Collection is a ``perf_counter`` pair around each layer's forward and backward plus the
+byte counts the activation store already computes, so it runs on every step at no extra
+cost. Planners read :meth:`LayerProfiler.table` (pure data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["LayerCost", "LayerProfiler"]
+
+
+@dataclass
+class LayerCost:
+    """Costs of one layer, per micro-batch (times smoothed over steps)."""
+
+    layer: int
+    name: str
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    saved_bytes: int = 0
+    """Unique storages autograd keeps for this layer's backward (parameters excluded)."""
+    output_bytes: int = 0
+    """Bytes of the layer's output (what crosses a stage boundary cut after it)."""
+    param_bytes: int = 0
+
+    def to_dict(self) -> dict:
+        """Plain dict for metrics."""
+        return asdict(self)
+
+
+class LayerProfiler:
+    """Accumulates per-layer costs within a step and smooths them across steps.
+
+    Args:
+        smoothing: weight of the newest step in the exponential moving average of times.
+    """
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.costs: dict[int, LayerCost] = {}
+        self._step: dict[int, list[float]] = {}
+
+    def register(self, layer: int, name: str, param_bytes: int) -> None:
+        """Declare a layer this stage runs (again after a migration is harmless)."""
+        self.costs.setdefault(layer, LayerCost(layer, name, param_bytes=param_bytes))
+
+    def forget(self, layer: int) -> None:
+        """Drop a layer that left this stage."""
+        self.costs.pop(layer, None)
+        self._step.pop(layer, None)
+
+    def forward(self, layer: int, seconds: float, saved_bytes: int, output_bytes: int) -> None:
+        """Record one micro-batch's forward of ``layer``."""
+        acc = self._step.setdefault(layer, [0.0, 0.0, 0, 0])
+        acc[0] += seconds
+        acc[2] += 1
+        c = self.costs[layer]
+        c.saved_bytes, c.output_bytes = saved_bytes, output_bytes
+
+    def backward(self, layer: int, seconds: float) -> None:
+        """Record one micro-batch's backward of ``layer``."""
+        acc = self._step.setdefault(layer, [0.0, 0.0, 0, 0])
+        acc[1] += seconds
+        acc[3] += 1
+
+    def end_step(self) -> None:
+        """Fold this step's per-micro-batch means into the smoothed costs."""
+        for layer, (fsum, bsum, fn, bn) in self._step.items():
+            c = self.costs.get(layer)
+            if c is None:
+                continue
+            a = self.smoothing if c.forward_s else 1.0
+            if fn:
+                c.forward_s = (1 - a) * c.forward_s + a * fsum / fn
+            if bn:
+                c.backward_s = (1 - a) * c.backward_s + a * bsum / bn
+        self._step.clear()
+
+    def table(self) -> list[LayerCost]:
+        """The cost of every layer on this stage, in layer order."""
+        return [self.costs[k] for k in sorted(self.costs)]

@@ -1,0 +1,1 @@
+"""Gradient synchronisation strategies across data-parallel replicas."""

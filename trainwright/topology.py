@@ -1,0 +1,84 @@
+"""The rank mesh with named axes ``pp`` (pipeline stages) and ``dp`` (replicas).
+
+Global rank ``r = replica * pp + stage``: the stages of one pipeline are neighbours, so on a
+multi-GPU node consecutive stages share the fast intra-node links.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+__all__ = ["Topology"]
+
+
+@dataclass
+class Topology:
+    """Where this rank sits in the ``pp x dp`` mesh, and the process groups along each axis.
+
+    Build with :meth:`create` after ``init_process_group``; nothing is global.
+    """
+
+    pp: int
+    dp: int
+    rank: int
+    pp_group: object = field(default=None, repr=False)
+    """Process group of this rank's pipeline (all stages of its replica)."""
+    dp_group: object = field(default=None, repr=False)
+    """Process group of this rank's stage across replicas."""
+
+    @property
+    def world_size(self) -> int:
+        """``pp * dp``."""
+        return self.pp * self.dp
+
+    @property
+    def stage(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank % self.pp
+
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica index."""
+        return self.rank // self.pp
+
+    def rank_of(self, stage: int, replica: int | None = None) -> int:
+        """Global rank of ``stage`` in ``replica`` (default: this rank's replica)."""
+        replica = self.replica if replica is None else replica
+        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
+            raise IndexError(f"stage {stage} / replica {replica} outside a {self.pp}x{self.dp} mesh")
+        return replica * self.pp + stage
+
+    def describe(self, rank: int) -> str:
+        """``"rank 3 (stage 1, replica 1)"`` for log messages."""
+        return f"rank {rank} (stage {rank % self.pp}, replica {rank // self.pp})"
+
+    @classmethod
+    def create(cls, pp: int, dp: int) -> Topology:
+        """Create the pipeline and replica groups. Every rank of the job must call this.
+
+        Args:
+            pp: pipeline stages.
+            dp: data-parallel replicas.
+
+        Returns:
+            This rank's topology with its two groups.
+
+        Raises:
+            ValueError: the job's world size is not ``pp * dp``.
+        """
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != pp * dp:
+            raise ValueError(f"job has {world} ranks but pp={pp} x dp={dp} needs {pp * dp}; "
+                             f"launch {pp * dp} processes or change parallel.pp / parallel.dp")
+        topo = cls(pp=pp, dp=dp, rank=rank)
+        for d in range(dp):  # every rank takes part in creating every group
+            g = dist.new_group([d * pp + s for s in range(pp)])
+            if d == topo.replica:
+                topo.pp_group = g
+        for s in range(pp):
+            g = dist.new_group([d * pp + s for d in range(dp)])
+            if s == topo.stage:
+                topo.dp_group = g
+        return topo

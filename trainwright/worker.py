@@ -1,0 +1,269 @@
+"""One rank of a training job: join the process group, build the stage, run the steps.
+
+Runs the same way under ``trainwright run`` (which spawns local ranks with torchrun's
+environment variables) and under ``torchrun`` / SLURM directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainwright import checkpoint
+from trainwright.build import build_data, build_layers, build_optimizer, loss_fn, split_microbatches
+from trainwright.comm import P2P, Watchdog, exit_now
+from trainwright.config import Config, load_config
+from trainwright.errors import PeerLost
+from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
+from trainwright.pipeline.schedule import build_schedule
+from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.store import ActivationStore
+from trainwright.profile import LayerProfiler
+from trainwright.sync.dense import BucketedAllReduce
+from trainwright.telemetry import MetricsWriter, setup_logging, step_record, write_trace
+from trainwright.topology import Topology
+
+__all__ = ["DistEnv", "run_worker", "EXIT_PEER_LOST", "EXIT_FAILED"]
+
+log = logging.getLogger(__name__)
+EXIT_FAILED = 1
+EXIT_PEER_LOST = 3
+
+
+@dataclass
+class DistEnv:
+    """The torchrun-style environment of this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+    """True when the launcher (torchrun's agent or ``trainwright run``) hosts the store."""
+
+    @classmethod
+    def from_env(cls) -> DistEnv:
+        """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT... from os.environ."""
+        e = os.environ
+        return cls(rank=int(e["RANK"]), world_size=int(e["WORLD_SIZE"]),
+                   local_rank=int(e.get("LOCAL_RANK", 0)),
+                   local_world_size=int(e.get("LOCAL_WORLD_SIZE", e["WORLD_SIZE"])),
+                   master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+                   master_port=int(e.get("MASTER_PORT", 29500)),
+                   agent_store=e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+
+    def store(self, timeout_s: float, master: bool = False) -> dist.TCPStore:
+        """A client (or, with ``master``, the server) of the rendezvous store."""
+        return dist.TCPStore(self.master_addr, self.master_port, self.world_size,
+                             is_master=master, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
+
+def _device(cfg: Config, env: DistEnv) -> tuple[str, torch.device]:
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # the CUDA branch: one device per local rank
+        torch.cuda.set_device(env.local_rank)
+        return backend, torch.device("cuda", env.local_rank)
+    return backend, torch.device("cpu")
+
+
+def _agree_run_dir(store, env: DistEnv, run_dir: Path | None, cfg: Config) -> Path:
+    """Under torchrun every rank parsed the config; rank 0 creates the run dir for all."""
+    if run_dir is not None:
+        return run_dir
+    if env.rank == 0:
+        from trainwright.launch import create_run_dir
+        run_dir = create_run_dir(cfg)
+        store.set("tw/run_dir", str(run_dir.resolve()))
+    return Path(store.get("tw/run_dir").decode())
+
+
+def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -> int:
+    """Train as one rank of the job described by the environment.
+
+    Args:
+        cfg: the configuration (None: read ``run_dir/config.toml``).
+        run_dir: the run directory (None under torchrun: rank 0 creates one).
+        resume: continue from the run directory's latest checkpoint.
+
+    Returns:
+        The process exit code (0 on success).
+    """
+    env = DistEnv.from_env()
+    if cfg is None:
+        cfg = load_config(Path(run_dir) / "config.toml")
+    rt = cfg.runtime
+    setup_logging(f"[rank {env.rank} stage {env.rank % cfg.parallel.pp}]",
+                  logging.INFO if env.rank == 0 else logging.WARNING)
+    threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    backend, device = _device(cfg, env)
+    hosts_store = env.rank == 0 and not env.agent_store
+    store = env.store(rt.collective_timeout_s, master=hosts_store)
+    run_dir = _agree_run_dir(store, env, run_dir, cfg)
+    store_host = -1 if env.agent_store else 0
+
+    def lost(rank: int, reason: str) -> None:
+        who = "the launcher (store host)" if rank < 0 else \
+            f"rank {rank} (stage {rank % cfg.parallel.pp}, replica {rank // cfg.parallel.pp})"
+        log.error("lost %s: %s. Stopping this rank; continue with "
+                  "`trainwright run --resume %s`", who, reason, run_dir)
+        exit_now(EXIT_PEER_LOST)
+
+    watchdog = Watchdog(lambda: env.store(rt.peer_timeout_s), env.rank, env.world_size,
+                        rt.peer_timeout_s, lost, store_host=store_host).start()
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore("tw/pg", store), rank=env.rank,
+                                world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=rt.collective_timeout_s))
+        _train(cfg, env, run_dir, device, resume, watchdog)
+    except PeerLost as exc:
+        lost(exc.rank, str(exc))
+    except Exception as exc:
+        log.exception("failed: %s", exc)
+        watchdog.stop(failed=f"{type(exc).__name__}: {exc}")
+        return EXIT_FAILED
+    watchdog.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _peer_lost(watchdog: Watchdog, wait_s: float):
+    def on_failure(exc: Exception) -> PeerLost | None:
+        verdict = watchdog.verdict(wait_s)
+        return None if verdict is None else PeerLost(verdict[0], verdict[1])
+    return on_failure
+
+
+def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resume: bool,
+           watchdog: Watchdog) -> None:
+    t_start = time.perf_counter()
+    topo = Topology.create(cfg.parallel.pp, cfg.parallel.dp)
+    s, t = topo.stage, cfg.train
+    parts = cfg.partition()
+    first = sum(parts[:s])
+    named = build_layers(cfg)
+    layer_names = [n for n, _ in named]
+    slots = []
+    for i in range(first, first + parts[s]):
+        name, module = named[i]
+        module.to(device)
+        slots.append(LayerSlot(i, name, module, build_optimizer(cfg, list(module.parameters()))))
+    del named
+    start = 1
+    if resume:
+        done = checkpoint.latest_step(run_dir)
+        if done is not None:
+            checkpoint.load_layers(run_dir, done, slots)
+            start = done + 1
+            log.info("resumed from the checkpoint of step %d", done)
+    store, profiler = ActivationStore(), LayerProfiler()
+    stage = Stage(slots, store, profiler, is_first=s == 0,
+                  loss_fn=loss_fn if s == cfg.parallel.pp - 1 else None,
+                  loss_scale=1.0 / t.micro_batches)
+    actions = build_schedule(t.schedule, topo.pp, t.micro_batches)[s]
+    p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
+              on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
+    sync = BucketedAllReduce(topo.dp_group, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
+    fault = None
+    if cfg.fault.kill_rank == env.rank:
+        fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2)
+    runtime = PipelineRuntime(
+        stage, actions, p2p,
+        prev_rank=topo.rank_of(s - 1) if s > 0 else None,
+        next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
+        grad_sync=sync.sync, replica=topo.replica, fault=fault)
+    data = build_data(cfg)
+    per_replica = t.batch_size // topo.dp
+    lo = topo.replica * per_replica
+
+    writer = progress = None
+    if env.rank == 0:
+        writer = MetricsWriter(run_dir / "metrics.jsonl")
+        writer.write("run", config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp,
+                     dp=topo.dp, schedule=t.schedule, start_step=start,
+                     partition=[list(range(sum(parts[:k]), sum(parts[: k + 1])))
+                                for k in range(topo.pp)],
+                     layer_names=layer_names,
+                     started=datetime.datetime.now().isoformat(timespec="seconds"))
+        if cfg.run.progress:
+            from trainwright.progress import StepProgress
+            progress = StepProgress(t.steps, start - 1)
+    trace_events: list = []
+    loss = None
+    for step in range(start, t.steps + 1):
+        x, y = data.batch(step, t.batch_size)
+        x, y = x[lo : lo + per_replica].to(device), y[lo : lo + per_replica].to(device)
+        traced = step - start < cfg.run.trace_steps
+        stats = runtime.run_step(step, split_microbatches(x, t.micro_batches) if s == 0 else None,
+                                 split_microbatches(y, t.micro_batches) if stage.is_last else None,
+                                 trace=traced)
+        trace_events += [(step, *e) for e in stats.events]
+        stats.events = []
+        profile_now = step % cfg.run.profile_every == 0 or step == t.steps
+        if profile_now:  # every stage (the last one included) learns the pipeline's costs
+            tables: list = [None] * topo.pp
+            dist.all_gather_object(tables, [c.to_dict() for c in profiler.table()],
+                                   group=topo.pp_group)
+            runtime.pipeline_costs = [c for table in tables for c in table]
+        gathered: list | None = [None] * topo.world_size if env.rank == 0 else None
+        dist.gather_object(stats, gathered, dst=0)
+        if env.rank == 0:
+            row = step_record(gathered, t.batch_size)
+            loss = row["loss"]
+            writer.write("step", **row)
+            if profile_now:
+                for c in runtime.pipeline_costs:
+                    c["stage"] = next(k for k in range(topo.pp)
+                                      if sum(parts[:k]) <= c["layer"] < sum(parts[: k + 1]))
+                writer.write("layers", step=step, layers=runtime.pipeline_costs)
+            if progress is not None:
+                progress.update(step, loss, row["samples_per_s"])
+        every = cfg.run.checkpoint_every
+        if step == t.steps or (every and step % every == 0):
+            _checkpoint(run_dir, step, topo, stage)
+    if progress is not None:
+        progress.close()
+    all_events: list | None = [None] * topo.world_size if env.rank == 0 else None
+    dist.gather_object(trace_events, all_events, dst=0)
+    if env.rank == 0:
+        write_trace(run_dir / "trace.json", dict(enumerate(all_events)),
+                    {r: topo.describe(r) for r in range(topo.world_size)})
+        writer.write("end", steps=t.steps, final_loss=loss, wall_s=time.perf_counter() - t_start)
+        writer.close()
+        if cfg.run.report:
+            from trainwright.report import write_report
+            write_report(run_dir)
+    dist.barrier()
+
+
+def _checkpoint(run_dir: Path, step: int, topo: Topology, stage: Stage) -> None:
+    if topo.replica == 0:
+        checkpoint.save_stage(run_dir, step, topo.stage, stage.slots)
+    dist.barrier()  # every stage file exists before `latest` moves
+    if topo.rank == 0:
+        checkpoint.mark_latest(run_dir, step)
+        checkpoint.prune(run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainwright.worker RUN_DIR [--resume]``: one locally spawned rank."""
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    return run_worker(None, Path(args[0]), resume="--resume" in args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
