@@ -28,7 +28,7 @@ def build_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
     else:
         layers = mlp_layers(m.d_in, m.d_model, m.n_classes, m.n_blocks)
         names = [*(f"hidden{i}" for i in range(m.n_blocks)), "out"]
-    return list(zip(names, layers))
+    return list(zip(names, layers, strict=True))
 
 
 def build_optimizer(cfg: Config, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:

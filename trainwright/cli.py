@@ -6,10 +6,12 @@ Configuration errors print one line and exit 2 before any process starts.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 from trainwright.errors import ConfigError, PlanError
+from trainwright.telemetry import setup_logging
 
 __all__ = ["main"]
 
@@ -19,6 +21,7 @@ EXIT_CONFIG = 2
 def _cmd_run(args: argparse.Namespace) -> int:
     from trainwright.config import load_config
     from trainwright.launch import create_run_dir, in_torchrun, launch_local
+    from trainwright.worker import resume_hint
 
     if args.resume:
         resume_dir = Path(args.resume)
@@ -43,6 +46,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return code
 
     run_dir = create_run_dir(cfg, resume_dir)
+    setup_logging("[launcher]", logging.INFO)
     print(f"trainwright: {cfg.world_size} ranks ({cfg.parallel.pp} stages x {cfg.parallel.dp} "
           f"replicas), {cfg.train.schedule}, {cfg.train.steps} steps -> {run_dir}",
           file=sys.stderr)
@@ -51,8 +55,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         others = [r for r in range(len(result.returncodes)) if r != result.first_failure]
         print(f"error: {result.describe(result.first_failure)}; "
               + ", ".join(result.describe(r) for r in others)
-              + f". Partial outputs are in {run_dir}; continue with "
-              f"`trainwright run --resume {run_dir}`", file=sys.stderr)
+              + f". Partial outputs are in {run_dir}. {resume_hint(run_dir)}", file=sys.stderr)
         return 1
     _finish_message(cfg, run_dir)
     return 0

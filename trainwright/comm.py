@@ -68,7 +68,8 @@ def unpack_header(h: torch.Tensor) -> tuple[int, int, list[tuple | None]]:
         if vals[o] == NONE_DTYPE:
             metas.append(None)
         else:
-            metas.append((DTYPES[vals[o]], bool(vals[o + 1]), tuple(vals[o + 3 : o + 3 + vals[o + 2]])))
+            shape = tuple(vals[o + 3 : o + 3 + vals[o + 2]])
+            metas.append((DTYPES[vals[o]], bool(vals[o + 1]), shape))
     return vals[1], vals[2], metas
 
 
@@ -232,7 +233,7 @@ class Watchdog:
                 self._declare(r, f"it failed: {store.get(f'tw/failed/{r}').decode()[:300]}")
                 return
             now = time.monotonic()
-            for r, beat in zip(peers, beats):
+            for r, beat in zip(peers, beats, strict=True):
                 last, when = seen[r]
                 if beat != last:
                     seen[r] = (beat, now)

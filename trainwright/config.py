@@ -101,7 +101,7 @@ class RunConfig:
     """Parent folder of run directories."""
     name: str = ""
     """Run directory name; empty = ``<model>-<timestamp>``."""
-    checkpoint_every: int = 0
+    checkpoint_every: int = 50
     """Write a checkpoint every N steps (0 = only at the end)."""
     profile_every: int = 10
     """Write the per-layer profile to the metrics every N steps."""
@@ -178,7 +178,8 @@ class Config:
         for key, allowed in CHOICES.items():
             value = self.get(key)
             if value not in allowed:
-                raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {list(allowed)}")
+                raise ConfigError(f"{key} = {value!r} is not allowed; "
+                                  f"choose one of {list(allowed)}")
         for key in POSITIVE:
             if not self.get(key) > 0:
                 raise ConfigError(f"{key} = {self.get(key)!r} must be positive")

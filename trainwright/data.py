@@ -59,7 +59,8 @@ class CharCorpus:
     def batch(self, step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the global batch of ``step`` (identical on every call)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.corpus.numel() - self.context - 1, (batch_size,), generator=gen)
+        high = self.corpus.numel() - self.context - 1
+        starts = torch.randint(0, high, (batch_size,), generator=gen)
         offsets = torch.arange(self.context + 1)
         windows = self.corpus[starts[:, None] + offsets]
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

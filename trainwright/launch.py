@@ -98,7 +98,7 @@ def launch_local(cfg: Config, run_dir: Path, resume: bool = False,
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, *(os.environ["TW_WORKER_CMD"].split() if "TW_WORKER_CMD" in os.environ else ["-m", "trainwright.worker"]), str(run_dir)]
+        cmd = [sys.executable, "-m", "trainwright.worker", str(run_dir)]
         procs.append(subprocess.Popen(cmd + (["--resume"] if resume else []), env=env))
     grace = 3 * cfg.runtime.peer_timeout_s + 15
     first, deadline = None, None
@@ -107,6 +107,9 @@ def launch_local(cfg: Config, run_dir: Path, resume: bool = False,
             for rank, p in enumerate(procs):
                 if first is None and p.poll() not in (None, 0):
                     first, deadline = rank, time.monotonic() + grace
+                    what = LaunchResult(run_dir, [q.poll() or 0 for q in procs], first)
+                    log.warning("%s; waiting up to %.0f s for the other ranks to stop",
+                                what.describe(rank), grace)
             if deadline is not None and time.monotonic() > deadline:
                 log.error("ranks still running %.0f s after rank %d failed; killing them",
                           grace, first)

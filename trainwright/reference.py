@@ -30,5 +30,5 @@ def train_reference(cfg: Config, steps: int | None = None) -> tuple[nn.Sequentia
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return model, losses

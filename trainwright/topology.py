@@ -47,7 +47,8 @@ class Topology:
         """Global rank of ``stage`` in ``replica`` (default: this rank's replica)."""
         replica = self.replica if replica is None else replica
         if not (0 <= stage < self.pp and 0 <= replica < self.dp):
-            raise IndexError(f"stage {stage} / replica {replica} outside a {self.pp}x{self.dp} mesh")
+            raise IndexError(f"stage {stage} / replica {replica} is outside the "
+                             f"{self.pp}x{self.dp} mesh")
         return replica * self.pp + stage
 
     def describe(self, rank: int) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from trainwright.sync.dense import BucketedAllReduce
 from trainwright.telemetry import MetricsWriter, setup_logging, step_record, write_trace
 from trainwright.topology import Topology
 
-__all__ = ["DistEnv", "run_worker", "EXIT_PEER_LOST", "EXIT_FAILED"]
+__all__ = ["DistEnv", "run_worker", "train", "resume_hint", "EXIT_PEER_LOST", "EXIT_FAILED"]
 
 log = logging.getLogger(__name__)
 EXIT_FAILED = 1
@@ -114,11 +115,13 @@ def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -
     run_dir = _agree_run_dir(store, env, run_dir, cfg)
     store_host = -1 if env.agent_store else 0
 
+    once = threading.Lock()
+
     def lost(rank: int, reason: str) -> None:
+        once.acquire()  # the watchdog thread and the main thread may both get here; log once
         who = "the launcher (store host)" if rank < 0 else \
             f"rank {rank} (stage {rank % cfg.parallel.pp}, replica {rank // cfg.parallel.pp})"
-        log.error("lost %s: %s. Stopping this rank; continue with "
-                  "`trainwright run --resume %s`", who, reason, run_dir)
+        log.error("lost %s: %s. Stopping this rank. %s", who, reason, resume_hint(run_dir))
         exit_now(EXIT_PEER_LOST)
 
     watchdog = Watchdog(lambda: env.store(rt.peer_timeout_s), env.rank, env.world_size,
@@ -127,10 +130,15 @@ def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -
         dist.init_process_group(backend, store=dist.PrefixStore("tw/pg", store), rank=env.rank,
                                 world_size=env.world_size,
                                 timeout=datetime.timedelta(seconds=rt.collective_timeout_s))
-        _train(cfg, env, run_dir, device, resume, watchdog)
+        train(cfg, run_dir, device=device, resume=resume, watchdog=watchdog,
+              fault_rank=env.rank)
     except PeerLost as exc:
         lost(exc.rank, str(exc))
     except Exception as exc:
+        if _is_comm_failure(exc):  # a collective broke: most likely a peer died; ask who
+            verdict = watchdog.verdict(2 * rt.peer_timeout_s)
+            if verdict is not None:
+                lost(*verdict)
         log.exception("failed: %s", exc)
         watchdog.stop(failed=f"{type(exc).__name__}: {exc}")
         return EXIT_FAILED
@@ -140,16 +148,50 @@ def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -
     return 0
 
 
-def _peer_lost(watchdog: Watchdog, wait_s: float):
+def resume_hint(run_dir: Path) -> str:
+    """How to continue ``run_dir``: from its last checkpoint, or why that is not possible."""
+    step = checkpoint.latest_step(run_dir)
+    if step is None:
+        return "No checkpoint was written yet (see run.checkpoint_every); start again."
+    return f"Continue from step {step} with `trainwright run --resume {run_dir}`."
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a torch.distributed transport (gloo, NCCL, the store)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("gloo", "Connection closed", "Connection reset", "NCCL"))
+
+
+def _peer_lost(watchdog: Watchdog | None, wait_s: float):
     def on_failure(exc: Exception) -> PeerLost | None:
-        verdict = watchdog.verdict(wait_s)
+        verdict = watchdog.verdict(wait_s) if watchdog is not None else None
         return None if verdict is None else PeerLost(verdict[0], verdict[1])
     return on_failure
 
 
-def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resume: bool,
-           watchdog: Watchdog) -> None:
+def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
+          resume: bool = False, watchdog: Watchdog | None = None,
+          fault_rank: int | None = None) -> float | None:
+    """Run one training job on the already initialised default process group.
+
+    Every rank of the group calls this with the same arguments; it may be called several
+    times in one process group (tests do), each call building its own mesh groups.
+
+    Args:
+        cfg: the configuration; the group's size must be ``pp * dp``.
+        run_dir: where metrics, trace, checkpoints and the report go (rank 0 writes).
+        device: where this rank's layers live (default CPU).
+        resume: start after the run directory's latest checkpoint.
+        watchdog: names a lost peer when a transfer fails (None: report the failure only).
+        fault_rank: this process's rank for the ``fault`` testing hooks.
+
+    Returns:
+        The last step's mean loss on rank 0, None on other ranks.
+    """
     t_start = time.perf_counter()
+    device = device or torch.device("cpu")
+    run_dir = Path(run_dir)
     topo = Topology.create(cfg.parallel.pp, cfg.parallel.dp)
     s, t = topo.stage, cfg.train
     parts = cfg.partition()
@@ -178,7 +220,7 @@ def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resum
               on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
     sync = BucketedAllReduce(topo.dp_group, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
     fault = None
-    if cfg.fault.kill_rank == env.rank:
+    if fault_rank is not None and cfg.fault.kill_rank == fault_rank:
         fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2)
     runtime = PipelineRuntime(
         stage, actions, p2p,
@@ -190,7 +232,7 @@ def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resum
     lo = topo.replica * per_replica
 
     writer = progress = None
-    if env.rank == 0:
+    if topo.rank == 0:
         writer = MetricsWriter(run_dir / "metrics.jsonl")
         writer.write("run", config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp,
                      dp=topo.dp, schedule=t.schedule, start_step=start,
@@ -218,9 +260,9 @@ def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resum
             dist.all_gather_object(tables, [c.to_dict() for c in profiler.table()],
                                    group=topo.pp_group)
             runtime.pipeline_costs = [c for table in tables for c in table]
-        gathered: list | None = [None] * topo.world_size if env.rank == 0 else None
+        gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
         dist.gather_object(stats, gathered, dst=0)
-        if env.rank == 0:
+        if topo.rank == 0:
             row = step_record(gathered, t.batch_size)
             loss = row["loss"]
             writer.write("step", **row)
@@ -236,9 +278,9 @@ def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resum
             _checkpoint(run_dir, step, topo, stage)
     if progress is not None:
         progress.close()
-    all_events: list | None = [None] * topo.world_size if env.rank == 0 else None
+    all_events: list | None = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(trace_events, all_events, dst=0)
-    if env.rank == 0:
+    if topo.rank == 0:
         write_trace(run_dir / "trace.json", dict(enumerate(all_events)),
                     {r: topo.describe(r) for r in range(topo.world_size)})
         writer.write("end", steps=t.steps, final_loss=loss, wall_s=time.perf_counter() - t_start)
@@ -247,6 +289,7 @@ def _train(cfg: Config, env: DistEnv, run_dir: Path, device: torch.device, resum
             from trainwright.report import write_report
             write_report(run_dir)
     dist.barrier()
+    return loss if topo.rank == 0 else None
 
 
 def _checkpoint(run_dir: Path, step: int, topo: Topology, stage: Stage) -> None:

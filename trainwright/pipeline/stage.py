@@ -119,7 +119,7 @@ class Stage:
             if grads is None:
                 pairs = [(o, None) for o in seg.outputs]
             else:
-                pairs = [(o, g) for o, g in zip(seg.outputs, grads) if g is not None]
+                pairs = [(o, g) for o, g in zip(seg.outputs, grads, strict=True) if g is not None]
             pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs],

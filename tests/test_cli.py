@@ -1,0 +1,117 @@
+"""The command line: bad configs, resume, a killed worker, and the default run's outputs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from trainwright.cli import main
+from trainwright.config import load_config
+from trainwright.reference import train_reference
+from trainwright.testing import load_run_model
+
+BAD = [
+    (["--set", "train.stesp=3"], r"unknown config key 'train.stesp'; did you mean 'train.steps'"),
+    (["--set", "train.steps=ten"], r"train.steps = 'ten' has the wrong type \(str\); expected an"),
+    (["--set", "parallel.pp=7"], r"parallel.pp = 7 is larger than the model's 6 layers"),
+    (["--set", "train.micro_batches=5"],
+     r"train.micro_batches = 5 does not divide the per-replica batch 32 .*allowed: \[1, 2, 4"),
+    (["--set", "train.schedule=zb"], r"train.schedule = 'zb' is not allowed; choose one of"),
+    (["--set", "nonsense"], r"not of the form section.key=value"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, message", BAD)
+def test_bad_config_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    code = main(["run", *argv, "--set", f'run.dir="{tmp_path}"'])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert re.search(message, err), err
+    assert not any(tmp_path.iterdir()), "nothing may be written for a bad config"
+
+
+@pytest.mark.timeout(60)
+def test_bad_config_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = [1\n")
+    assert main(["run", str(bad)]) == 2
+    assert "is not valid TOML" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.toml")]) == 2
+
+
+@pytest.mark.timeout(60)
+def test_exit_code_from_the_installed_command(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainwright.cli", "run", "--set",
+                           "parallel.pp=99", "--set", f'run.dir="{tmp_path}"'],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: parallel.pp = 99")
+    assert not any(tmp_path.iterdir())
+
+
+def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainwright.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _run_dir(stdout: str) -> Path:
+    return Path(stdout.strip().splitlines()[-1].removeprefix("run directory: "))
+
+
+@pytest.mark.timeout(300)
+def test_resume_equals_uninterrupted(tmp_path):
+    sets = tiny_overrides(tmp_path / "runs", **{"train.optimizer": '"adamw"', "train.lr": 0.01,
+                                                 "model.name": '"mlp"', "model.n_blocks": 3,
+                                                 "train.steps": 2})
+    argv = [x for s in sets for x in ("--set", s)]
+    first = _cli("run", *argv)
+    assert first.returncode == 0, first.stderr
+    run_dir = _run_dir(first.stdout)
+    second = _cli("run", "--resume", str(run_dir), "--set", "train.steps=3")
+    assert second.returncode == 0, second.stderr
+    cfg = load_config(run_dir / "config.toml")
+    assert cfg.train.steps == 3
+    ref, ref_losses = train_reference(cfg)  # uninterrupted, 3 steps
+    got = load_run_model(cfg, run_dir)
+    for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in steps]),
+                               torch.tensor(ref_losses))
+
+
+@pytest.mark.timeout(240)
+def test_killed_worker_stops_every_rank_naming_it(tmp_path):
+    sets = tiny_overrides(tmp_path / "runs", **{"parallel.pp": 2, "parallel.dp": 2,
+                                                 "train.steps": 400, "fault.kill_rank": 2,
+                                                 "fault.kill_step": 3})
+    proc = subprocess.Popen([sys.executable, "-m", "trainwright.cli", "run",
+                             *[x for s in sets for x in ("--set", s)]],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    lines, killed_at = [], None
+    for line in proc.stderr:
+        lines.append(line)
+        if killed_at is None and "rank 2 was killed by SIGKILL" in line:
+            killed_at = time.monotonic()
+    proc.wait(timeout=30)
+    done_at = time.monotonic()
+    text = "".join(lines)
+    assert proc.returncode != 0, text
+    assert killed_at is not None, text
+    assert done_at - killed_at < 60, f"ranks took {done_at - killed_at:.0f} s to stop"
+    for rank in (0, 1, 3):  # each survivor says which rank was lost, and exits non-zero
+        assert re.search(rf"\[rank {rank} stage \d\] ERROR lost rank 2 \(stage 0, replica 1\)",
+                         text), text
+        assert f"rank {rank} exited with code 3" in text, text

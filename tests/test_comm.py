@@ -1,0 +1,148 @@
+"""Transfers fail loudly instead of hanging; bucketed all-reduce equals the naive one."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainwright.comm import P2P, Watchdog, pack_header, unpack_header
+from trainwright.errors import CommError
+from trainwright.sync.dense import BucketedAllReduce, naive_all_reduce
+from trainwright.testing import free_port, run_workers
+
+
+def test_header_round_trip():
+    ts = [torch.zeros(2, 3, 4), None, torch.ones(5, dtype=torch.int64).requires_grad_(False)]
+    ts[0].requires_grad_()
+    kind, mb, metas = unpack_header(pack_header("grad", 7, ts))
+    assert (kind, mb) == (2, 7)
+    assert metas == [(torch.float32, True, (2, 3, 4)), None, (torch.int64, False, (5,))]
+
+
+def _mismatch(rank, world):
+    p2p = P2P(dist.group.WORLD, rank, timeout_s=20, device=torch.device("cpu"))
+    if rank == 0:  # gloo completes a send only when it is received: do not wait for it
+        p2p.send(1, "act", 1, [torch.ones(3)])
+    else:
+        with pytest.raises(CommError, match="expected act of micro-batch 0 from rank 0 but "
+                                            "received act of micro-batch 1"):
+            p2p.recv(0, "act", 0)
+    dist.barrier()
+
+
+def _deadline(rank, world):
+    p2p = P2P(dist.group.WORLD, rank, timeout_s=1.0, device=torch.device("cpu"))
+    if rank == 1:
+        t0 = time.monotonic()
+        with pytest.raises(CommError, match="act header with rank 0 failed: .*Timed out"):
+            p2p.recv(0, "act", 0)
+        assert time.monotonic() - t0 < 2.5
+    else:  # alive but silent past the deadline (a timed-out gloo pair is unusable after)
+        time.sleep(3)
+
+
+def _round_trip(rank, world):
+    p2p = P2P(dist.group.WORLD, rank, timeout_s=20, device=torch.device("cpu"))
+    x = torch.arange(12.0).view(3, 4)
+    if rank == 0:
+        p2p.send(1, "act", 0, [x, torch.tensor([1, 2])])
+        (g,) = p2p.recv(1, "grad", 0)
+        torch.testing.assert_close(g, 2 * x)
+    else:
+        a, b = p2p.recv(0, "act", 0)
+        torch.testing.assert_close(a, x)
+        assert b.dtype == torch.int64 and b.tolist() == [1, 2]
+        p2p.send(0, "grad", 0, [2 * a])
+    p2p.wait_sends()
+
+
+@pytest.mark.timeout(90)
+def test_p2p_checks_and_deadlines():
+    run_workers(_round_trip, 2)
+    run_workers(_mismatch, 2)
+    run_workers(_deadline, 2)
+
+
+def _dense(rank, world):
+    torch.manual_seed(rank)
+    shapes = [(7, 3), (5,), (64, 8), (1,), (3, 3)]
+    a = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    b = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for i, (p, q) in enumerate(zip(a, b, strict=True)):
+        if i != 3:  # one parameter without a gradient on every rank
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+    sync = BucketedAllReduce(dist.group.WORLD, world, bucket_bytes=256)
+    assert len(sync.buckets(a)) > 2
+    sync.sync(a)
+    naive_all_reduce(b, dist.group.WORLD, world)
+    expected = []  # the mean of every rank's gradient, rebuilt from the seeds
+    for i, s in enumerate(shapes):
+        grads = []
+        for r in range(world):
+            torch.manual_seed(r)
+            draws = [torch.randn(shapes[j]) for j in range(len(shapes)) if j != 3]
+            grads.append(torch.zeros(s) if i == 3 else draws[i if i < 3 else i - 1])
+        expected.append(sum(grads) / world)
+    for p, q, e in zip(a, b, expected, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+        torch.testing.assert_close(p.grad, e)
+
+
+@pytest.mark.timeout(90)
+def test_bucketed_all_reduce_equals_naive():
+    run_workers(_dense, 4)
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_names_the_silent_rank():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+
+    def client():
+        return dist.TCPStore("127.0.0.1", port, 3, is_master=False,
+                             timeout=datetime.timedelta(seconds=5))
+
+    verdicts: dict[int, tuple] = {}
+    found = threading.Event()
+
+    def on_lost(me):
+        def record(rank, reason):
+            verdicts[me] = (rank, reason)
+            found.set()
+        return record
+
+    dogs = [Watchdog(client, r, 3, 0.5, on_lost(r)).start() for r in range(3)]
+    time.sleep(0.5)
+    dogs[2]._stop.set()  # rank 2 goes silent without saying it is done
+    assert found.wait(10)
+    time.sleep(0.5)
+    for r in (0, 1):
+        assert verdicts[r][0] == 2 and "no heartbeat" in verdicts[r][1]
+    for d in dogs:
+        d.stop()
+    del server
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_ignores_finished_ranks_and_reports_failures():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", port, 3, is_master=False)  # noqa: E731
+    seen: list = []
+    dogs = [Watchdog(client, r, 3, 0.5, lambda r, why: seen.append((r, why))).start()
+            for r in range(3)]
+    time.sleep(0.4)
+    dogs[1].stop()  # finished cleanly: nobody complains
+    time.sleep(1.5)
+    assert seen == []
+    dogs[2].stop(failed="ValueError: bad shape")
+    time.sleep(0.5)
+    assert seen and seen[0][0] == 2 and "bad shape" in seen[0][1]
+    dogs[0].stop()
+    del server

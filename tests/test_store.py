@@ -1,0 +1,63 @@
+"""Activation store accounting and per-layer segments, single process."""
+
+import torch
+from torch import nn
+
+from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.store import ActivationStore
+from trainwright.profile import LayerProfiler
+
+
+def _stage(layers, last=True):
+    store = ActivationStore()
+    slots = [LayerSlot(i, f"l{i}", m) for i, m in enumerate(layers)]
+    loss = (lambda out, y: ((out - y) ** 2).mean()) if last else None
+    return Stage(slots, store, LayerProfiler(), is_first=True, loss_fn=loss), store
+
+
+def test_segments_give_the_same_gradients_as_one_graph():
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 16), nn.Linear(16, 4)]
+    ref = nn.Sequential(*layers)  # same parameters, one autograd graph
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    stage, store = _stage(layers)
+    for mb in range(2):
+        stage.forward(mb, (x[mb * 3 : mb * 3 + 3],), y[mb * 3 : mb * 3 + 3])
+    for mb in range(2):
+        stage.backward(mb)
+    got = [p.grad.clone() for p in stage.parameters()]
+    for p in ref.parameters():
+        p.grad = None
+    loss = sum(((ref(x[i * 3 : i * 3 + 3]) - y[i * 3 : i * 3 + 3]) ** 2).mean() for i in range(2))
+    loss.backward()
+    for g, p in zip(got, ref.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad)
+    assert store.bytes == 0 and store.held() == []
+
+
+def test_bytes_count_unique_storages_without_parameters():
+    lin = nn.Linear(4, 4, bias=False)
+    stage, store = _stage([lin, nn.Identity()], last=False)
+    x = torch.randn(2, 4)
+    stage.forward(0, (x,))
+    # layer 0 keeps its input (saved by matmul, 32 B); its output is layer 1's input (32 B);
+    # the weight, also saved by matmul, is a parameter and not counted
+    assert store.bytes == 2 * 4 * 4 * 2
+    assert store.microbatches() == {0}
+    stage.forward(1, (torch.randn(2, 4),))
+    assert store.peak_bytes == 2 * 64 and store.peak_microbatches == 2
+    stage.backward(0, (torch.ones(2, 4),))
+    assert store.bytes == 64
+    store.reset_peaks()
+    assert store.peak_bytes == 64 and store.peak_microbatches == 1
+
+
+def test_profiler_sees_every_layer():
+    stage, _ = _stage([nn.Linear(4, 4), nn.Linear(4, 2)])
+    stage.forward(0, (torch.randn(3, 4),), torch.randn(3, 2))
+    stage.backward(0)
+    stage.profiler.end_step()
+    table = stage.profiler.table()
+    assert [c.layer for c in table] == [0, 1]
+    assert all(c.forward_s > 0 and c.backward_s > 0 for c in table)
+    assert table[0].param_bytes == (16 + 4) * 4 and table[0].output_bytes == 3 * 4 * 4
