@@ -66,15 +66,23 @@ def _matrix(tiny, world: int) -> list[Config]:
     return cfgs
 
 
+def _factory_matrix(tiny, world: int) -> list[Config]:
+    user = {"data.factory": '"tests.factories:Regression"', "train.loss": '"mse"',
+            "parallel.pp": world}
+    return [tiny(**user, **{"model.factory": '"tests.factories:skipnet"'}),
+            tiny(**user, **{"model.factory": '"tests.factories:sequential_mlp"',
+                            "train.schedule": '"gpipe"'})]
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipeline_equals_single_process(tiny, world):
-    cfgs = _matrix(tiny, world)
+    cfgs = _matrix(tiny, world) + _factory_matrix(tiny, world)
     dirs = [create_run_dir(c) for c in cfgs]
     run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=400)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         label = (f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} {cfg.train.schedule} "
-                 f"m={cfg.train.micro_batches} {cfg.train.optimizer}")
+                 f"m={cfg.train.micro_batches} {cfg.train.optimizer} {cfg.model.factory}")
         try:
             _check_against_reference(cfg, run_dir)
             _check_held_microbatches(cfg, run_dir)

@@ -6,21 +6,56 @@ two start from identical weights and read identical batches.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainwright.config import Config
+from trainwright.errors import ConfigError
+from trainwright.graph import layers_from_export, layers_from_sequential
 from trainwright.data import CharCorpus, SyntheticRegression, SyntheticTokens, stdlib_corpus
 from trainwright.models import GPTConfig, gpt_layers, mlp_layers
 
-__all__ = ["build_layers", "build_optimizer", "build_data", "loss_fn", "split_microbatches"]
+__all__ = ["build_layers", "build_optimizer", "build_data", "loss_fn", "split_microbatches",
+           "load_factory", "cross_entropy"]
+
+
+def load_factory(spec: str, key: str) -> Callable:
+    """Import ``"package.module:function"`` named by config ``key``.
+
+    Raises:
+        ConfigError: the module or the function cannot be found.
+    """
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{key} = {spec!r} must look like 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{key} = {spec!r} cannot be loaded ({exc}); check that the module "
+                          f"is importable from the working directory or installed") from None
+
+
+def _factory_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
+    made = load_factory(cfg.model.factory, "model.factory")()
+    if isinstance(made, tuple):  # (module, example_args): capture and cut with torch.export
+        model, example_args = made
+        layers = layers_from_export(model, tuple(example_args), dynamic_batch=True)
+    else:
+        layers = layers_from_sequential(made)
+    return [(getattr(m, "name", None) or f"{i}.{type(m).__name__}", m)
+            for i, m in enumerate(layers)]
 
 
 def build_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
     """The whole model as ``(name, layer)`` pairs, initialised from ``train.seed``."""
     m = cfg.model
     torch.manual_seed(cfg.train.seed)
+    if m.factory:
+        return _factory_layers(cfg)
     if m.name == "gpt":
         layers = gpt_layers(GPTConfig(vocab=256, context=m.context, d_model=m.d_model,
                                       n_heads=m.n_heads, n_blocks=m.n_blocks))
@@ -46,6 +81,8 @@ def build_optimizer(cfg: Config, params: list[nn.Parameter]) -> torch.optim.Opti
 def build_data(cfg: Config):
     """The dataset: an object with ``batch(step, batch_size) -> (inputs, targets)``."""
     m, seed = cfg.model, cfg.train.seed
+    if cfg.data.factory:
+        return load_factory(cfg.data.factory, "data.factory")(cfg)
     if m.name == "mlp":
         return SyntheticRegression(m.d_in, m.n_classes, seed=seed)
     if cfg.data.name == "synthetic":
@@ -53,9 +90,17 @@ def build_data(cfg: Config):
     return CharCorpus(stdlib_corpus(cfg.data.max_bytes), m.context, seed=seed)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position: logits ``(..., C)``, targets ``(...)``."""
     return F.cross_entropy(output.flatten(0, -2), target.flatten())
+
+
+LOSSES: dict[str, Callable] = {"cross_entropy": cross_entropy, "mse": F.mse_loss}
+
+
+def loss_fn(cfg: Config) -> Callable:
+    """The configured loss ``(output, target) -> scalar mean``."""
+    return LOSSES[cfg.train.loss]
 
 
 def split_microbatches(t: torch.Tensor, n: int) -> list[torch.Tensor]:

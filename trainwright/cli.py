@@ -36,6 +36,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resume_dir = None
         cfg = load_config(args.config, args.set)
 
+    if cfg.model.factory:  # its layer count is known only once built
+        from trainwright.build import build_layers
+        cfg.check_layers(len(build_layers(cfg)))
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.worker import run_worker
         run_dir = create_run_dir(cfg, resume_dir) if resume_dir else None

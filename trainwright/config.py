@@ -30,6 +30,10 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig
 class ModelConfig:
     name: str = "gpt"
     """Built-in model: ``"gpt"`` (embedding, blocks, head) or ``"mlp"``."""
+    factory: str = ""
+    """Your own model, ``"package.module:function"``: the function returns an
+    ``nn.Sequential``, a list of layers, or ``(module, example_args)`` to capture with
+    ``torch.export`` and cut into layers. Overrides ``name``."""
     n_blocks: int = 4
     """GPT: transformer blocks. MLP: hidden layers."""
     d_model: int = 128
@@ -44,8 +48,11 @@ class ModelConfig:
     """MLP: output classes."""
 
     @property
-    def n_layers(self) -> int:
-        """Layers the pipeline partitions: GPT = blocks + embedding + head, MLP = hidden + 1."""
+    def n_layers(self) -> int | None:
+        """Layers the pipeline partitions: GPT = blocks + embedding + head, MLP = hidden + 1;
+        None for a factory model (known once it is built)."""
+        if self.factory:
+            return None
         return self.n_blocks + (2 if self.name == "gpt" else 1)
 
 
@@ -53,6 +60,9 @@ class ModelConfig:
 class DataConfig:
     name: str = "stdlib"
     """``"stdlib"`` (byte-level text of Python's own sources) or ``"synthetic"``."""
+    factory: str = ""
+    """Your own data, ``"package.module:function"`` called with the Config; returns an
+    object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank)."""
     max_bytes: int = 2_000_000
     """stdlib corpus: bytes to read."""
 
@@ -65,6 +75,8 @@ class TrainConfig:
     """Global samples per step, over all data-parallel replicas."""
     micro_batches: int = 4
     """Micro-batches per step per replica; must divide batch_size / dp."""
+    loss: str = "cross_entropy"
+    """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
     schedule: str = "1f1b"
     """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
     optimizer: str = "adamw"
@@ -138,6 +150,7 @@ SECTIONS: dict[str, type] = {
 CHOICES = {
     "model.name": ("gpt", "mlp"), "data.name": ("stdlib", "synthetic"),
     "train.schedule": ("1f1b", "gpipe"), "train.optimizer": ("sgd", "adam", "adamw"),
+    "train.loss": ("cross_entropy", "mse"),
     "parallel.backend": ("auto", "gloo", "nccl"),
 }
 POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
@@ -166,12 +179,15 @@ class Config:
         """Ranks the run needs: ``pp * dp``."""
         return self.parallel.pp * self.parallel.dp
 
-    def partition(self) -> list[int]:
-        """Layers per stage: the configured one, or as even as possible (extra to early stages)."""
+    def partition(self, n_layers: int | None = None) -> list[int]:
+        """Layers per stage: the configured one, or as even as possible (extra to early stages).
+
+        Args:
+            n_layers: the model's layer count (needed for factory models).
+        """
         if self.parallel.partition:
             return list(self.parallel.partition)
-        n, p = self.model.n_layers, self.parallel.pp
-        return [n // p + (1 if s < n % p else 0) for s in range(p)]
+        return even_partition(n_layers or self.model.n_layers, self.parallel.pp)
 
     def validate(self) -> None:
         """Check choices, ranges and cross-field rules; raise ConfigError on the first problem."""
@@ -187,16 +203,8 @@ class Config:
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
-        if p > m.n_layers:
-            raise ConfigError(f"parallel.pp = {p} is larger than the model's {m.n_layers} layers; "
-                              f"use parallel.pp <= {m.n_layers} or a deeper model "
-                              f"(model.n_blocks)")
-        if par.partition:
-            parts = par.partition
-            if (len(parts) != p or not all(isinstance(x, int) and x > 0 for x in parts)
-                    or sum(parts) != m.n_layers):
-                raise ConfigError(f"parallel.partition = {parts} must be {p} positive integers "
-                                  f"summing to the model's {m.n_layers} layers")
+        if m.n_layers is not None:
+            self.check_layers(m.n_layers)
         t = self.train
         if t.batch_size % par.dp:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
@@ -207,6 +215,17 @@ class Config:
             raise ConfigError(f"train.micro_batches = {t.micro_batches} does not divide the "
                               f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
                               f"; allowed: {divisors}")
+
+    def check_layers(self, n_layers: int) -> None:
+        """Check ``parallel.pp`` and ``parallel.partition`` against a model of ``n_layers``."""
+        p, parts = self.parallel.pp, self.parallel.partition
+        if p > n_layers:
+            raise ConfigError(f"parallel.pp = {p} is larger than the model's {n_layers} layers; "
+                              f"use parallel.pp <= {n_layers} or a deeper model")
+        if parts and (len(parts) != p or not all(isinstance(x, int) and x > 0 for x in parts)
+                      or sum(parts) != n_layers):
+            raise ConfigError(f"parallel.partition = {parts} must be {p} positive integers "
+                              f"summing to the model's {n_layers} layers")
 
     def get(self, key: str) -> Any:
         """Value of a dotted key such as ``"train.steps"``."""
@@ -246,6 +265,11 @@ class Config:
                 kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
             sections[section] = section_cls(**kwargs)
         return cls(**sections)
+
+
+def even_partition(n_layers: int, stages: int) -> list[int]:
+    """Split ``n_layers`` into ``stages`` contiguous counts, the extra ones to early stages."""
+    return [n_layers // stages + (1 if s < n_layers % stages else 0) for s in range(stages)]
 
 
 def _unknown(name: str, allowed: list[str], what: str) -> str:

@@ -23,10 +23,11 @@ def train_reference(cfg: Config, steps: int | None = None) -> tuple[nn.Sequentia
     model = nn.Sequential(*(layer for _, layer in build_layers(cfg)))
     opt = build_optimizer(cfg, list(model.parameters()))
     data = build_data(cfg)
+    criterion = loss_fn(cfg)
     losses = []
     for step in range(1, (steps or cfg.train.steps) + 1):
         x, y = data.batch(step, cfg.train.batch_size)
-        loss = loss_fn(model(x), y)
+        loss = criterion(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -194,10 +194,11 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     run_dir = Path(run_dir)
     topo = Topology.create(cfg.parallel.pp, cfg.parallel.dp)
     s, t = topo.stage, cfg.train
-    parts = cfg.partition()
-    first = sum(parts[:s])
     named = build_layers(cfg)
     layer_names = [n for n, _ in named]
+    cfg.check_layers(len(named))
+    parts = cfg.partition(len(named))
+    first = sum(parts[:s])
     slots = []
     for i in range(first, first + parts[s]):
         name, module = named[i]
@@ -213,7 +214,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             log.info("resumed from the checkpoint of step %d", done)
     store, profiler = ActivationStore(), LayerProfiler()
     stage = Stage(slots, store, profiler, is_first=s == 0,
-                  loss_fn=loss_fn if s == cfg.parallel.pp - 1 else None,
+                  loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
                   loss_scale=1.0 / t.micro_batches)
     actions = build_schedule(t.schedule, topo.pp, t.micro_batches)[s]
     p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
@@ -239,7 +240,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
                      partition=[list(range(sum(parts[:k]), sum(parts[: k + 1])))
                                 for k in range(topo.pp)],
                      layer_names=layer_names,
-                     started=datetime.datetime.now().isoformat(timespec="seconds"))
+                     started=datetime.datetime.now().isoformat(timespec="seconds"),
+                     time_started=time.time())
         if cfg.run.progress:
             from trainwright.progress import StepProgress
             progress = StepProgress(t.steps, start - 1)
@@ -264,6 +266,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
         dist.gather_object(stats, gathered, dst=0)
         if topo.rank == 0:
             row = step_record(gathered, t.batch_size)
+            row["time"] = time.time()
             loss = row["loss"]
             writer.write("step", **row)
             if profile_now:

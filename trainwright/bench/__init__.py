@@ -1,1 +1,10 @@
-"""Side-by-side benchmarks behind ``trainwright bench NAME``."""
+"""Side-by-side benchmarks behind ``trainwright bench NAME``: name -> ``main(args) -> code``."""
+
+
+def _pipeline(args):
+    from trainwright.bench.pipeline import main
+
+    return main(args)
+
+
+BENCHMARKS = {"pipeline": _pipeline}

@@ -33,18 +33,20 @@ Loss scaling (numerics match a single process that backpropagates
   ``micro_batches`` inside ``loss_fn`` (which is also what the reference does, and saves a
   pass over the gradients); the step's loss is then the sum of the losses the schedule
   hands back. Do not record losses inside ``loss_fn``: in torch 2.13 the first ``step``
-  also calls it once for shape inference, on uninitialised tensors (a NaN loss).
+  also calls it once for shape inference, on placeholder tensors of arbitrary values
+  (a NaN loss here).
 - DeepSpeed: ``engine.backward`` divides the loss by ``gradient_accumulation_steps`` itself
   (``scale_wrt_gas=True``) and ``train_batch`` returns the mean over micro-batches, so its
   ``loss_fn`` returns the plain mean.
 
 DeepSpeed on CPU: the worker forces ``DS_ACCELERATOR=cpu`` and gloo. On start DeepSpeed's
 communication backend JIT-compiles its shared-memory all-reduce op (``deepspeed_shm_comm``,
-used only by ``inference_all_reduce``, never by pipeline training) for about 40 s into
+used only by ``inference_all_reduce``, never by pipeline training) for 40-50 s into
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). The worker marks that op
 incompatible in ``deepspeed.ops.__compatible_ops__`` before DeepSpeed creates its backend,
-so nothing is compiled. Other ways out: install with ``DS_BUILD_SHM_COMM=1`` to build it
-ahead of time, or keep ``TORCH_EXTENSIONS_DIR`` on a persistent disk so the build happens once.
+so nothing is compiled and ``init_distributed`` takes milliseconds. Other ways out: keep
+``TORCH_EXTENSIONS_DIR`` on a persistent disk so the build happens once (a cached load takes
+~0.3 s), or build the op at install time with ``DS_BUILD_SHM_COMM=1``.
 """
 
 from __future__ import annotations
@@ -224,12 +226,11 @@ def torch_pipelining_worker(
             dist.barrier()
             t0 = time.perf_counter()
             optimizer.zero_grad()
-            if rank == 0:
-                schedule.step(ids, **step_kwargs)
-            elif is_last:
-                schedule.step(target=targets, losses=mb_losses, **step_kwargs)
+            inputs = (ids,) if rank == 0 else ()
+            if is_last:
+                schedule.step(*inputs, target=targets, losses=mb_losses, **step_kwargs)
             else:
-                schedule.step(**step_kwargs)
+                schedule.step(*inputs, **step_kwargs)
             optimizer.step()
             step_times.append(time.perf_counter() - t0)
             if is_last:  # each entry is loss_mb / micro_batches: the sum is the mean
@@ -275,8 +276,11 @@ def _skip_deepspeed_jit_ops() -> None:
     """
     import deepspeed.ops
 
-    compatible = deepspeed.ops.__compatible_ops__
-    compatible["deepspeed_shm_comm"] = False
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+    else:
+        logger.warning("cannot disable DeepSpeed's shm comm op; it may JIT-compile on start")
 
 
 def _split_pipeline_module(pipeline_module: type, parts: list[int]) -> type:

@@ -1,0 +1,45 @@
+"""User-style model and data factories, loaded by config (``model.factory``, ``data.factory``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SkipNet(nn.Module):
+    """enc1 -> enc2 -> mid -> dec (adds enc1's output back): a long skip across stages."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+        self.enc2 = nn.Sequential(nn.Linear(d, d), nn.Tanh())
+        self.mid = nn.Linear(d, d)
+        self.dec = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e1 = self.enc1(x)
+        return self.dec(self.mid(self.enc2(e1)) + e1)
+
+
+def skipnet():
+    """The model and example inputs for ``torch.export`` capture."""
+    return SkipNet(), (torch.randn(4, 16),)
+
+
+def sequential_mlp():
+    """A plain ``nn.Sequential``: each child is a layer."""
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+class Regression:
+    """Fixed-seed regression batches: ``batch(step, n) -> (x (n, 16), y (n, 4))``."""
+
+    def __init__(self, cfg):
+        self.seed = cfg.train.seed
+
+    def batch(self, step: int, n: int):
+        """The global batch of ``step``."""
+        g = torch.Generator().manual_seed(self.seed * 7919 + step)
+        x = torch.randn(n, 16, generator=g)
+        return x, torch.sin(x[:, :4]) + 0.1 * x[:, 4:8]
