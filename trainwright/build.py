@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwright.config import Config
+from trainwright.data import CharCorpus, SyntheticRegression, SyntheticTokens, stdlib_corpus
 from trainwright.errors import ConfigError
 from trainwright.graph import layers_from_export, layers_from_sequential
-from trainwright.data import CharCorpus, SyntheticRegression, SyntheticTokens, stdlib_corpus
 from trainwright.models import GPTConfig, gpt_layers, mlp_layers
 
 __all__ = ["build_layers", "build_optimizer", "build_data", "loss_fn", "split_microbatches",

@@ -199,7 +199,7 @@ class Config:
         for key in POSITIVE:
             if not self.get(key) > 0:
                 raise ConfigError(f"{key} = {self.get(key)!r} must be positive")
-        m, p, par = self.model, self.parallel.pp, self.parallel
+        m, par = self.model, self.parallel
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
