@@ -16,7 +16,7 @@ from tests.conftest import tiny_overrides
 from trainwright.cli import main
 from trainwright.config import load_config
 from trainwright.reference import train_reference
-from trainwright.testing import load_run_model
+from trainwright.testing import free_port, load_run_model
 
 BAD = [
     (["--set", "train.stesp=3"], r"unknown config key 'train.stesp'; did you mean 'train.steps'"),
@@ -115,3 +115,66 @@ def test_killed_worker_stops_every_rank_naming_it(tmp_path):
         assert re.search(rf"\[rank {rank} stage \d\] ERROR lost rank 2 \(stage 0, replica 1\)",
                          text), text
         assert f"rank {rank} exited with code 3" in text, text
+
+
+@pytest.mark.timeout(240)
+def test_joins_a_torchrun_job(tmp_path):
+    sets = tiny_overrides(tmp_path / "runs")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), "-m", "trainwright.cli", "run",
+                           *[x for s in sets for x in ("--set", s)]],
+                          capture_output=True, text=True, timeout=220)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = _run_dir(proc.stdout)
+    assert (run_dir / "metrics.jsonl").exists() and (run_dir / "trace.json").exists()
+    cfg = load_config(run_dir / "config.toml")
+    ref, _ = train_reference(cfg)
+    for a, b in zip(load_run_model(cfg, run_dir).parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def _assert_run_outputs(run_dir: Path) -> list[float]:
+    for name in ("metrics.jsonl", "trace.json", "report.html", "config.toml"):
+        assert (run_dir / name).exists(), name
+    trace = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    assert {e["args"]["kind"] for e in trace if e["ph"] == "X"} >= {"F", "B", "STEP"}
+    assert "<img src=\"data:image/png;base64," in (run_dir / "report.html").read_text()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kind"] == "run" and rows[-1]["kind"] == "end"
+    assert any(r["kind"] == "layers" for r in rows)
+    return [r["loss"] for r in rows if r["kind"] == "step"]
+
+
+@pytest.mark.timeout(240)
+def test_run_writes_outputs_and_the_loss_falls(tmp_path):
+    sets = tiny_overrides(tmp_path / "runs", **{"train.steps": 30, "run.report": "true",
+                                                 "data.name": '"stdlib"',
+                                                 "data.max_bytes": 200000,
+                                                 "train.optimizer": '"adamw"', "train.lr": 0.01})
+    proc = _cli("run", *[x for s in sets for x in ("--set", s)])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("run directory: ")
+    losses = _assert_run_outputs(_run_dir(proc.stdout))
+    assert len(losses) == 30 and losses[-1] < 0.8 * losses[0]
+    again = _cli("report", str(_run_dir(proc.stdout)))
+    assert again.returncode == 0 and again.stdout.strip().endswith("report.html")
+
+
+@pytest.mark.timeout(60)
+def test_schedule_command_prints_the_grid(capsys):
+    assert main(["schedule", "--pp", "2", "--micro-batches", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["step", "s0", "s1"] and out[1].split() == ["0", "F0", "."]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_default_run_under_three_minutes(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run(["trainwright", "run", "--set", f'run.dir="{tmp_path}"'],
+                          capture_output=True, text=True, timeout=380)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    losses = _assert_run_outputs(_run_dir(proc.stdout))
+    assert losses[-1] < losses[0] - 2.0
+    assert took < 180, f"default run took {took:.0f} s"

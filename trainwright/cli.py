@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -42,8 +43,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.worker import run_worker
         run_dir = create_run_dir(cfg, resume_dir) if resume_dir else None
-        code = run_worker(cfg, run_dir, resume=resume_dir is not None)
-        import os
+        code, run_dir = run_worker(cfg, run_dir, resume=resume_dir is not None)
         if code == 0 and os.environ["RANK"] == "0":
             _finish_message(cfg, run_dir)
         return code

@@ -14,10 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from trainwright import checkpoint
-from trainwright.build import build_layers
+from trainwright.api import load_model
 from trainwright.config import Config
-from trainwright.pipeline.stage import LayerSlot
 
 __all__ = ["free_port", "run_workers", "load_run_model"]
 
@@ -76,8 +74,5 @@ def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo",
 
 def load_run_model(cfg: Config, run_dir: Path, step: int | None = None) -> nn.Sequential:
     """The whole model with the weights of a run's checkpoint (default: the latest)."""
-    step = checkpoint.latest_step(run_dir) if step is None else step
-    named = build_layers(cfg)
-    slots = [LayerSlot(i, n, m) for i, (n, m) in enumerate(named)]
-    checkpoint.load_layers(run_dir, step, slots)
-    return nn.Sequential(*(s.module for s in slots))
+    del cfg  # the run directory holds its own config
+    return load_model(run_dir, step)

@@ -90,7 +90,8 @@ def _agree_run_dir(store, env: DistEnv, run_dir: Path | None, cfg: Config) -> Pa
     return Path(store.get("tw/run_dir").decode())
 
 
-def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -> int:
+def run_worker(cfg: Config | None, run_dir: Path | None,
+               resume: bool = False) -> tuple[int, Path | None]:
     """Train as one rank of the job described by the environment.
 
     Args:
@@ -99,7 +100,7 @@ def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -
         resume: continue from the run directory's latest checkpoint.
 
     Returns:
-        The process exit code (0 on success).
+        The process exit code (0 on success) and the run directory.
     """
     env = DistEnv.from_env()
     if cfg is None:
@@ -141,11 +142,11 @@ def run_worker(cfg: Config | None, run_dir: Path | None, resume: bool = False) -
                 lost(*verdict)
         log.exception("failed: %s", exc)
         watchdog.stop(failed=f"{type(exc).__name__}: {exc}")
-        return EXIT_FAILED
+        return EXIT_FAILED, run_dir
     watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return 0, run_dir
 
 
 def resume_hint(run_dir: Path) -> str:
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m trainwright.worker RUN_DIR [--resume]``: one locally spawned rank."""
     import sys
     args = sys.argv[1:] if argv is None else argv
-    return run_worker(None, Path(args[0]), resume="--resume" in args)
+    return run_worker(None, Path(args[0]), resume="--resume" in args)[0]
 
 
 if __name__ == "__main__":

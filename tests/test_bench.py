@@ -1,0 +1,35 @@
+"""`trainwright bench pipeline` runs end to end and compares systems doing the same work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainwright.bench.pipeline import run
+from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.cli import main
+
+TINY = dict(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batches=4,
+            micro_batch_size=2, split=[2, 2], steps=3, warmup=1)
+
+
+@pytest.mark.timeout(300)
+def test_bench_pipeline_runs_and_systems_do_the_same_work():
+    result = run(PipelineBenchSpec(**TINY), repeats=1, deepspeed=False)
+    for key in ("trainwright_samples_per_s", "torch_pipelining_samples_per_s", "ratio",
+                "bubble_fraction", "bubble_bound"):
+        assert key in result
+    assert result["ratio"] > 0
+    assert 0 <= result["bubble_fraction"] < 1
+    assert result["bubble_bound"] == pytest.approx(1 / 5, abs=1e-3)
+    rows = {r["system"]: r for r in result["rows"]}
+    # same weights, same batches, same optimizer: the loss curves must agree
+    torch.testing.assert_close(torch.tensor(rows["trainwright_1f1b"]["losses_last_repeat"]),
+                               torch.tensor(rows["torch_pipelining_1f1b"]["losses_last_repeat"]),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_unknown_benchmark_is_a_config_error(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
