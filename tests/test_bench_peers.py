@@ -42,7 +42,7 @@ def reference(spec: PipelineBenchSpec) -> tuple[list[float], dict[str, torch.Ten
     data = spec.data()
     losses: list[float] = []
     for step in range(spec.steps):
-        ids, targets = data.batch(step, spec.batch_size)
+        ids, targets = data.batch(step + 1, spec.batch_size)
         optimizer.zero_grad()
         total = torch.zeros(())
         for mb_ids, mb_targets in zip(

@@ -75,6 +75,7 @@ from trainwright.bench.spec import PipelineBenchSpec
 
 __all__ = [
     "PG_TIMEOUT_S",
+    "init_process_group",
     "WorkerFn",
     "torch_pipelining_worker",
     "deepspeed_worker",
@@ -99,7 +100,7 @@ _MASTER_ADDR = "127.0.0.1"
 # helpers shared by the workers
 
 
-def _init_process_group(rank: int, world_size: int, master_port: int) -> None:
+def init_process_group(rank: int, world_size: int, master_port: int) -> None:
     """Join the gloo group of the peer on 127.0.0.1 with a deadline."""
     dist.init_process_group(
         backend="gloo",
@@ -195,7 +196,7 @@ def torch_pipelining_worker(
 
     torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)
-    _init_process_group(rank, world_size, master_port)
+    init_process_group(rank, world_size, master_port)
     try:
         start = sum(spec.split[:rank])
         layers = spec.stage_layers(rank)
@@ -221,7 +222,7 @@ def torch_pipelining_worker(
         step_times: list[float] = []
         losses: list[float] = []
         for step in range(spec.steps):
-            ids, targets = data.batch(step, spec.batch_size)
+            ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
             mb_losses: list[torch.Tensor] = []
             dist.barrier()
             t0 = time.perf_counter()
@@ -352,7 +353,7 @@ def deepspeed_worker(
     torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)
     _skip_deepspeed_jit_ops()
-    _init_process_group(rank, world_size, master_port)
+    init_process_group(rank, world_size, master_port)
     try:
         deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
         torch.set_num_threads(spec.threads_per_rank)  # in case DeepSpeed touched it
@@ -399,7 +400,7 @@ def deepspeed_worker(
         step_times: list[float] = []
         losses: list[float] = []
         for step in range(spec.steps):
-            ids, targets = data.batch(step, spec.batch_size)
+            ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
             micro = _micro_batch_iter(ids, targets, n_mb)
             dist.barrier()
             t0 = time.perf_counter()

@@ -55,7 +55,7 @@ def trainwright_worker(rank: int, world_size: int, master_port: int, spec: Pipel
     from trainwright.worker import train
 
     torch.set_num_threads(spec.threads_per_rank)
-    peers._init_process_group(rank, world_size, master_port)
+    peers.init_process_group(rank, world_size, master_port)
     run_dir = Path(out_path).parent / "trainwright_run"  # shared by the ranks
     try:
         cfg = spec_config(spec, run_dir)

@@ -53,7 +53,8 @@ class PipelineBenchSpec:
         return self.layers()[start : start + self.split[stage]]
 
     def data(self) -> CharCorpus:
-        """The stdlib character corpus every system reads; ``.batch(step, batch_size)``."""
+        """The stdlib character corpus every system reads: ``.batch(step, batch_size)`` with
+        ``step`` counted from 1, as trainwright's runtime does."""
         return CharCorpus(stdlib_corpus(1_000_000), self.context, seed=self.seed)
 
     def to_dict(self) -> dict:
