@@ -6,6 +6,7 @@ Configuration errors print one line and exit 2 before any process starts.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -98,7 +99,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {sorted(BENCHMARKS)}")
-    return BENCHMARKS[args.name](args)
+    result = BENCHMARKS[args.name](args)
+    print(json.dumps(result, indent=2) if not args.json else f"wrote {args.json}")
+    for row in result.get("rows", []):
+        print(f"{row['system']:<24} {row['step_ms_median']:>9.1f} ms/step "
+              f"{row['samples_per_s']:>8.2f} samples/s", file=sys.stderr)
+    if "ratio" in result:
+        print(f"ratio (ours / torch pipelining) = {result['ratio']}; bubble "
+              f"{result['bubble_fraction']} (bound {result['bubble_bound']})", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

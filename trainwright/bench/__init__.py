@@ -1,4 +1,4 @@
-"""Side-by-side benchmarks behind ``trainwright bench NAME``: name -> ``main(args) -> code``."""
+"""Side-by-side benchmarks behind ``trainwright bench NAME``: name -> ``main(args) -> dict``."""
 
 
 def _pipeline(args):

@@ -16,8 +16,6 @@ import logging
 import os
 import platform
 import statistics
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ import torch.distributed as dist
 from trainwright.bench import peers
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
+from trainwright.telemetry import atomic_write_text
 
 __all__ = ["trainwright_worker", "spec_config", "trace_bubble", "run", "main"]
 
@@ -154,20 +153,16 @@ def run(spec: PipelineBenchSpec, repeats: int = 3, deepspeed: bool | None = None
     return result
 
 
-def main(args: argparse.Namespace) -> int:
-    """CLI entry: ``trainwright bench pipeline [--json PATH] [--repeats N] [--steps N]``."""
+def main(args: argparse.Namespace) -> dict:
+    """CLI entry: ``trainwright bench pipeline [--json PATH] [--repeats N] [--steps N]``.
+
+    Returns:
+        The result, also written to ``args.json`` when given.
+    """
     spec = PipelineBenchSpec()
     if args.steps:
         spec.steps = args.steps
-    with tempfile.TemporaryDirectory():
-        result = run(spec, repeats=args.repeats)
-    text = json.dumps(result, indent=2)
+    result = run(spec, repeats=args.repeats)
     if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text if not args.json else f"wrote {args.json}", file=sys.stdout)
-    for r in result["rows"]:
-        print(f"{r['system']:<24} {r['step_ms_median']:>9.1f} ms/step "
-              f"{r['samples_per_s']:>8.2f} samples/s", file=sys.stderr)
-    print(f"ratio (ours / torch pipelining) = {result['ratio']}  bubble {result['bubble_fraction']}"
-          f" (bound {result['bubble_bound']})", file=sys.stderr)
-    return 0
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
+    return result

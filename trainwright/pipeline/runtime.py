@@ -35,6 +35,8 @@ class StepStats:
     loss: float | None
     activation_peak_bytes: int
     held_microbatches_peak: int
+    cuda_max_allocated_bytes: int | None = None
+    """``torch.cuda.max_memory_allocated`` over the step (CUDA only)."""
     events: list = field(default_factory=list)
     """``(kind, mb, start_ns, dur_ns)`` per action, when tracing."""
 
@@ -84,6 +86,10 @@ class PipelineRuntime:
         """
         st = self.stage
         st.store.reset_peaks()
+        params = st.parameters()
+        cuda = bool(params) and params[0].is_cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(params[0].device)
         received: dict[int, tuple] = {}
         outputs: dict[int, tuple] = {}
         grads_in: dict[int, tuple] = {}
@@ -137,7 +143,9 @@ class PipelineRuntime:
         return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
                          compute_s=compute_ns / 1e9, loss=loss,
                          activation_peak_bytes=st.store.peak_bytes,
-                         held_microbatches_peak=st.store.peak_microbatches, events=events)
+                         held_microbatches_peak=st.store.peak_microbatches, events=events,
+                         cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(
+                             params[0].device) if cuda else None))
 
 
 def kill_self_at(kill_step: int, action_index: int) -> Callable[[int, int], None]:
