@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
+from trainwright.api import load_model
 from trainwright.cli import main
 from trainwright.config import load_config
+from trainwright.launch import free_port
 from trainwright.reference import train_reference
-from trainwright.testing import free_port, load_run_model
 
 BAD = [
     (["--set", "train.stesp=3"], r"unknown config key 'train.stesp'; did you mean 'train.steps'"),
@@ -82,7 +83,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     cfg = load_config(run_dir / "config.toml")
     assert cfg.train.steps == 3
     ref, ref_losses = train_reference(cfg)  # uninterrupted, 3 steps
-    got = load_run_model(cfg, run_dir)
+    got = load_model(run_dir)
     for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -129,7 +130,7 @@ def test_joins_a_torchrun_job(tmp_path):
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "trace.json").exists()
     cfg = load_config(run_dir / "config.toml")
     ref, _ = train_reference(cfg)
-    for a, b in zip(load_run_model(cfg, run_dir).parameters(), ref.parameters(), strict=True):
+    for a, b in zip(load_model(run_dir).parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b)
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainwright.api import load_model
 from trainwright.config import Config
 from trainwright.launch import create_run_dir
 from trainwright.reference import train_reference
-from trainwright.testing import load_run_model, run_workers
+from trainwright.testing import run_workers
 from trainwright.worker import train
 
 
@@ -32,7 +33,7 @@ def _steps(run_dir: Path) -> list[dict]:
 
 def _check_against_reference(cfg: Config, run_dir: Path) -> None:
     ref, ref_losses = train_reference(cfg)
-    got = load_run_model(cfg, run_dir)
+    got = load_model(run_dir)
     for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
     losses = [r["loss"] for r in _steps(run_dir)]

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,9 +23,16 @@ import torch.distributed as dist
 from trainwright.config import Config
 from trainwright.telemetry import atomic_write_text
 
-__all__ = ["create_run_dir", "in_torchrun", "launch_local", "LaunchResult"]
+__all__ = ["create_run_dir", "in_torchrun", "launch_local", "LaunchResult", "free_port"]
 
 log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def in_torchrun() -> bool:

@@ -1,30 +1,19 @@
-"""Helpers for multi-process tests: free ports, gloo worker groups, loading a run's weights."""
+"""Helpers for multi-process tests: free ports and gloo worker groups on 127.0.0.1."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
-from trainwright.api import load_model
-from trainwright.config import Config
+from trainwright.launch import free_port
 
-__all__ = ["free_port", "run_workers", "load_run_model"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_workers"]
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, backend: str, errors, args) -> None:
@@ -70,9 +59,3 @@ def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo",
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise AssertionError(f"workers exited with codes {bad}")
-
-
-def load_run_model(cfg: Config, run_dir: Path, step: int | None = None) -> nn.Sequential:
-    """The whole model with the weights of a run's checkpoint (default: the latest)."""
-    del cfg  # the run directory holds its own config
-    return load_model(run_dir, step)

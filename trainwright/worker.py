@@ -200,6 +200,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     cfg.check_layers(len(named))
     parts = cfg.partition(len(named))
     first = sum(parts[:s])
+    stage_of = [k for k, n in enumerate(parts) for _ in range(n)]
     slots = []
     for i in range(first, first + parts[s]):
         name, module = named[i]
@@ -272,8 +273,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             writer.write("step", **row)
             if profile_now:
                 for c in runtime.pipeline_costs:
-                    c["stage"] = next(k for k in range(topo.pp)
-                                      if sum(parts[:k]) <= c["layer"] < sum(parts[: k + 1]))
+                    c["stage"] = stage_of[c["layer"]]
                 writer.write("layers", step=step, layers=runtime.pipeline_costs)
             if progress is not None:
                 progress.update(step, loss, row["samples_per_s"])

@@ -58,7 +58,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -72,6 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.launch import free_port
 
 __all__ = [
     "PG_TIMEOUT_S",
@@ -428,13 +428,6 @@ def deepspeed_worker(
 
 # --------------------------------------------------------------------------------------------
 # launching
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_MASTER_ADDR, 0))
-        return int(sock.getsockname()[1])
 
 
 def _system_name(worker_fn: Callable[..., Any], worker_kwargs: dict[str, Any]) -> str:
