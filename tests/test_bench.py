@@ -33,3 +33,37 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work():
 def test_unknown_benchmark_is_a_config_error(capsys):
     assert main(["bench", "nope"]) == 2
     assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_saved_tensor_meter_counts_what_autograd_keeps():
+    from trainwright.bench.meter import SavedTensorMeter
+
+    lin = torch.nn.Linear(8, 8, bias=False)
+    meter = SavedTensorMeter(exclude=[lin])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measure():
+        y = torch.tanh(lin(x))  # saves x (matmul) and tanh's output; the weight is excluded
+        assert meter.bytes == 2 * 4 * 8 * 4
+        y.sum().backward()
+    assert meter.bytes == 0 and meter.peak_bytes == 2 * 4 * 8 * 4
+
+
+@pytest.mark.timeout(600)
+def test_bench_memory_runs_and_planned_stages_fit():
+    from trainwright.bench.memory import MemoryBenchSpec
+    from trainwright.bench.memory import run as run_memory
+
+    spec = MemoryBenchSpec(d_model=32, n_heads=2, context=16, micro_batch_size=2, steps=2)
+    result = run_memory(spec, repeats=1, deepspeed=False)
+    for key in ("unconstrained_peak_bytes", "limit_bytes", "ratio_vs_checkpoint_all"):
+        assert key in result
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == {"keep", "greedy", "optimal", "checkpoint_all"}
+    assert result["limit_bytes"] == result["unconstrained_peak_bytes"][0] // 2
+    for name in ("greedy", "optimal"):
+        assert all(p <= result["limit_bytes"] for p in rows[name]["peak_bytes_per_stage"])
+        assert rows[name]["fits"]
+    for name in ("greedy", "optimal", "checkpoint_all"):  # same numbers as keeping everything
+        torch.testing.assert_close(torch.tensor(rows[name]["losses"]),
+                                   torch.tensor(rows["keep"]["losses"]))

@@ -10,6 +10,7 @@ from trainwright import checkpoint
 from trainwright.build import build_layers
 from trainwright.config import load_config
 from trainwright.errors import TrainwrightError
+from trainwright.pipeline.budget import check_limits
 from trainwright.pipeline.stage import LayerSlot
 
 __all__ = ["fit", "load_model"]
@@ -37,8 +38,9 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
         cfg = load_config(Path(resume) / "config.toml", list(overrides))
     else:
         cfg = load_config(config, list(overrides))
-    if cfg.model.factory:
-        cfg.check_layers(len(build_layers(cfg)))
+    named = build_layers(cfg)
+    cfg.check_layers(len(named))
+    check_limits(cfg, named)
     run_dir = create_run_dir(cfg, Path(resume) if resume else None)
     result = launch_local(cfg, run_dir, resume=resume is not None)
     if not result.ok:

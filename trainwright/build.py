@@ -7,6 +7,7 @@ two start from identical weights and read identical batches.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -40,7 +41,10 @@ def load_factory(spec: str, key: str) -> Callable:
 
 
 def _factory_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
-    made = load_factory(cfg.model.factory, "model.factory")()
+    factory = load_factory(cfg.model.factory, "model.factory")
+    takes_cfg = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                    for p in inspect.signature(factory).parameters.values())
+    made = factory(cfg) if takes_cfg else factory()
     if isinstance(made, tuple):  # (module, example_args): capture and cut with torch.export
         model, example_args = made
         layers = layers_from_export(model, tuple(example_args), dynamic_batch=True)

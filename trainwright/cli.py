@@ -38,9 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resume_dir = None
         cfg = load_config(args.config, args.set)
 
-    if cfg.model.factory:  # its layer count is known only once built
-        from trainwright.build import build_layers
-        cfg.check_layers(len(build_layers(cfg)))
+    _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.worker import run_worker
         run_dir = create_run_dir(cfg, resume_dir) if resume_dir else None
@@ -63,6 +61,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     _finish_message(cfg, run_dir)
     return 0
+
+
+def _preflight(cfg) -> None:
+    """Checks that need the model built: layer count of a factory model, memory limits."""
+    if not cfg.model.factory and not any(v is not None for v in cfg.stage_limits()):
+        return
+    from trainwright.build import build_layers
+    from trainwright.pipeline.budget import check_limits
+
+    named = build_layers(cfg)
+    cfg.check_layers(len(named))
+    check_limits(cfg, named)
 
 
 def _finish_message(cfg, run_dir: Path | None) -> None:
@@ -102,11 +112,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     result = BENCHMARKS[args.name](args)
     print(json.dumps(result, indent=2) if not args.json else f"wrote {args.json}")
     for row in result.get("rows", []):
-        print(f"{row['system']:<24} {row['step_ms_median']:>9.1f} ms/step "
-              f"{row['samples_per_s']:>8.2f} samples/s", file=sys.stderr)
-    if "ratio" in result:
-        print(f"ratio (ours / torch pipelining) = {result['ratio']}; bubble "
-              f"{result['bubble_fraction']} (bound {result['bubble_bound']})", file=sys.stderr)
+        figures = {k: v for k, v in row.items() if k in ("step_ms_median", "samples_per_s",
+                                                           "step_s", "peak_bytes_per_stage")}
+        print(f"{row['system']:<24} {figures}", file=sys.stderr)
+    for key in ("ratio", "bubble_fraction", "bubble_bound", "limit_bytes",
+                "all_planned_stages_fit", "ratio_vs_checkpoint_all"):
+        if key in result:
+            print(f"{key} = {result[key]}", file=sys.stderr)
     return 0
 
 

@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "RunConfig",
+__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
+           "RunConfig",
            "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
 
 
@@ -31,7 +32,8 @@ class ModelConfig:
     name: str = "gpt"
     """Built-in model: ``"gpt"`` (embedding, blocks, head) or ``"mlp"``."""
     factory: str = ""
-    """Your own model, ``"package.module:function"``: the function returns an
+    """Your own model, ``"package.module:function"``; the function (given the Config if it
+    takes an argument) returns an
     ``nn.Sequential``, a list of layers, or ``(module, example_args)`` to capture with
     ``torch.export`` and cut into layers. Overrides ``name``."""
     n_blocks: int = 4
@@ -108,6 +110,23 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class MemoryConfig:
+    limit: object = ""
+    """Activation bytes each stage may hold: ``"512MB"``, ``536870912``, a list with one
+    value per stage, ``"auto"`` (CUDA: device memory minus ``reserve``), or ``""`` for none."""
+    planner: str = "greedy"
+    """``"greedy"`` (seed 000's rule) or ``"optimal"`` (MILP, scipy HiGHS)."""
+    policies: list = field(default_factory=list)
+    """Fixed per-layer policies (``"keep"``, ``"swap"``, ``"recompute"``), one per layer of
+    the model, or one value for all; empty = planned from the limit."""
+    host_bandwidth: float = 0.0
+    """Device-to-host copy bandwidth in bytes/s for the planner; 0 = measure at start."""
+    reserve: str = "2GiB"
+    """With ``limit = "auto"`` on CUDA: device memory left for parameters, optimizer state
+    and workspace."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     dir: str = "runs"
     """Parent folder of run directories."""
@@ -145,12 +164,12 @@ class FaultConfig:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
-    "run": RunConfig, "runtime": RuntimeConfig, "fault": FaultConfig,
+    "memory": MemoryConfig, "run": RunConfig, "runtime": RuntimeConfig, "fault": FaultConfig,
 }
 CHOICES = {
     "model.name": ("gpt", "mlp"), "data.name": ("stdlib", "synthetic"),
     "train.schedule": ("1f1b", "gpipe"), "train.optimizer": ("sgd", "adam", "adamw"),
-    "train.loss": ("cross_entropy", "mse"),
+    "train.loss": ("cross_entropy", "mse"), "memory.planner": ("greedy", "optimal"),
     "parallel.backend": ("auto", "gloo", "nccl"),
 }
 POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
@@ -167,6 +186,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     run: RunConfig = field(default_factory=RunConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
@@ -203,8 +223,13 @@ class Config:
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
+        bad = [x for x in self.memory.policies if x not in ("keep", "swap", "recompute")]
+        if bad:
+            raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: keep, swap, recompute")
         if m.n_layers is not None:
             self.check_layers(m.n_layers)
+        self.stage_limits()  # parses every limit now, so a typo fails before any process
+        parse_bytes(self.memory.reserve)
         t = self.train
         if t.batch_size % par.dp:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
@@ -216,6 +241,47 @@ class Config:
                               f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
                               f"; allowed: {divisors}")
 
+    def stage_limits(self) -> list[int | str | None]:
+        """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).
+
+        Raises:
+            ConfigError: unparsable sizes, or a list whose length is not ``parallel.pp``.
+        """
+        limit, p = self.memory.limit, self.parallel.pp
+        values = limit if isinstance(limit, list) else [limit] * p
+        if len(values) != p:
+            raise ConfigError(f"memory.limit has {len(values)} values; give one, or one per "
+                              f"stage ({p})")
+        out: list[int | str | None] = []
+        for v in values:
+            if v in ("", None, 0):
+                out.append(None)
+            elif v == "auto":
+                out.append("auto")
+            elif isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ConfigError(f"memory.limit = {v!r} is not a size; write e.g. \"512MB\"")
+            else:
+                try:
+                    n = parse_bytes(v)
+                except ConfigError as exc:
+                    raise ConfigError(f"memory.limit: {exc}") from None
+                if n <= 0:
+                    raise ConfigError(f"memory.limit = {v!r} must be positive")
+                out.append(n)
+        return out
+
+    def layer_policies(self, n_layers: int) -> dict[int, str] | None:
+        """Fixed policies from ``memory.policies`` (None when they are to be planned)."""
+        pol = self.memory.policies
+        if not pol:
+            return None
+        if len(pol) == 1:
+            pol = pol * n_layers
+        if len(pol) != n_layers:
+            raise ConfigError(f"memory.policies has {len(pol)} entries; give one, or one per "
+                              f"layer of the model ({n_layers})")
+        return dict(enumerate(pol))
+
     def check_layers(self, n_layers: int) -> None:
         """Check ``parallel.pp`` and ``parallel.partition`` against a model of ``n_layers``."""
         p, parts = self.parallel.pp, self.parallel.partition
@@ -226,6 +292,7 @@ class Config:
                       or sum(parts) != n_layers):
             raise ConfigError(f"parallel.partition = {parts} must be {p} positive integers "
                               f"summing to the model's {n_layers} layers")
+        self.layer_policies(n_layers)
 
     def get(self, key: str) -> Any:
         """Value of a dotted key such as ``"train.steps"``."""
@@ -280,6 +347,8 @@ def _unknown(name: str, allowed: list[str], what: str) -> str:
 
 def _coerce(key: str, value: Any, expected: Any) -> Any:
     """Check ``value`` against the field type; ints are accepted where floats are expected."""
+    if expected is object:  # validated by the section (e.g. memory.limit: size or list)
+        return value
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool)))

@@ -21,7 +21,10 @@ class LayerCost:
     forward_s: float = 0.0
     backward_s: float = 0.0
     saved_bytes: int = 0
-    """Unique storages autograd keeps for this layer's backward (parameters excluded)."""
+    """Unique storages autograd keeps for this layer's backward (parameters and the layer's
+    input excluded): what a swap or recompute policy can free."""
+    input_bytes: int = 0
+    """Bytes of the layer's input (held under every policy)."""
     output_bytes: int = 0
     """Bytes of the layer's output (what crosses a stage boundary cut after it)."""
     param_bytes: int = 0
@@ -52,13 +55,21 @@ class LayerProfiler:
         self.costs.pop(layer, None)
         self._step.pop(layer, None)
 
-    def forward(self, layer: int, seconds: float, saved_bytes: int, output_bytes: int) -> None:
-        """Record one micro-batch's forward of ``layer``."""
+    def forward(self, layer: int, seconds: float, saved_bytes: int | None, input_bytes: int,
+                output_bytes: int) -> None:
+        """Record one micro-batch's forward of ``layer`` (``saved_bytes`` None: not known
+        yet, as under recompute, where :meth:`saved` reports it at backward)."""
         acc = self._step.setdefault(layer, [0.0, 0.0, 0, 0])
         acc[0] += seconds
         acc[2] += 1
         c = self.costs[layer]
-        c.saved_bytes, c.output_bytes = saved_bytes, output_bytes
+        c.input_bytes, c.output_bytes = input_bytes, output_bytes
+        if saved_bytes is not None:
+            c.saved_bytes = saved_bytes
+
+    def saved(self, layer: int, saved_bytes: int) -> None:
+        """Record the activation bytes of ``layer`` measured when its graph was rebuilt."""
+        self.costs[layer].saved_bytes = saved_bytes
 
     def backward(self, layer: int, seconds: float) -> None:
         """Record one micro-batch's backward of ``layer``."""

@@ -46,6 +46,8 @@ class RunMetrics:
     steps: list[dict] = field(default_factory=list)
     layers: dict | None = None
     end: dict | None = None
+    memory_plans: dict[int, dict] = field(default_factory=dict)
+    """The latest ``memory_plan`` record of each stage."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -84,6 +86,8 @@ def load_metrics(path: str | Path) -> RunMetrics:
             out.layers = rec
         elif kind == "end":
             out.end = rec
+        elif kind == "memory_plan" and isinstance(rec.get("stage"), int):
+            out.memory_plans[rec["stage"]] = rec
     out.steps = [by_step[s] for s in sorted(by_step)]
     if not numbered:
         out.notes.append(f"{path.name} is empty: the run stopped before its first record.")
@@ -204,6 +208,32 @@ def _section(title: str, caption: str, render: Callable[[], str | None], missing
     return f"<section>\n<h2>{html.escape(title)}</h2>\n{body}\n</section>\n"
 
 
+def _memory_plan_section(m: RunMetrics) -> str:
+    if not m.memory_plans:
+        return ""
+    rows = [{**r, "stage": s} for s, p in sorted(m.memory_plans.items()) for r in p["layers"]]
+    head = "".join(
+        f"<tr><td>stage {s}</td><td>{html.escape(str(p.get('planner')))}</td>"
+        f"<td>{html.escape(str(p.get('reason')))}</td><td>{_fmt(p.get('required_bytes'))}"
+        f"</td><td>{_fmt(p.get('limit_bytes'))}</td><td>{_fmt(p.get('step'))}</td></tr>\n"
+        for s, p in sorted(m.memory_plans.items()))
+    table = "".join(
+        f"<tr><td>{r['stage']}</td><td>{r['layer']}</td><td>{html.escape(r['policy'])}</td>"
+        f"<td>{_fmt(r.get('saved_bytes'))}</td><td>{_fmt(r.get('input_bytes'))}</td>"
+        f"<td>{1e3 * (r.get('forward_s') or 0):.2f}</td>"
+        f"<td>{1e3 * (r.get('swap_s') or 0):.2f}</td></tr>\n" for r in rows)
+    plot = _section(
+        "Memory plan",
+        "Latest plan of each stage: bytes per micro-batch and layer; grey is the input every "
+        "policy holds, the coloured part is what the policy keeps, swaps to host or "
+        "recomputes.", lambda: plots.memory_plan_plot(rows), "No plan rows.")
+    return (plot + "<section>\n<table>\n<tr><th>stage</th><th>planner</th><th>reason</th>"
+            "<th>required bytes</th><th>limit bytes</th><th>after step</th></tr>\n" + head +
+            "</table>\n<table>\n<tr><th>stage</th><th>layer</th><th>policy</th>"
+            "<th>saved bytes</th><th>input bytes</th><th>forward ms (recompute cost)</th>"
+            "<th>swap ms</th></tr>\n" + table + "</table>\n</section>\n")
+
+
 def _build_html(run_dir: Path) -> str:
     m = load_metrics(run_dir / "metrics.jsonl")
     events, names, trace_notes = _load_trace(run_dir / "trace.json")
@@ -274,6 +304,7 @@ def _build_html(run_dir: Path) -> str:
             "No layer profile was recorded.",
         ),
     ]
+    parts.append(_memory_plan_section(m))
     parts.append("</body></html>\n")
     return "".join(parts)
 

@@ -388,3 +388,33 @@ def layer_bytes_plot(layers: list[dict]) -> str | None:
     ax.set_ylabel(f"saved for backward ({unit})")
     _top_legend(ax, _stage_handles(layers))
     return _png(fig)
+
+
+_POLICY_COLORS = {"keep": "#4C72B0", "swap": "#DD8452", "recompute": "#C44E52"}
+
+
+def memory_plan_plot(rows: list[dict]) -> str | None:
+    """Per-layer activation bytes of the latest memory plans, coloured by policy.
+
+    Args:
+        rows: plan rows (``layer, policy, saved_bytes, input_bytes, stage``) of every stage.
+
+    Returns:
+        A base64 PNG, or ``None`` without rows.
+    """
+    if not rows:
+        return None
+    rows = sorted(rows, key=lambda r: r.get("layer", 0))
+    saved = [num(r.get("saved_bytes")) or 0.0 for r in rows]
+    kept = [num(r.get("input_bytes")) or 0.0 for r in rows]
+    scale, unit = _byte_unit(max(max(saved), max(kept), 1.0))
+    fig, ax = _layer_axes(rows, 4.0)
+    xs = range(len(rows))
+    ax.bar(xs, [v / scale for v in kept], color="#999999")
+    ax.bar(xs, [v / scale for v in saved], bottom=[v / scale for v in kept],
+           color=[_POLICY_COLORS.get(r.get("policy"), "grey") for r in rows])
+    ax.set_ylabel(f"per micro-batch ({unit})")
+    handles = [Patch(color="#999999", label="input (always held)")] + [
+        Patch(color=c, label=f"activations: {p}") for p, c in _POLICY_COLORS.items()]
+    _top_legend(ax, handles)
+    return _png(fig)

@@ -64,6 +64,7 @@ def step_record(stats: list, samples: int) -> dict:
             "activation_peak_bytes": max(s.activation_peak_bytes for s in mine),
             "held_microbatches_peak": max(s.held_microbatches_peak for s in mine),
         })
+        stages[-1]["host_peak_bytes"] = max(s.host_peak_bytes for s in mine)
         cuda = [s.cuda_max_allocated_bytes for s in mine if s.cuda_max_allocated_bytes]
         if cuda:
             stages[-1]["cuda_max_allocated_bytes"] = max(cuda)

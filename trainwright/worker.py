@@ -22,6 +22,13 @@ from trainwright.build import build_data, build_layers, build_optimizer, loss_fn
 from trainwright.comm import P2P, Watchdog, exit_now
 from trainwright.config import Config, load_config
 from trainwright.errors import PeerLost
+from trainwright.pipeline.budget import (
+    MemoryBudget,
+    measure_host_bandwidth,
+    profile_model,
+    resolve_limit,
+    stage_in_flight,
+)
 from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
 from trainwright.pipeline.schedule import build_schedule
 from trainwright.pipeline.stage import LayerSlot, Stage
@@ -214,7 +221,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             checkpoint.load_layers(run_dir, done, slots)
             start = done + 1
             log.info("resumed from the checkpoint of step %d", done)
-    store, profiler = ActivationStore(), LayerProfiler()
+    store, profiler = ActivationStore(device=device), LayerProfiler()
     stage = Stage(slots, store, profiler, is_first=s == 0,
                   loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
                   loss_scale=1.0 / t.micro_batches)
@@ -230,6 +237,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
         prev_rank=topo.rank_of(s - 1) if s > 0 else None,
         next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
         grad_sync=sync.sync, replica=topo.replica, fault=fault)
+    budget = _memory_budget(cfg, stage, s, device, len(layer_names))
     data = build_data(cfg)
     per_replica = t.batch_size // topo.dp
     lo = topo.replica * per_replica
@@ -253,9 +261,12 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
         x, y = data.batch(step, t.batch_size)
         x, y = x[lo : lo + per_replica].to(device), y[lo : lo + per_replica].to(device)
         traced = step - start < cfg.run.trace_steps
+        plan = budget.plan if step == start else None
         stats = runtime.run_step(step, split_microbatches(x, t.micro_batches) if s == 0 else None,
                                  split_microbatches(y, t.micro_batches) if stage.is_last else None,
                                  trace=traced)
+        if plan is not None:
+            stats.memory_plan = _plan_record(budget, plan)
         trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         profile_now = step % cfg.run.profile_every == 0 or step == t.steps
@@ -264,6 +275,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             dist.all_gather_object(tables, [c.to_dict() for c in profiler.table()],
                                    group=topo.pp_group)
             runtime.pipeline_costs = [c for table in tables for c in table]
+            if budget.replan(why=f"after step {step}") is not None:
+                stats.memory_plan = _plan_record(budget, budget.plan)
         gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
         dist.gather_object(stats, gathered, dst=0)
         if topo.rank == 0:
@@ -271,6 +284,9 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             row["time"] = time.time()
             loss = row["loss"]
             writer.write("step", **row)
+            for st in gathered:
+                if st.memory_plan is not None and st.replica == 0:
+                    writer.write("memory_plan", step=step, stage=st.stage, **st.memory_plan)
             if profile_now:
                 for c in runtime.pipeline_costs:
                     c["stage"] = stage_of[c["layer"]]
@@ -294,6 +310,28 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             write_report(run_dir)
     dist.barrier()
     return loss if topo.rank == 0 else None
+
+
+def _memory_budget(cfg: Config, stage: Stage, s: int, device: torch.device,
+                   n_layers: int) -> MemoryBudget:
+    """The stage's budget, planned before step 1 when a limit is set."""
+    limit = resolve_limit(cfg.stage_limits()[s], cfg, device)
+    fixed = cfg.layer_policies(n_layers)
+    bandwidth = cfg.memory.host_bandwidth
+    if not bandwidth and limit is not None and fixed is None:
+        bandwidth = measure_host_bandwidth(device)
+    budget = MemoryBudget(stage, stage_in_flight(cfg)[s], limit, cfg.memory.planner,
+                          bandwidth, fixed)
+    if limit is not None and fixed is None:
+        budget.replan(costs=profile_model(cfg, build_layers(cfg)), why="before step 1")
+    return budget
+
+
+def _plan_record(budget: MemoryBudget, plan) -> dict:
+    return {"planner": plan.planner, "reason": plan.reason,
+            "required_bytes": plan.required_bytes, "limit_bytes": plan.limit_bytes,
+            "added_time_s": plan.added_time_s, "host_bandwidth": budget.host_bandwidth,
+            "layers": budget.rows()}
 
 
 def _checkpoint(run_dir: Path, step: int, topo: Topology, stage: Stage) -> None:

@@ -7,4 +7,10 @@ def _pipeline(args):
     return main(args)
 
 
-BENCHMARKS = {"pipeline": _pipeline}
+def _memory(args):
+    from trainwright.bench.memory import main
+
+    return main(args)
+
+
+BENCHMARKS = {"pipeline": _pipeline, "memory": _memory}

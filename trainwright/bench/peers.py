@@ -70,6 +70,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from trainwright.bench.meter import SavedTensorMeter
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.launch import free_port
 
@@ -399,12 +400,14 @@ def deepspeed_worker(
         is_last = rank == world_size - 1
         step_times: list[float] = []
         losses: list[float] = []
+        meter = SavedTensorMeter(exclude=stage_layers)
         for step in range(spec.steps):
             ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
             micro = _micro_batch_iter(ids, targets, n_mb)
             dist.barrier()
             t0 = time.perf_counter()
-            loss = engine.train_batch(data_iter=micro)
+            with meter.measure():
+                loss = engine.train_batch(data_iter=micro)
             step_times.append(time.perf_counter() - t0)
             if is_last:
                 losses.append(float(loss.item()))
@@ -419,7 +422,8 @@ def deepspeed_worker(
             losses=losses if is_last else None,
             layers=stage_layers,
             start=start,
-            extra={"activation_checkpointing": activation_checkpointing},
+            extra={"activation_checkpointing": activation_checkpointing,
+                   "saved_peak_bytes": meter.peak_bytes},
         )
     finally:
         if dist.is_initialized():

@@ -35,6 +35,10 @@ class StepStats:
     loss: float | None
     activation_peak_bytes: int
     held_microbatches_peak: int
+    host_peak_bytes: int = 0
+    """Activations swapped to host memory, at most, during the step."""
+    memory_plan: list | None = None
+    """Per-layer rows of a memory plan made just before this step (None: unchanged)."""
     cuda_max_allocated_bytes: int | None = None
     """``torch.cuda.max_memory_allocated`` over the step (CUDA only)."""
     events: list = field(default_factory=list)
@@ -144,6 +148,7 @@ class PipelineRuntime:
                          compute_s=compute_ns / 1e9, loss=loss,
                          activation_peak_bytes=st.store.peak_bytes,
                          held_microbatches_peak=st.store.peak_microbatches, events=events,
+                         host_peak_bytes=st.store.peak_host_bytes,
                          cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(
                              params[0].device) if cuda else None))
 

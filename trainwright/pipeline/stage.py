@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +82,15 @@ class Stage:
         """All parameters of the stage's layers, in layer order."""
         return [p for s in self.slots for p in s.module.parameters()]
 
+    def _run(self, slot: LayerSlot, inp: tuple, is_last_layer: bool,
+             target: torch.Tensor | None) -> tuple:
+        out = as_tuple(slot.module(inp[0] if len(inp) == 1 else inp))
+        if is_last_layer and self.loss_fn is not None:
+            out = (self.loss_fn(out[0], target) * self.loss_scale,)
+        return out
+
     def forward(self, mb: int, inputs: tuple, target: torch.Tensor | None = None) -> tuple:
-        """Run every layer on micro-batch ``mb`` and hold the segments.
+        """Run every layer on micro-batch ``mb`` under its policy and hold the segments.
 
         Returns:
             The last layer's outputs, detached (what is sent on), or ``(loss,)`` detached
@@ -92,14 +100,27 @@ class Stage:
         last = len(self.slots) - 1
         for i, slot in enumerate(self.slots):
             inp = _detach(x, grad=not (self.is_first and i == 0))
-            with self.store.capture(slot.index, mb) as saved:
+            policy = self.store.policy(slot.index)
+            in_bytes = _nbytes(inp)
+            if policy == "recompute":
+                rng = _rng_state(inp)
                 t0 = time.perf_counter()
-                out = as_tuple(slot.module(inp[0] if len(inp) == 1 else inp))
-                if i == last and self.loss_fn is not None:
-                    out = (self.loss_fn(out[0], target) * self.loss_scale,)
+                with torch.no_grad():
+                    out = self._run(slot, inp, i == last, target)
                 dt = time.perf_counter() - t0
-            self.profiler.forward(slot.index, dt, sum(saved.values()), _nbytes(out))
-            self.store.put(Segment(slot.index, mb, inp, out, storages=saved))
+                seg = Segment(slot.index, mb, inp, None, policy=policy, rng_state=rng,
+                              target=target if i == last else None)
+                self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
+            else:
+                with self.store.capture(inp, swap=policy == "swap") as cap:
+                    t0 = time.perf_counter()
+                    out = self._run(slot, inp, i == last, target)
+                    dt = time.perf_counter() - t0
+                seg = Segment(slot.index, mb, inp, out, storages=cap.saved, policy=policy,
+                              swapped=cap.swapped)
+                self.profiler.forward(slot.index, dt, cap.activation_bytes, in_bytes,
+                                      _nbytes(out))
+            self.store.put(seg)
             x = out
         return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in x)
 
@@ -113,18 +134,55 @@ class Stage:
         Returns:
             Gradients of the stage's inputs (None where an input needs no gradient).
         """
-        for slot in reversed(self.slots):
+        last = len(self.slots) - 1
+        for i in range(last, -1, -1):
+            slot = self.slots[i]
             seg = self.store.pop(slot.index, mb)
+            if i > 0:  # the next layer back starts coming home while this one computes
+                self.store.prefetch(self.slots[i - 1].index, mb)
+            outputs, transient = seg.outputs, sum(s.nbytes for s in seg.swapped)
+            if seg.policy == "recompute":
+                with _rng_restored(seg.inputs, seg.rng_state), \
+                        self.store.capture(seg.inputs) as cap:
+                    outputs = self._run(slot, seg.inputs, i == last, seg.target)
+                transient = cap.activation_bytes
+                self.profiler.saved(slot.index, transient)
             t0 = time.perf_counter()
-            if grads is None:
-                pairs = [(o, None) for o in seg.outputs]
-            else:
-                pairs = [(o, g) for o, g in zip(seg.outputs, grads, strict=True) if g is not None]
-            pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs],
-                                        grad_tensors=[g for _, g in pairs] if grads else None)
+            with self.store.transient(transient):
+                _backward(outputs, grads)
             self.profiler.backward(slot.index, time.perf_counter() - t0)
             grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
                           for t in seg.inputs)
         return grads
+
+
+def _backward(outputs: tuple, grads: tuple | None) -> None:
+    if grads is None:
+        pairs = [(o, None) for o in outputs]
+    else:
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+    pairs = [(o, g) for o, g in pairs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs],
+                                grad_tensors=[g for _, g in pairs] if grads else None)
+
+
+def _cuda_devices(values: tuple) -> list:
+    return sorted({t.device for t in values if isinstance(t, torch.Tensor) and t.is_cuda},
+                  key=str)
+
+
+def _rng_state(values: tuple) -> tuple:
+    """CPU (and CUDA) RNG state, so a recomputation draws the same random numbers."""
+    return (torch.get_rng_state(),
+            [torch.cuda.get_rng_state(d) for d in _cuda_devices(values)])
+
+
+@contextmanager
+def _rng_restored(values: tuple, state: tuple):
+    devices = _cuda_devices(values)
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        for d, s in zip(devices, state[1], strict=True):
+            torch.cuda.set_rng_state(s, d)
+        yield

@@ -1,10 +1,20 @@
-"""The activation store: every held layer segment, with byte accounting.
+"""The activation store: every held layer segment, its storage policy, and byte accounting.
 
 A *segment* is one layer's forward for one micro-batch: its detached input, its output
-(which owns the autograd graph) and the storages autograd saved for backward. The store
-counts bytes by unique storage, so a tensor that is both one layer's output and the next
-layer's saved input is counted once, and parameters (which autograd also saves) are not
-counted at all. Policies other than *keep* (swap, recompute, peer swap) plug in here.
+(which owns the autograd graph) and what autograd saved for backward. Each layer has a
+policy (seed 000, paragraphs 105-121):
+
+- ``keep``: the saved tensors stay on the device;
+- ``swap``: ``saved_tensors_hooks`` copy them to host memory during forward
+  (:mod:`trainwright.pipeline.swap`) and hand them back during the layer's backward;
+- ``recompute``: the forward runs without a graph and only the input is kept; the graph is
+  rebuilt (same RNG state) right before the layer's backward.
+
+Bytes are counted by unique storage, so a tensor that is one layer's output and the next
+layer's input is counted once, and parameters (which autograd also saves) never are.
+``bytes`` is what the device holds for backward now; a swapped or recomputed layer's
+activations are added as *transient* bytes while its backward runs; ``host_bytes`` is what
+swap keeps on the host.
 """
 
 from __future__ import annotations
@@ -15,7 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Segment", "ActivationStore", "as_tuple"]
+from trainwright.pipeline.swap import HostSwap, Swapped
+
+__all__ = ["Segment", "Capture", "ActivationStore", "POLICIES", "as_tuple", "storage_key"]
+
+POLICIES = ("keep", "swap", "recompute")
 
 
 def as_tuple(x) -> tuple:
@@ -23,8 +37,31 @@ def as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identity of the storage behind ``t`` (shared by all its views)."""
     return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _tensor_storages(values) -> dict:
+    return {storage_key(t): t.untyped_storage().nbytes()
+            for t in values or () if isinstance(t, torch.Tensor)}
+
+
+@dataclass
+class Capture:
+    """What autograd saved during one layer's forward."""
+
+    saved: dict = field(default_factory=dict)
+    """storage key -> bytes kept on the device (the layer's inputs included)."""
+    swapped: list = field(default_factory=list)
+    """:class:`Swapped` tensors sent to the host."""
+    input_keys: set = field(default_factory=set)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes saved for backward, not counting the layer's input: what a policy can move."""
+        own = sum(n for k, n in self.saved.items() if k not in self.input_keys)
+        return own + sum(s.nbytes for s in self.swapped)
 
 
 @dataclass
@@ -35,62 +72,98 @@ class Segment:
     mb: int
     inputs: tuple
     """Detached inputs (floating ones require grad, so their ``.grad`` is the result)."""
-    outputs: tuple
-    """Outputs holding the segment's autograd graph (the loss on the last layer)."""
+    outputs: tuple | None
+    """Outputs holding the graph (the loss on the last layer); None when recomputing."""
     storages: dict = field(default_factory=dict)
-    """storage key -> bytes of everything this segment keeps alive for backward."""
+    """storage key -> bytes this segment keeps alive on the device."""
+    policy: str = "keep"
+    swapped: list = field(default_factory=list)
+    rng_state: tuple | None = None
+    """RNG state at forward, restored for the recomputation."""
+    target: torch.Tensor | None = None
+    """Loss target (last layer of the last stage, recompute only)."""
 
 
 class ActivationStore:
     """Holds segments between forward and backward and accounts their bytes.
 
     Args:
-        exclude: storage keys never counted (the stage's parameters and buffers).
+        exclude: storage keys never counted (parameters and buffers).
+        device: the stage's device (for host swap).
     """
 
-    def __init__(self, exclude: set | None = None):
+    def __init__(self, exclude: set | None = None, device: torch.device | None = None):
         self.exclude = set(exclude or ())
+        self.swap = HostSwap(device or torch.device("cpu"))
+        self.policies: dict[int, str] = {}
         self._segments: dict[tuple[int, int], Segment] = {}
         self._refs: dict = defaultdict(int)
         self._sizes: dict = {}
         self.bytes = 0
         self.peak_bytes = 0
         self.peak_microbatches = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+
+    def policy(self, layer: int) -> str:
+        """The storage policy of ``layer`` (default ``keep``)."""
+        return self.policies.get(layer, "keep")
+
+    def set_policies(self, policies: dict[int, str]) -> None:
+        """Use these policies for forwards from now on (held segments keep theirs)."""
+        bad = {k: v for k, v in policies.items() if v not in POLICIES}
+        if bad:
+            raise ValueError(f"unknown memory policies {bad}; use one of {POLICIES}")
+        self.policies = dict(policies)
 
     def exclude_params(self, modules) -> None:
         """Never count the storages of these modules' parameters and buffers."""
         for m in modules:
             for t in [*m.parameters(), *m.buffers()]:
-                self.exclude.add(_storage_key(t))
+                self.exclude.add(storage_key(t))
 
     @contextmanager
-    def capture(self, layer: int, mb: int):
-        """Record the storages autograd saves while the body runs; yields a dict to fill."""
-        saved: dict = {}
+    def capture(self, inputs: tuple, swap: bool = False):
+        """Record (and with ``swap``, move to the host) what autograd saves in the body.
+
+        Tensors sharing a storage with the layer's inputs are never swapped: the segment
+        holds its inputs anyway.
+        """
+        cap = Capture(input_keys=set(_tensor_storages(inputs)))
 
         def pack(t: torch.Tensor):
-            key = _storage_key(t)
-            if key not in self.exclude:
-                saved[key] = t.untyped_storage().nbytes()
+            key = storage_key(t)
+            if key in self.exclude:
+                return t
+            if swap and key not in cap.input_keys:
+                s = self.swap.pack(t)
+                cap.swapped.append(s)
+                return s
+            cap.saved[key] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield saved
+        def unpack(x):
+            return self.swap.unpack(x) if isinstance(x, Swapped) else x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield cap
 
     def put(self, seg: Segment) -> None:
-        """Hold a segment (its input storages are counted as kept)."""
+        """Hold a segment: its saved storages, its inputs and its outputs count as held."""
         key = (seg.layer, seg.mb)
         if key in self._segments:
             raise RuntimeError(f"layer {seg.layer} micro-batch {seg.mb} is already held")
-        for t in seg.inputs:
-            if isinstance(t, torch.Tensor) and _storage_key(t) not in self.exclude:
-                seg.storages[_storage_key(t)] = t.untyped_storage().nbytes()
+        for k, n in {**_tensor_storages(seg.inputs), **_tensor_storages(seg.outputs)}.items():
+            if k not in self.exclude:
+                seg.storages[k] = n
         self._segments[key] = seg
         for k, n in seg.storages.items():
             if self._refs[k] == 0:
                 self.bytes += n
                 self._sizes[k] = n
             self._refs[k] += 1
+        self.host_bytes += sum(s.nbytes for s in seg.swapped)
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
         self.peak_microbatches = max(self.peak_microbatches, len(self.microbatches()))
 
@@ -106,7 +179,25 @@ class ActivationStore:
             if self._refs[k] == 0:
                 self.bytes -= self._sizes.pop(k)
                 del self._refs[k]
+        self.host_bytes -= sum(s.nbytes for s in seg.swapped)
         return seg
+
+    def prefetch(self, layer: int, mb: int) -> None:
+        """Start bringing a swapped segment back to the device before its backward."""
+        seg = self._segments.get((layer, mb))
+        if seg is not None:
+            for s in seg.swapped:
+                self.swap.prefetch(s)
+
+    @contextmanager
+    def transient(self, nbytes: int):
+        """Count ``nbytes`` as held while the body runs (activations brought back)."""
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        try:
+            yield
+        finally:
+            self.bytes -= nbytes
 
     def microbatches(self) -> set[int]:
         """Micro-batches with at least one segment held."""
@@ -119,4 +210,5 @@ class ActivationStore:
     def reset_peaks(self) -> None:
         """Start a new accounting window (each step)."""
         self.peak_bytes = self.bytes
+        self.peak_host_bytes = self.host_bytes
         self.peak_microbatches = len(self.microbatches())

@@ -1,0 +1,125 @@
+"""Per-layer memory policies: every mix trains like all-keep; planned stages fit their limit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
+from trainwright.cli import main
+from trainwright.config import Config
+from trainwright.launch import create_run_dir
+from trainwright.testing import run_workers
+
+MIXES = [
+    ["swap"],
+    ["recompute"],
+    ["keep", "swap", "recompute", "swap"],
+    ["recompute", "recompute", "swap", "keep"],
+    ["swap", "keep", "keep", "recompute"],
+]
+
+
+def _policy_matrix(tiny, world: int) -> list[Config]:
+    """4-layer GPT (embed, 2 blocks, head): first layer takes token ids, last computes loss."""
+    return [tiny(**{"parallel.pp": world, "train.schedule": f'"{s}"', "train.micro_batches": 4,
+                    "memory.policies": json.dumps(mix)})
+            for s in ("gpipe", "1f1b") for mix in MIXES]
+
+
+def _limited(tiny, world: int, planner: str, limit: int) -> Config:
+    # with 2 stages, 1F1B holds only 2 micro-batches on stage 0, and one block's activations
+    # (brought back during its backward) are already half of that: use GPipe (8 in flight)
+    schedule = "gpipe" if world == 2 else "1f1b"
+    return tiny(**{"parallel.pp": world, "train.micro_batches": 8, "model.d_model": 64,
+                   "train.schedule": f'"{schedule}"', "model.n_blocks": 2 if world == 2 else 6,
+                   "model.context": 32, "memory.limit": limit,
+                   "memory.planner": f'"{planner}"', "memory.host_bandwidth": 2e9})
+
+
+def _plans(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == "memory_plan"]
+
+
+def _unconstrained_peaks(tiny, world: int, tmp: Path) -> list[int]:
+    cfg = _limited(tiny, world, "greedy", 0)  # limit 0 = none
+    run_dir = create_run_dir(cfg)
+    run_workers(_train_jobs, world, [(cfg, str(run_dir))], timeout_s=200)
+    return [st["activation_peak_bytes"] for st in _steps(run_dir)[-1]["stages"]]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_policy_mix_equals_keep_and_planned_stages_fit(tiny, world, tmp_path):
+    peaks = _unconstrained_peaks(tiny, world, tmp_path)
+    limit = peaks[0] // 2  # half of the first stage's unconstrained peak, for every stage
+    limited = [_limited(tiny, world, p, limit) for p in ("greedy", "optimal")]
+    cfgs = _policy_matrix(tiny, world) + limited
+    dirs = [create_run_dir(c) for c in cfgs]
+    run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=560)
+    for cfg, run_dir in zip(cfgs, dirs, strict=True):
+        label = f"{cfg.train.schedule} pp={world} {cfg.memory.policies or cfg.memory.planner}"
+        try:
+            _check_against_reference(cfg, run_dir)
+        except AssertionError as exc:
+            raise AssertionError(f"{label}: {exc}") from exc
+    for cfg, run_dir in zip(limited, dirs[-2:], strict=True):
+        plans = _plans(run_dir)
+        assert {p["stage"] for p in plans} >= {0}, "stage 0 must have been planned"
+        for row in _steps(run_dir):
+            for st in row["stages"]:
+                assert st["activation_peak_bytes"] <= limit, (cfg.memory.planner, row["step"], st)
+        policies = [r["policy"] for p in plans for r in p["layers"]]
+        assert set(policies) - {"keep"}, "a limit of half the peak must change some policy"
+
+
+@pytest.mark.timeout(120)
+def test_impossible_limit_names_the_smallest_feasible(tmp_path, capsys):
+    code = main(["run", "--set", f'run.dir="{tmp_path}"', "--set", "memory.limit=1000",
+                 "--set", "model.n_blocks=2", "--set", "model.d_model=32",
+                 "--set", "model.context=16", "--set", "data.name=synthetic"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1
+    assert "cannot be met even with every layer recomputed" in err
+    assert "stage 0" in err and "stage 1" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_limit_values_are_validated(capsys):
+    assert main(["run", "--set", 'memory.limit="12 parsecs"']) == 2
+    assert "memory.limit" in capsys.readouterr().err
+    assert main(["run", "--set", 'memory.policies=["keep", "zip"]']) == 2
+    assert "zip" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_recompute_and_swap_replay_dropout_exactly():
+    # the recompute policy restores the RNG state: dropout draws the same mask twice
+    from trainwright.pipeline.stage import LayerSlot, Stage
+    from trainwright.pipeline.store import ActivationStore
+    from trainwright.profile import LayerProfiler
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    grads = {}
+    for policy in ("keep", "recompute", "swap"):
+        store = ActivationStore()
+        store.set_policies({0: policy})
+        stage = Stage([LayerSlot(0, "l", layer)], store, LayerProfiler(), is_first=True,
+                      loss_fn=torch.nn.functional.mse_loss)
+        torch.manual_seed(1)
+        stage.forward(0, (x,), y)
+        stage.backward(0)
+        grads[policy] = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        assert store.bytes == 0 and store.host_bytes == 0
+    for policy in ("recompute", "swap"):
+        for a, b in zip(grads[policy], grads["keep"], strict=True):
+            torch.testing.assert_close(a, b)

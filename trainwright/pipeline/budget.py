@@ -1,0 +1,203 @@
+"""A stage's activation-memory budget: plan the per-layer policies and re-plan on change.
+
+The planners themselves are pure (:mod:`trainwright.plan.memory`); this module feeds them
+the stage's measured cost table, applies the plan to the activation store, and re-plans
+when the seed's trigger fires (over the limit, or under it with a needless recompute) or
+when the stage's layers change (:meth:`MemoryBudget.on_layers_changed`, called by
+rebalancing).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from trainwright.build import build_data, loss_fn
+from trainwright.config import Config, parse_bytes
+from trainwright.errors import ConfigError
+from trainwright.pipeline.schedule import build_schedule, max_in_flight
+from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.store import ActivationStore
+from trainwright.plan.memory import (
+    LayerMem,
+    MemoryPlan,
+    format_bytes,
+    min_feasible_bytes,
+    plan_stage,
+)
+from trainwright.profile import LayerCost, LayerProfiler
+
+__all__ = ["MemoryBudget", "profile_model", "measure_host_bandwidth", "layer_mems",
+           "check_limits", "stage_in_flight", "resolve_limit"]
+
+log = logging.getLogger(__name__)
+
+
+def measure_host_bandwidth(device: torch.device, nbytes: int = 32 * 2**20) -> float:
+    """Bytes/s of a device-to-host copy (pinned host memory on CUDA), best of 3."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    best = float("inf")
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def profile_model(cfg: Config, named: list) -> list[LayerCost]:
+    """Per-layer costs of one micro-batch through the whole model, in this process.
+
+    Used before training starts: to reject an impossible ``memory.limit`` before any
+    process is launched, and to plan every stage before its first step.
+
+    Args:
+        cfg: the configuration (batch shape, loss, data).
+        named: ``(name, layer)`` pairs from :func:`~trainwright.build.build_layers`;
+            gradients they accumulate here are cleared.
+    """
+    x, y = build_data(cfg).batch(1, cfg.train.batch_size)
+    n = cfg.train.batch_size // cfg.parallel.dp // cfg.train.micro_batches
+    slots = [LayerSlot(i, name, m) for i, (name, m) in enumerate(named)]
+    profiler = LayerProfiler(smoothing=0.5)
+    stage = Stage(slots, ActivationStore(), profiler, is_first=True, loss_fn=loss_fn(cfg))
+    for _ in range(2):  # the first pass warms up allocators and kernels
+        stage.forward(0, (x[:n],), y[:n])
+        stage.backward(0)
+        profiler.end_step()
+    for _, m in named:
+        m.zero_grad(set_to_none=True)
+    return profiler.table()
+
+
+def stage_in_flight(cfg: Config) -> list[int]:
+    """Micro-batches each stage holds at most under the configured schedule."""
+    sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches)
+    return [max_in_flight(actions) for actions in sched]
+
+
+def resolve_limit(limit: int | str | None, cfg: Config, device: torch.device) -> int | None:
+    """Bytes for a stage limit; ``"auto"`` is the CUDA device's memory minus the reserve."""
+    if limit != "auto":
+        return limit
+    if device.type != "cuda":
+        log.warning("memory.limit = \"auto\" needs a CUDA device; running without a limit")
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(total - parse_bytes(cfg.memory.reserve), 1)
+
+
+def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
+    """Profile once and reject a ``memory.limit`` that no policy can meet.
+
+    Call before launching anything, so a bad limit exits with nothing started or written.
+
+    Returns:
+        The whole model's cost table, or None when no stage has a byte limit.
+
+    Raises:
+        ConfigError: naming the smallest feasible limit of every stage.
+    """
+    limits = cfg.stage_limits()
+    if not any(isinstance(v, int) for v in limits):
+        return None
+    costs = profile_model(cfg, named)
+    parts = cfg.partition(len(named))
+    need, short = [], False
+    for s, (limit, flight) in enumerate(zip(limits, stage_in_flight(cfg), strict=True)):
+        mine = costs[sum(parts[:s]) : sum(parts[: s + 1])]
+        least = min_feasible_bytes(layer_mems(mine), flight)
+        need.append(least)
+        short |= isinstance(limit, int) and limit < least
+    if short:
+        per_stage = ", ".join(f"stage {s} {format_bytes(n)} ({n} B)" for s, n in enumerate(need))
+        raise ConfigError(f"memory.limit = {cfg.memory.limit!r} cannot be met even with every "
+                          f"layer recomputed; the smallest feasible limits are: {per_stage}. "
+                          f"Raise memory.limit (one value, or one per stage) or use more "
+                          f"stages" + (" or train.schedule=\"1f1b\" (fewer micro-batches in "
+                                       "flight)" if cfg.train.schedule == "gpipe" else ""))
+    return costs
+
+
+def layer_mems(costs: list[LayerCost]) -> list[LayerMem]:
+    """Planner input for one stage's layers (in order).
+
+    The stage's last output is held until its backward (it is sent on, or it is the loss),
+    so its bytes are added to the last layer's always-resident input bytes.
+    """
+    mems = [LayerMem(c.layer, c.saved_bytes, c.input_bytes, c.forward_s, c.backward_s)
+            for c in costs]
+    if mems:
+        last = mems[-1]
+        mems[-1] = LayerMem(last.layer, last.saved_bytes,
+                            last.input_bytes + costs[-1].output_bytes, last.forward_s,
+                            last.backward_s)
+    return mems
+
+
+class MemoryBudget:
+    """Keeps one stage's activations under its limit by choosing per-layer policies.
+
+    Args:
+        stage: the stage whose store gets the policies.
+        in_flight: micro-batches the stage holds at most (``p - i`` in 1F1B, ``m`` in GPipe).
+        limit: activation bytes allowed, or None.
+        planner: ``"greedy"`` or ``"optimal"``.
+        host_bandwidth: device-to-host bytes/s.
+        fixed: policies forced by the configuration (no planning), or None.
+    """
+
+    def __init__(self, stage: Stage, in_flight: int, limit: int | None, planner: str,
+                 host_bandwidth: float, fixed: dict[int, str] | None = None):
+        self.stage, self.in_flight, self.limit = stage, in_flight, limit
+        self.planner, self.host_bandwidth = planner, host_bandwidth
+        self.fixed = fixed
+        self.plan: MemoryPlan | None = None
+        if fixed is not None:
+            stage.store.set_policies({s.index: fixed[s.index] for s in stage.slots})
+
+    def replan(self, costs: list[LayerCost] | None = None, why: str = "") -> MemoryPlan | None:
+        """Plan again if the seed's trigger fires; apply and return the new plan, else None.
+
+        Args:
+            costs: the stage's per-layer costs (default: the profiler's current table).
+            why: context for the log line (e.g. "before step 1").
+        """
+        if self.fixed is not None or self.limit is None:
+            return None  # policies are fixed, or there is nothing to fit under
+        mine = {s.index for s in self.stage.slots}
+        costs = [c for c in (costs or self.stage.profiler.table()) if c.layer in mine]
+        current = {s.index: self.stage.store.policy(s.index) for s in self.stage.slots}
+        plan = plan_stage(layer_mems(costs), self.in_flight, self.limit, self.host_bandwidth,
+                          planner=self.planner, current=current)
+        if plan is None:
+            return None
+        self.stage.store.set_policies(plan.policies)
+        self.plan = plan
+        counts = {p: sum(v == p for v in plan.policies.values())
+                  for p in ("keep", "swap", "recompute")}
+        log.info("memory plan %s (%s, %s): keep %d, swap %d, recompute %d; needs %s of %s; "
+                 "adds %.1f ms per micro-batch", why, plan.planner, plan.reason,
+                 counts["keep"], counts["swap"], counts["recompute"],
+                 format_bytes(plan.required_bytes),
+                 format_bytes(self.limit) if self.limit else "no limit",
+                 1e3 * plan.added_time_s)
+        return plan
+
+    def on_layers_changed(self) -> MemoryPlan | None:
+        """Re-planning hook: the stage gained or lost layers (rebalancing)."""
+        return self.replan(why="after a change of layers")
+
+    def rows(self) -> list[dict]:
+        """The current plan per layer, for the metrics and the report."""
+        if self.plan is None:
+            return []
+        costs = [c for c in self.stage.profiler.table()
+                 if c.layer in {s.index for s in self.stage.slots}]
+        return self.plan.to_rows(layer_mems(costs), self.host_bandwidth)
