@@ -59,11 +59,12 @@ def test_bench_memory_runs_and_planned_stages_fit():
     for key in ("unconstrained_peak_bytes", "limit_bytes", "ratio_vs_checkpoint_all"):
         assert key in result
     rows = {r["system"]: r for r in result["rows"]}
-    assert set(rows) == {"keep", "greedy", "optimal", "checkpoint_all"}
+    assert set(rows) == {"keep", "greedy", "optimal", "optimal_no_swap", "checkpoint_all"}
     assert result["limit_bytes"] == result["unconstrained_peak_bytes"][0] // 2
-    for name in ("greedy", "optimal"):
+    for name in ("greedy", "optimal", "optimal_no_swap"):
         assert all(p <= result["limit_bytes"] for p in rows[name]["peak_bytes_per_stage"])
         assert rows[name]["fits"]
-    for name in ("greedy", "optimal", "checkpoint_all"):  # same numbers as keeping everything
+    assert "swap" not in {p for ps in rows["optimal_no_swap"]["policies"].values() for p in ps}
+    for name in ("greedy", "optimal", "optimal_no_swap", "checkpoint_all"):  # same as keep
         torch.testing.assert_close(torch.tensor(rows[name]["losses"]),
                                    torch.tensor(rows["keep"]["losses"]))
