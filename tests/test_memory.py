@@ -123,3 +123,43 @@ def test_recompute_and_swap_replay_dropout_exactly():
     for policy in ("recompute", "swap"):
         for a, b in zip(grads[policy], grads["keep"], strict=True):
             torch.testing.assert_close(a, b)
+
+
+def _budget_stage(limit):
+    from trainwright.pipeline.budget import MemoryBudget
+    from trainwright.pipeline.stage import LayerSlot, Stage
+    from trainwright.pipeline.store import ActivationStore
+    from trainwright.profile import LayerCost, LayerProfiler
+
+    profiler = LayerProfiler()
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(layers)], ActivationStore(),
+                  profiler, is_first=True)
+    for i in range(3):  # 100 B activations and 10 B inputs per layer, 1 ms forward
+        profiler.costs[i] = LayerCost(i, f"l{i}", forward_s=1e-3, backward_s=2e-3,
+                                      saved_bytes=100, input_bytes=10)
+    # host swap priced out: the planner can only recompute
+    return stage, MemoryBudget(stage, in_flight=2, limit=limit, planner="optimal",
+                               host_bandwidth=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_periodic_checks_keep_a_plan_that_recomputes_on_purpose():
+    # all keep needs 2 * 330 = 660 B; recomputing two layers: 2 * (110 + 20) + 100 = 360 B
+    stage, budget = _budget_stage(limit=500)
+    plan = budget.replan(why="before step 1")
+    assert plan is not None and sorted(plan.policies.values()).count("recompute") == 2
+    assert plan.required_bytes < 500
+    assert budget.replan(why="after step 10", only_if_over=True) is None  # fits: no churn
+    assert budget.replan(why="again") is None  # the same plan is not made twice
+
+
+@pytest.mark.timeout(60)
+def test_layer_change_drops_needless_recompute():
+    stage, budget = _budget_stage(limit=500)
+    budget.replan()
+    stage.profiler.forget(2)  # a layer left the stage: everything fits now when kept
+    stage.slots.pop()
+    plan = budget.on_layers_changed()
+    assert plan is not None and set(plan.policies.values()) == {"keep"}
+    assert "needless recompute" in plan.reason

@@ -7,14 +7,17 @@ few steps; trace events are kept per rank and merged into ``trace.json`` at the 
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
-__all__ = ["MetricsWriter", "step_record", "write_trace", "setup_logging", "atomic_write_text"]
+__all__ = ["MetricsWriter", "RunRecorder", "step_record", "write_trace", "setup_logging",
+           "atomic_write_text"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -109,3 +112,57 @@ def setup_logging(prefix: str, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class RunRecorder:
+    """Rank 0's outputs of one run: metrics rows, the progress bar, trace and report.
+
+    Args:
+        run_dir: the run directory.
+        run_row: fields of the ``run`` row (config, mesh, partition, layer names, ...).
+        stage_of: stage of each layer index (to label the per-layer rows).
+        batch_size: global samples per step.
+        steps: last step of the run; ``start``: first step of this (possibly resumed) run.
+        progress: show a progress bar.
+    """
+
+    def __init__(self, run_dir: Path, run_row: dict, stage_of: list[int], batch_size: int,
+                 steps: int, start: int, progress: bool):
+        self.run_dir, self.stage_of, self.batch_size = Path(run_dir), stage_of, batch_size
+        self.steps = steps
+        self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.writer.write("run", **run_row, start_step=start, time_started=time.time(),
+                          started=datetime.datetime.now().isoformat(timespec="seconds"))
+        self.progress = None
+        if progress:
+            from trainwright.progress import StepProgress
+            self.progress = StepProgress(steps, start - 1)
+        self.loss: float | None = None
+        self._t0 = time.perf_counter()
+
+    def step(self, step: int, stats: list, layer_costs: list[dict] | None) -> None:
+        """Record one step from every rank's stats (and the pipeline's layer costs)."""
+        row = step_record(stats, self.batch_size)
+        row["time"] = time.time()
+        self.loss = row["loss"]
+        self.writer.write("step", **row)
+        for st in stats:
+            if st.memory_plan is not None and st.replica == 0:
+                self.writer.write("memory_plan", step=step, stage=st.stage, **st.memory_plan)
+        if layer_costs is not None:
+            rows = [{**c, "stage": self.stage_of[c["layer"]]} for c in layer_costs]
+            self.writer.write("layers", step=step, layers=rows)
+        if self.progress is not None:
+            self.progress.update(step, self.loss, row["samples_per_s"])
+
+    def finish(self, events: dict[int, list], names: dict[int, str], report: bool) -> None:
+        """Close the progress bar, write trace.json, the ``end`` row and the report."""
+        if self.progress is not None:
+            self.progress.close()
+        write_trace(self.run_dir / "trace.json", events, names)
+        self.writer.write("end", steps=self.steps, final_loss=self.loss,
+                          wall_s=time.perf_counter() - self._t0)
+        self.writer.close()
+        if report:
+            from trainwright.report import write_report
+            write_report(self.run_dir)

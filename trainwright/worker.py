@@ -10,7 +10,6 @@ import datetime
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.profile import LayerProfiler
 from trainwright.sync.dense import BucketedAllReduce
-from trainwright.telemetry import MetricsWriter, setup_logging, step_record, write_trace
+from trainwright.telemetry import RunRecorder, setup_logging
 from trainwright.topology import Topology
 
 __all__ = ["DistEnv", "run_worker", "train", "resume_hint", "EXIT_PEER_LOST", "EXIT_FAILED"]
@@ -197,7 +196,6 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     Returns:
         The last step's mean loss on rank 0, None on other ranks.
     """
-    t_start = time.perf_counter()
     device = device or torch.device("cpu")
     run_dir = Path(run_dir)
     topo = Topology.create(cfg.parallel.pp, cfg.parallel.dp)
@@ -242,31 +240,23 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     per_replica = t.batch_size // topo.dp
     lo = topo.replica * per_replica
 
-    writer = progress = None
+    recorder = None
     if topo.rank == 0:
-        writer = MetricsWriter(run_dir / "metrics.jsonl")
-        writer.write("run", config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp,
-                     dp=topo.dp, schedule=t.schedule, start_step=start,
-                     partition=[list(range(sum(parts[:k]), sum(parts[: k + 1])))
-                                for k in range(topo.pp)],
-                     layer_names=layer_names,
-                     started=datetime.datetime.now().isoformat(timespec="seconds"),
-                     time_started=time.time())
-        if cfg.run.progress:
-            from trainwright.progress import StepProgress
-            progress = StepProgress(t.steps, start - 1)
+        recorder = RunRecorder(
+            run_dir, dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp,
+                          dp=topo.dp, schedule=t.schedule, layer_names=layer_names,
+                          partition=[list(range(sum(parts[:k]), sum(parts[: k + 1])))
+                                     for k in range(topo.pp)]),
+            stage_of, t.batch_size, t.steps, start, cfg.run.progress)
     trace_events: list = []
-    loss = None
     for step in range(start, t.steps + 1):
         x, y = data.batch(step, t.batch_size)
         x, y = x[lo : lo + per_replica].to(device), y[lo : lo + per_replica].to(device)
-        traced = step - start < cfg.run.trace_steps
-        plan = budget.plan if step == start else None
         stats = runtime.run_step(step, split_microbatches(x, t.micro_batches) if s == 0 else None,
                                  split_microbatches(y, t.micro_batches) if stage.is_last else None,
-                                 trace=traced)
-        if plan is not None:
-            stats.memory_plan = _plan_record(budget, plan)
+                                 trace=step - start < cfg.run.trace_steps)
+        if step == start and budget.plan is not None:
+            stats.memory_plan = _plan_record(budget, budget.plan)
         trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         profile_now = step % cfg.run.profile_every == 0 or step == t.steps
@@ -275,41 +265,22 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
             dist.all_gather_object(tables, [c.to_dict() for c in profiler.table()],
                                    group=topo.pp_group)
             runtime.pipeline_costs = [c for table in tables for c in table]
-            if budget.replan(why=f"after step {step}") is not None:
+            if budget.replan(why=f"after step {step}", only_if_over=True) is not None:
                 stats.memory_plan = _plan_record(budget, budget.plan)
         gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
         dist.gather_object(stats, gathered, dst=0)
-        if topo.rank == 0:
-            row = step_record(gathered, t.batch_size)
-            row["time"] = time.time()
-            loss = row["loss"]
-            writer.write("step", **row)
-            for st in gathered:
-                if st.memory_plan is not None and st.replica == 0:
-                    writer.write("memory_plan", step=step, stage=st.stage, **st.memory_plan)
-            if profile_now:
-                for c in runtime.pipeline_costs:
-                    c["stage"] = stage_of[c["layer"]]
-                writer.write("layers", step=step, layers=runtime.pipeline_costs)
-            if progress is not None:
-                progress.update(step, loss, row["samples_per_s"])
+        if recorder is not None:
+            recorder.step(step, gathered, runtime.pipeline_costs if profile_now else None)
         every = cfg.run.checkpoint_every
         if step == t.steps or (every and step % every == 0):
             _checkpoint(run_dir, step, topo, stage)
-    if progress is not None:
-        progress.close()
     all_events: list | None = [None] * topo.world_size if topo.rank == 0 else None
     dist.gather_object(trace_events, all_events, dst=0)
-    if topo.rank == 0:
-        write_trace(run_dir / "trace.json", dict(enumerate(all_events)),
-                    {r: topo.describe(r) for r in range(topo.world_size)})
-        writer.write("end", steps=t.steps, final_loss=loss, wall_s=time.perf_counter() - t_start)
-        writer.close()
-        if cfg.run.report:
-            from trainwright.report import write_report
-            write_report(run_dir)
+    if recorder is not None:
+        recorder.finish(dict(enumerate(all_events)),
+                        {r: topo.describe(r) for r in range(topo.world_size)}, cfg.run.report)
     dist.barrier()
-    return loss if topo.rank == 0 else None
+    return recorder.loss if recorder is not None else None
 
 
 def _memory_budget(cfg: Config, stage: Stage, s: int, device: torch.device,

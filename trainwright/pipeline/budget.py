@@ -26,6 +26,7 @@ from trainwright.plan.memory import (
     format_bytes,
     min_feasible_bytes,
     plan_stage,
+    required_bytes,
 )
 from trainwright.profile import LayerCost, LayerProfiler
 
@@ -162,21 +163,28 @@ class MemoryBudget:
         if fixed is not None:
             stage.store.set_policies({s.index: fixed[s.index] for s in stage.slots})
 
-    def replan(self, costs: list[LayerCost] | None = None, why: str = "") -> MemoryPlan | None:
-        """Plan again if the seed's trigger fires; apply and return the new plan, else None.
+    def replan(self, costs: list[LayerCost] | None = None, why: str = "",
+               only_if_over: bool = False) -> MemoryPlan | None:
+        """Plan again if the seed's trigger fires; apply and return a changed plan, else None.
 
         Args:
             costs: the stage's per-layer costs (default: the profiler's current table).
             why: context for the log line (e.g. "before step 1").
+            only_if_over: re-plan only when the measured costs exceed the limit. Periodic
+                checks use this: the seed's other trigger (a recompute while under the
+                limit) is meant for a changed partition, and would otherwise re-make a plan
+                that recomputes on purpose at every check.
         """
         if self.fixed is not None or self.limit is None:
             return None  # policies are fixed, or there is nothing to fit under
         mine = {s.index for s in self.stage.slots}
-        costs = [c for c in (costs or self.stage.profiler.table()) if c.layer in mine]
+        mems = layer_mems([c for c in (costs or self.stage.profiler.table()) if c.layer in mine])
         current = {s.index: self.stage.store.policy(s.index) for s in self.stage.slots}
-        plan = plan_stage(layer_mems(costs), self.in_flight, self.limit, self.host_bandwidth,
+        if only_if_over and required_bytes(mems, current, self.in_flight) < self.limit:
+            return None
+        plan = plan_stage(mems, self.in_flight, self.limit, self.host_bandwidth,
                           planner=self.planner, current=current)
-        if plan is None:
+        if plan is None or (self.plan is not None and plan.policies == current):
             return None
         self.stage.store.set_policies(plan.policies)
         self.plan = plan
