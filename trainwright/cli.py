@@ -49,9 +49,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     run_dir = create_run_dir(cfg, resume_dir)
     setup_logging("[launcher]", logging.INFO)
-    print(f"trainwright: {cfg.world_size} ranks ({cfg.parallel.pp} stages x {cfg.parallel.dp} "
-          f"replicas), {cfg.train.schedule}, {cfg.train.steps} steps -> {run_dir}",
-          file=sys.stderr)
+    dp = cfg.parallel.dp
+    print(f"trainwright: {cfg.world_size} ranks ({cfg.parallel.pp} stages x {dp} "
+          f"{'replica' if dp == 1 else 'replicas'}), {cfg.train.schedule}, "
+          f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
     result = launch_local(cfg, run_dir, resume=resume_dir is not None)
     if not result.ok:
         others = [r for r in range(len(result.returncodes)) if r != result.first_failure]
