@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainwright.bench import peers
+from trainwright.bench.ours import train_rank
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
 from trainwright.models.gpt import GPTConfig, gpt_layers
@@ -106,34 +106,19 @@ def _config(spec: MemoryBenchSpec, run_dir: Path, extra: list[str]) -> Config:
 def ours_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchSpec,
                 out_path: str, *, extra: tuple = ()) -> None:
     """One rank of trainwright on the memory workload (``extra``: config overrides)."""
-    from trainwright.worker import train
-
-    torch.set_num_threads(spec.threads_per_rank)
-    peers.init_process_group(rank, world_size, master_port)
-    run_dir = Path(out_path).parent / "trainwright_run"
-    try:
-        cfg = _config(spec, run_dir, list(extra))
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        train(cfg, run_dir)
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in rows if r["kind"] == "step"]
-        start = next(r for r in rows if r["kind"] == "run")["time_started"]
-        ends = [start] + [r["time"] for r in steps]
-        peaks = [max(r["stages"][s]["activation_peak_bytes"] for r in steps)
-                 for s in range(spec.stages)]
-        host = [max(r["stages"][s].get("host_peak_bytes", 0) for r in steps)
-                for s in range(spec.stages)]
-        plans = [r for r in rows if r["kind"] == "memory_plan"]
-        Path(out_path).write_text(json.dumps({
-            "rank": rank, "step_times_s": [b - a for a, b in zip(ends, ends[1:], strict=False)],
-            "losses": [r["loss"] for r in steps] if rank == world_size - 1 else None,
-            "peak_bytes_per_stage": peaks, "host_peak_bytes_per_stage": host,
-            "policies": {p["stage"]: [x["policy"] for x in p["layers"]] for p in plans},
-        }))
-    finally:
-        dist.destroy_process_group()
+    rec = train_rank(rank, world_size, master_port, spec.threads_per_rank,
+                     lambda run_dir: _config(spec, run_dir, list(extra)), out_path)
+    steps = rec.steps
+    plans = [r for r in rec.rows if r["kind"] == "memory_plan"]
+    Path(out_path).write_text(json.dumps({
+        "rank": rank, "step_times_s": rec.step_times_s(),
+        "losses": [r["loss"] for r in steps] if rank == world_size - 1 else None,
+        "peak_bytes_per_stage": [max(r["stages"][s]["activation_peak_bytes"] for r in steps)
+                                 for s in range(spec.stages)],
+        "host_peak_bytes_per_stage": [max(r["stages"][s].get("host_peak_bytes", 0)
+                                          for r in steps) for s in range(spec.stages)],
+        "policies": {p["stage"]: [x["policy"] for x in p["layers"]] for p in plans},
+    }))
 
 
 def _median_step(results: list[dict], warmup: int) -> float:

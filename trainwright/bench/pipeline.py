@@ -19,9 +19,9 @@ import statistics
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainwright.bench import peers
+from trainwright.bench.ours import train_rank
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
 from trainwright.telemetry import atomic_write_text
@@ -51,28 +51,12 @@ def spec_config(spec: PipelineBenchSpec, run_dir: Path) -> Config:
 def trainwright_worker(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec,
                        out_path: str) -> None:
     """One rank of our 1F1B on the benchmark workload; writes the peers' result format."""
-    from trainwright.worker import train
-
-    torch.set_num_threads(spec.threads_per_rank)
-    peers.init_process_group(rank, world_size, master_port)
-    run_dir = Path(out_path).parent / "trainwright_run"  # shared by the ranks
-    try:
-        cfg = spec_config(spec, run_dir)
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        train(cfg, run_dir)
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        steps = [r for r in rows if r["kind"] == "step"]
-        start = next(r for r in rows if r["kind"] == "run")["time_started"]
-        ends = [start] + [r["time"] for r in steps]
-        result = {"system": "trainwright_1f1b", "rank": rank,
-                  "step_times_s": [b - a for a, b in zip(ends, ends[1:], strict=False)],
-                  "losses": [r["loss"] for r in steps] if rank == world_size - 1 else None,
-                  "bubble_fraction": trace_bubble(run_dir / "trace.json", spec.warmup)}
-        Path(out_path).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    rec = train_rank(rank, world_size, master_port, spec.threads_per_rank,
+                     lambda run_dir: spec_config(spec, run_dir), out_path)
+    Path(out_path).write_text(json.dumps({
+        "system": "trainwright_1f1b", "rank": rank, "step_times_s": rec.step_times_s(),
+        "losses": [r["loss"] for r in rec.steps] if rank == world_size - 1 else None,
+        "bubble_fraction": trace_bubble(rec.run_dir / "trace.json", spec.warmup)}))
 
 
 def trace_bubble(trace_path: Path, warmup: int) -> float:
