@@ -2,6 +2,8 @@
 
 * :mod:`trainwright.plan.memory`: per-layer keep / swap / recompute policies under a
   stage's activation-memory limit.
+* :mod:`trainwright.plan.partition`: clusters -> k pipeline stages (seed 000's threshold
+  rule with least communication, and the min-max optimum).
 """
 
 __all__: list[str] = []
