@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from trainwright.errors import ConfigError, PlanError
-from trainwright.telemetry import setup_logging
+from trainwright.telemetry import atomic_write_text, setup_logging
 
 __all__ = ["main"]
 
@@ -111,6 +111,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {sorted(BENCHMARKS)}")
     result = BENCHMARKS[args.name](args)
+    if args.json:
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2) if not args.json else f"wrote {args.json}")
     for row in result.get("rows", []):
         figures = {k: v for k, v in row.items() if k in ("step_ms_median", "samples_per_s",

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwright.errors import ConfigError
+from trainwright.plan.memory import POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -223,9 +224,9 @@ class Config:
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
-        bad = [x for x in self.memory.policies if x not in ("keep", "swap", "recompute")]
+        bad = [x for x in self.memory.policies if x not in POLICIES]
         if bad:
-            raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: keep, swap, recompute")
+            raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")
         if m.n_layers is not None:
             self.check_layers(m.n_layers)
         self.stage_limits()  # parses every limit now, so a typo fails before any process

@@ -37,7 +37,6 @@ from trainwright.bench.ours import train_rank
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
 from trainwright.models.gpt import GPTConfig, gpt_layers
-from trainwright.telemetry import atomic_write_text
 
 __all__ = ["MemoryBenchSpec", "Checkpointed", "checkpointed_gpt", "run", "main"]
 
@@ -207,11 +206,8 @@ def run(spec: MemoryBenchSpec, repeats: int = 2, deepspeed: bool | None = None) 
 
 
 def main(args: argparse.Namespace) -> dict:
-    """CLI entry: ``trainwright bench memory [--json PATH] [--repeats N] [--steps N]``."""
+    """CLI entry: ``trainwright bench memory [--repeats N] [--steps N]``; returns the result."""
     spec = MemoryBenchSpec()
     if args.steps:
         spec.steps = args.steps
-    result = run(spec, repeats=args.repeats)
-    if args.json:
-        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
-    return result
+    return run(spec, repeats=args.repeats)

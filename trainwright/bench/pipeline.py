@@ -24,7 +24,6 @@ from trainwright.bench import peers
 from trainwright.bench.ours import train_rank
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
-from trainwright.telemetry import atomic_write_text
 
 __all__ = ["trainwright_worker", "spec_config", "trace_bubble", "run", "main"]
 
@@ -138,15 +137,8 @@ def run(spec: PipelineBenchSpec, repeats: int = 3, deepspeed: bool | None = None
 
 
 def main(args: argparse.Namespace) -> dict:
-    """CLI entry: ``trainwright bench pipeline [--json PATH] [--repeats N] [--steps N]``.
-
-    Returns:
-        The result, also written to ``args.json`` when given.
-    """
+    """CLI entry: ``trainwright bench pipeline [--repeats N] [--steps N]``; returns the result."""
     spec = PipelineBenchSpec()
     if args.steps:
         spec.steps = args.steps
-    result = run(spec, repeats=args.repeats)
-    if args.json:
-        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
-    return result
+    return run(spec, repeats=args.repeats)

@@ -21,6 +21,7 @@ from trainwright.pipeline.schedule import build_schedule, max_in_flight
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.memory import (
+    POLICIES,
     LayerMem,
     MemoryPlan,
     format_bytes,
@@ -189,7 +190,7 @@ class MemoryBudget:
         self.stage.store.set_policies(plan.policies)
         self.plan = plan
         counts = {p: sum(v == p for v in plan.policies.values())
-                  for p in ("keep", "swap", "recompute")}
+                  for p in POLICIES}
         log.info("memory plan %s (%s, %s): keep %d, swap %d, recompute %d; needs %s of %s; "
                  "adds %.1f ms per micro-batch", why, plan.planner, plan.reason,
                  counts["keep"], counts["swap"], counts["recompute"],

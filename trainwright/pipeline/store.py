@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from trainwright.pipeline.swap import HostSwap, Swapped
+from trainwright.plan.memory import POLICIES
 
 __all__ = ["Segment", "Capture", "ActivationStore", "POLICIES", "as_tuple", "storage_key"]
 
-POLICIES = ("keep", "swap", "recompute")
 
 
 def as_tuple(x) -> tuple:
