@@ -24,8 +24,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
-           "RunConfig",
-           "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
+           "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
+           "RunConfig", "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
 
 
 @dataclass(kw_only=True)
@@ -128,6 +128,34 @@ class MemoryConfig:
 
 
 @dataclass(kw_only=True)
+class SyncConfig:
+    strategy: str = "dense"
+    """How data-parallel replicas agree on gradients: ``"dense"`` (bucketed all-reduce),
+    ``"hierarchical"`` (seed 003, slices sized by memory) or ``"tokenring"`` (seed 002,
+    plain data parallel without a barrier)."""
+    sparse: bool = False
+    """Send sparse (embedding) gradients as rows + height + values (seed 001)."""
+
+
+@dataclass(kw_only=True)
+class HierarchicalConfig:
+    ranks_per_node: int = 0
+    """Ranks forming one node; 0 = ranks on the same host (set it to emulate nodes)."""
+
+
+@dataclass(kw_only=True)
+class TokenRingConfig:
+    close_fraction: float = 0.9
+    """A step closes once the contributions taken cover this fraction of its samples."""
+
+
+@dataclass(kw_only=True)
+class RebalanceConfig:
+    enabled: bool = False
+    """Detect unbalanced stages and migrate layers live (seed 000)."""
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     dir: str = "runs"
     """Parent folder of run directories."""
@@ -165,13 +193,16 @@ class FaultConfig:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
-    "memory": MemoryConfig, "run": RunConfig, "runtime": RuntimeConfig, "fault": FaultConfig,
+    "memory": MemoryConfig, "sync": SyncConfig, "hierarchical": HierarchicalConfig,
+    "tokenring": TokenRingConfig, "rebalance": RebalanceConfig, "run": RunConfig,
+    "runtime": RuntimeConfig, "fault": FaultConfig,
 }
 CHOICES = {
     "model.name": ("gpt", "mlp"), "data.name": ("stdlib", "synthetic"),
     "train.schedule": ("1f1b", "gpipe"), "train.optimizer": ("sgd", "adam", "adamw"),
     "train.loss": ("cross_entropy", "mse"), "memory.planner": ("greedy", "optimal"),
     "parallel.backend": ("auto", "gloo", "nccl"),
+    "sync.strategy": ("dense", "hierarchical", "tokenring"),
 }
 POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
             "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
@@ -188,6 +219,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
+    tokenring: TokenRingConfig = field(default_factory=TokenRingConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
     run: RunConfig = field(default_factory=RunConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)

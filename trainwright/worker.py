@@ -33,7 +33,7 @@ from trainwright.pipeline.schedule import build_schedule
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.profile import LayerProfiler
-from trainwright.sync.dense import BucketedAllReduce
+from trainwright.sync import make_grad_sync
 from trainwright.telemetry import RunRecorder, setup_logging
 from trainwright.topology import Topology
 
@@ -226,7 +226,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     actions = build_schedule(t.schedule, topo.pp, t.micro_batches)[s]
     p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
               on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
-    sync = BucketedAllReduce(topo.dp_group, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
+    sync = make_grad_sync(cfg, topo)
     fault = None
     if fault_rank is not None and cfg.fault.kill_rank == fault_rank:
         fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2)
@@ -234,7 +234,7 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
         stage, actions, p2p,
         prev_rank=topo.rank_of(s - 1) if s > 0 else None,
         next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
-        grad_sync=sync.sync, replica=topo.replica, fault=fault)
+        grad_sync=sync, replica=topo.replica, fault=fault)
     budget = _memory_budget(cfg, stage, s, device, len(layer_names))
     data = build_data(cfg)
     per_replica = t.batch_size // topo.dp

@@ -1,16 +1,19 @@
-"""Side-by-side benchmarks behind ``trainwright bench NAME``: name -> ``main(args) -> dict``."""
+"""Side-by-side benchmarks behind ``trainwright bench NAME``.
+
+Each benchmark is a module ``trainwright.bench.NAME`` with ``main(args) -> dict`` (the
+JSON the CLI writes); :data:`BENCHMARKS` maps names to modules, imported only when run.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHMARKS = {
+    "pipeline": "trainwright.bench.pipeline",
+    "memory": "trainwright.bench.memory",
+}
 
 
-def _pipeline(args):
-    from trainwright.bench.pipeline import main
-
-    return main(args)
-
-
-def _memory(args):
-    from trainwright.bench.memory import main
-
-    return main(args)
-
-
-BENCHMARKS = {"pipeline": _pipeline, "memory": _memory}
+def run_benchmark(name: str, args) -> dict:
+    """Run benchmark ``name`` with the CLI's parsed ``args``; returns its JSON data."""
+    return importlib.import_module(BENCHMARKS[name]).main(args)

@@ -19,6 +19,7 @@ import torch
 from trainwright.comm import P2P
 from trainwright.pipeline.schedule import Action
 from trainwright.pipeline.stage import Stage
+from trainwright.sync import GradSync
 
 __all__ = ["StepStats", "PipelineRuntime"]
 
@@ -58,14 +59,14 @@ class PipelineRuntime:
         actions: this stage's action list (one step).
         p2p: transfers to the neighbouring stages.
         prev_rank / next_rank: global ranks of the neighbours (None at the ends).
-        grad_sync: ``params -> None`` averaging gradients over replicas (the SYNC action).
+        grad_sync: averages gradients over replicas (SYNC action) and updates (STEP).
         replica: this rank's data-parallel index (for the stats).
         fault: ``(step, action_index) -> None`` hook called before each action (testing).
     """
 
     def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, *,
                  prev_rank: int | None, next_rank: int | None,
-                 grad_sync: Callable[[list], None], replica: int = 0,
+                 grad_sync: GradSync, replica: int = 0,
                  fault: Callable[[int, int], None] | None = None):
         self.stage, self.actions, self.p2p = stage, actions, p2p
         self.prev_rank, self.next_rank = prev_rank, next_rank
@@ -128,12 +129,9 @@ class PipelineRuntime:
                 self.p2p.send(self.prev_rank, "grad", mb, grads_out.pop(mb))
             elif k == "SYNC":
                 self.p2p.wait_sends()
-                self.grad_sync(st.parameters())
+                self.grad_sync.sync(st.parameters())
             elif k == "STEP":
-                for slot in st.slots:
-                    if slot.optimizer is not None:
-                        slot.optimizer.step()
-                        slot.optimizer.zero_grad(set_to_none=True)
+                self.grad_sync.step(st.slots)
             else:  # pragma: no cover - schedule.KINDS is closed
                 raise ValueError(f"unknown action {a}")
             t1 = time.perf_counter_ns()

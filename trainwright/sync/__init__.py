@@ -1,1 +1,47 @@
-"""Gradient synchronisation strategies across data-parallel replicas."""
+"""Gradient synchronisation strategies across data-parallel replicas.
+
+A strategy is a :class:`GradSync`: the pipeline runtime calls :meth:`GradSync.sync` at the
+schedule's ``SYNC`` action (after the last backward of a step) and :meth:`GradSync.step` at
+its ``STEP`` action. :func:`make_grad_sync` picks the strategy named by ``sync.strategy``
+(and ``sync.sparse``) in the configuration.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from trainwright.config import Config
+    from trainwright.topology import Topology
+
+__all__ = ["GradSync", "make_grad_sync"]
+
+
+class GradSync:
+    """Base strategy: ``sync`` averages gradients over the replicas, ``step`` updates.
+
+    The default ``step`` runs each layer's own optimizer (layers carry their optimizer so
+    that they can migrate between stages); strategies that shard optimizer state override it.
+    """
+
+    def sync(self, params: list) -> None:
+        """Average the gradients of ``params`` over the data-parallel replicas, in place."""
+        raise NotImplementedError
+
+    def step(self, slots: list) -> None:
+        """Apply the update for the stage's layers (``LayerSlot`` list) and clear gradients."""
+        for slot in slots:
+            if slot.optimizer is not None:
+                slot.optimizer.step()
+                slot.optimizer.zero_grad(set_to_none=True)
+
+
+def make_grad_sync(cfg: Config, topo: Topology) -> GradSync:
+    """The strategy configured by ``cfg.sync`` for this rank's data-parallel group."""
+    from trainwright.sync.dense import BucketedAllReduce
+
+    strategy = cfg.sync.strategy
+    if strategy == "dense":
+        return BucketedAllReduce(topo.dp_group, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
+    raise NotImplementedError(f"sync.strategy = {strategy!r} is not available inside the "
+                              f"pipeline yet")

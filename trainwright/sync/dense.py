@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainwright.sync import GradSync
+
 __all__ = ["BucketedAllReduce", "naive_all_reduce"]
 
 
@@ -23,7 +25,7 @@ def naive_all_reduce(params: list[torch.nn.Parameter], group, world: int) -> Non
         p.grad.div_(world)
 
 
-class BucketedAllReduce:
+class BucketedAllReduce(GradSync):
     """Average gradients over a process group in flat buckets.
 
     Args:
