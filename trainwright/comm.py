@@ -31,7 +31,8 @@ MAX_TENSORS = 6
 MAX_DIMS = 7
 PER_TENSOR = 3 + MAX_DIMS
 HEADER_LEN = 4 + MAX_TENSORS * PER_TENSOR
-KIND_CODES = {"act": 1, "grad": 2}
+KIND_CODES = {"act": 1, "grad": 2, "plan": 3, "mig_prepare": 4, "mig_ready": 5,
+              "mig_package": 6, "mig_final": 7}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool, torch.int8, torch.int16]
 NONE_DTYPE = -1  # a missing gradient (input that needs none) travels as a placeholder

@@ -153,6 +153,29 @@ class TokenRingConfig:
 class RebalanceConfig:
     enabled: bool = False
     """Detect unbalanced stages and migrate layers live (seed 000)."""
+    check_every: int = 5
+    """Steps between imbalance checks (each gathers the per-layer times on the last stage)."""
+    threshold_rel: float = 0.1
+    """Stages are balanced when ``(max - min) / max`` of their times is at most this."""
+    threshold_s: float = 0.0
+    """...and when ``max - min`` is at most this many seconds per micro-batch (0: unchecked)."""
+    patience: int = 2
+    """Consecutive unbalanced checks before a re-partition (hysteresis against noise)."""
+    cooldown: int = 2
+    """Checks ignored after a re-partition, while the new stage times settle."""
+    smoothing: float = 0.5
+    """Weight of the newest check in the moving average of stage times."""
+    link_bandwidth: float = 1e9
+    """Bytes/s between neighbouring stages: prices a cut among balanced partitions."""
+    switch_mb: int = 0
+    """Micro-batch after whose forward the moving layers change stage (0 .. micro_batches-2)."""
+    at_step: int = 0
+    """Manual re-partition: move to ``to`` during this step (0: never)."""
+    to: list = field(default_factory=list)
+    """Manual re-partition target, layers per stage (with ``at_step``)."""
+    edits: str = ""
+    """Dynamic model hook ``"module:function"``: ``function(step)`` returns the layers to
+    insert or remove before that step (see ``trainwright.pipeline.edit``)."""
 
 
 @dataclass(kw_only=True)
@@ -189,6 +212,9 @@ class FaultConfig:
     """Testing: this rank SIGKILLs itself in the middle of step ``kill_step``."""
     kill_step: int = -1
     """Testing: the step (1-based) in which ``kill_rank`` dies."""
+    kill_before: str = ""
+    """Testing: die just before the first action of this kind (e.g. ``"MIG_RECV"``) instead
+    of in the middle of the step."""
 
 
 SECTIONS: dict[str, type] = {
@@ -207,7 +233,9 @@ CHOICES = {
 POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
             "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
             "parallel.pp", "parallel.dp", "runtime.p2p_timeout_s", "runtime.peer_timeout_s",
-            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes")
+            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes",
+            "rebalance.check_every", "rebalance.patience", "rebalance.smoothing",
+            "rebalance.link_bandwidth")
 
 
 @dataclass(kw_only=True)
@@ -271,11 +299,37 @@ class Config:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
                               f"parallel.dp = {par.dp} replicas; use a multiple of {par.dp}")
         per_replica = t.batch_size // par.dp
+        self._validate_rebalance()
         if per_replica % t.micro_batches:
             divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
             raise ConfigError(f"train.micro_batches = {t.micro_batches} does not divide the "
                               f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
                               f"; allowed: {divisors}")
+
+    def _validate_rebalance(self) -> None:
+        rb, m = self.rebalance, self.train.micro_batches
+        if not 0 <= rb.switch_mb <= m - 2:
+            raise ConfigError(f"rebalance.switch_mb = {rb.switch_mb} must be in 0..{m - 2} (a "
+                              f"forward must follow it); with train.micro_batches = {m}"
+                              + (" use at least 2 micro-batches" if m < 2 else ""))
+        if (rb.enabled or rb.at_step) and m < 2:
+            raise ConfigError("rebalancing moves layers between micro-batches and needs "
+                              "train.micro_batches >= 2")
+        if rb.smoothing > 1 or rb.threshold_rel < 0 or rb.threshold_s < 0 or rb.cooldown < 0:
+            raise ConfigError("rebalance.smoothing must be in (0, 1], rebalance.threshold_rel, "
+                              "threshold_s and cooldown >= 0")
+        if rb.at_step < 0:
+            raise ConfigError(f"rebalance.at_step = {rb.at_step} must be >= 0 (0: no manual "
+                              f"re-partition)")
+        if bool(rb.at_step) != bool(rb.to):
+            raise ConfigError("rebalance.at_step and rebalance.to go together: give both (a "
+                              "step and the layers per stage to move to) or neither")
+        if rb.to and (len(rb.to) != self.parallel.pp
+                      or not all(isinstance(x, int) and x > 0 for x in rb.to)):
+            raise ConfigError(f"rebalance.to = {rb.to} must be {self.parallel.pp} positive "
+                              f"integers (layers per stage)")
+        if rb.edits and ":" not in rb.edits:
+            raise ConfigError(f"rebalance.edits = {rb.edits!r} must be \"module:function\"")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).
@@ -328,6 +382,9 @@ class Config:
                       or sum(parts) != n_layers):
             raise ConfigError(f"parallel.partition = {parts} must be {p} positive integers "
                               f"summing to the model's {n_layers} layers")
+        to = self.rebalance.to
+        if to and sum(to) != n_layers and not self.rebalance.edits:
+            raise ConfigError(f"rebalance.to = {to} must sum to the model's {n_layers} layers")
         self.layer_policies(n_layers)
 
     def get(self, key: str) -> Any:

@@ -81,6 +81,21 @@ def step_record(stats: list, samples: int) -> dict:
     }
 
 
+def repartition_record(step: int, moved: list[dict], row: dict) -> dict:
+    """One ``repartition`` metrics row from the migration stats of every involved rank.
+
+    ``bytes_moved`` sums what every giver sent (all replicas); ``time_s`` is the longest
+    time a stage spent from the first to the last migration action.
+    """
+    first = moved[0]
+    return {"step": step, "old": first["old"], "new": first["new"], "moves": first["moves"],
+            "bytes_moved": sum(m["bytes_sent"] for m in moved),
+            "time_s": max(m["seconds"] for m in moved),
+            "in_flight": max(m["in_flight"] for m in moved),
+            "shipped_microbatches": max(m["shipped_microbatches"] for m in moved),
+            "step_time_s": row["step_time_s"]}
+
+
 def write_trace(path: Path, events: dict[int, list], names: dict[int, str]) -> None:
     """Write a Chrome/Perfetto trace: one process track per rank.
 
@@ -149,8 +164,15 @@ class RunRecorder:
         for st in stats:
             if st.memory_plan is not None and st.replica == 0:
                 self.writer.write("memory_plan", step=step, stage=st.stage, **st.memory_plan)
+        for st in stats:
+            if st.decision is not None and st.replica == 0:
+                self.writer.write("imbalance", **st.decision)
+        moved = [st.migration for st in stats if st.migration is not None]
+        if moved:
+            self.writer.write("repartition", **repartition_record(step, moved, row))
         if layer_costs is not None:
-            rows = [{**c, "stage": self.stage_of[c["layer"]]} for c in layer_costs]
+            rows = [{**c, "stage": self.stage_of[c["layer"]]} for c in layer_costs
+                    if c["layer"] < len(self.stage_of)]
             self.writer.write("layers", step=step, layers=rows)
         if self.progress is not None:
             self.progress.update(step, self.loss, row["samples_per_s"])

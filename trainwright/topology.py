@@ -27,6 +27,9 @@ class Topology:
     """Process group of this rank's pipeline (all stages of its replica)."""
     dp_group: object = field(default=None, repr=False)
     """Process group of this rank's stage across replicas."""
+    ctrl_group: object = field(default=None, repr=False)
+    """A second group over this rank's pipeline for control traffic (re-partition plans,
+    layer migration), so its messages never queue behind activations on the data group."""
 
     @property
     def world_size(self) -> int:
@@ -76,8 +79,9 @@ class Topology:
         topo = cls(pp=pp, dp=dp, rank=rank)
         for d in range(dp):  # every rank takes part in creating every group
             g = dist.new_group([d * pp + s for s in range(pp)])
+            c = dist.new_group([d * pp + s for s in range(pp)])
             if d == topo.replica:
-                topo.pp_group = g
+                topo.pp_group, topo.ctrl_group = g, c
         for s in range(pp):
             g = dist.new_group([d * pp + s for d in range(dp)])
             if s == topo.stage:

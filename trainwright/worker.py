@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from trainwright import checkpoint
 from trainwright.build import build_data, build_layers, build_optimizer, loss_fn, split_microbatches
+from trainwright.clusters import model_clusters
 from trainwright.comm import P2P, Watchdog, exit_now
 from trainwright.config import Config, load_config
 from trainwright.errors import PeerLost
@@ -28,6 +29,8 @@ from trainwright.pipeline.budget import (
     resolve_limit,
     stage_in_flight,
 )
+from trainwright.pipeline.rebalance import LayerCatalog, Migration
+from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
 from trainwright.pipeline.schedule import build_schedule
 from trainwright.pipeline.stage import LayerSlot, Stage
@@ -206,6 +209,9 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     parts = cfg.partition(len(named))
     first = sum(parts[:s])
     stage_of = [k for k, n in enumerate(parts) for _ in range(n)]
+    rebalancing = cfg.rebalance.enabled or bool(cfg.rebalance.at_step)
+    catalog = LayerCatalog(named) if rebalancing else None
+    clusters = _clusters(named) if rebalancing and s == topo.pp - 1 else []
     slots = []
     for i in range(first, first + parts[s]):
         name, module = named[i]
@@ -223,13 +229,19 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     stage = Stage(slots, store, profiler, is_first=s == 0,
                   loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
                   loss_scale=1.0 / t.micro_batches)
-    actions = build_schedule(t.schedule, topo.pp, t.micro_batches)[s]
+    schedules = build_schedule(t.schedule, topo.pp, t.micro_batches)
+    actions = schedules[s]
     p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
               on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
+    rebalancer = None
+    if rebalancing:
+        ctrl = P2P(topo.ctrl_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
+                   on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
+        rebalancer = Rebalancer(cfg, topo, parts, clusters, schedules, ctrl)
     sync = make_grad_sync(cfg, topo)
     fault = None
     if fault_rank is not None and cfg.fault.kill_rank == fault_rank:
-        fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2)
+        fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2, cfg.fault.kill_before)
     runtime = PipelineRuntime(
         stage, actions, p2p,
         prev_rank=topo.rank_of(s - 1) if s > 0 else None,
@@ -252,24 +264,45 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     for step in range(start, t.steps + 1):
         x, y = data.batch(step, t.batch_size)
         x, y = x[lo : lo + per_replica].to(device), y[lo : lo + per_replica].to(device)
+        migration = None
+        if rebalancer is not None:
+            ms = rebalancer.migration_for(step)
+            if ms is not None:
+                migration = Migration(ms, s, stage, rebalancer.ctrl, topo.rank_of, catalog,
+                                      lambda params: build_optimizer(cfg, params), device)
         stats = runtime.run_step(step, split_microbatches(x, t.micro_batches) if s == 0 else None,
                                  split_microbatches(y, t.micro_batches) if stage.is_last else None,
-                                 trace=step - start < cfg.run.trace_steps)
+                                 trace=step - start < cfg.run.trace_steps, migration=migration)
         if step == start and budget.plan is not None:
             stats.memory_plan = _plan_record(budget, budget.plan)
+        if migration is not None:
+            old_parts = rebalancer.counts
+            rebalancer.step_done()
+            stats.migration.update(old=old_parts, new=rebalancer.counts)
+            parts = rebalancer.counts
+            stage_of = [k for k, n in enumerate(parts) for _ in range(n)]
+            if any(s in (m.giver, m.receiver) for m in ms.moves):
+                plan = budget.on_layers_changed()  # seed 000: re-plan memory after a move
+                if plan is not None:
+                    stats.memory_plan = _plan_record(budget, plan)
         trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         profile_now = step % cfg.run.profile_every == 0 or step == t.steps
-        if profile_now:  # every stage (the last one included) learns the pipeline's costs
+        check_now = (rebalancer is not None and cfg.rebalance.enabled
+                     and step % cfg.rebalance.check_every == 0 and step < t.steps)
+        if profile_now or check_now:  # every stage (the last one included) learns the costs
             tables: list = [None] * topo.pp
             dist.all_gather_object(tables, [c.to_dict() for c in profiler.table()],
                                    group=topo.pp_group)
             runtime.pipeline_costs = [c for table in tables for c in table]
-            if budget.replan(why=f"after step {step}", only_if_over=True) is not None:
-                stats.memory_plan = _plan_record(budget, budget.plan)
+        if profile_now and budget.replan(why=f"after step {step}", only_if_over=True) is not None:
+            stats.memory_plan = _plan_record(budget, budget.plan)
+        if check_now:
+            stats.decision = rebalancer.check(step, runtime.pipeline_costs)
         gathered: list | None = [None] * topo.world_size if topo.rank == 0 else None
         dist.gather_object(stats, gathered, dst=0)
         if recorder is not None:
+            recorder.stage_of = stage_of
             recorder.step(step, gathered, runtime.pipeline_costs if profile_now else None)
         every = cfg.run.checkpoint_every
         if step == t.steps or (every and step % every == 0):
@@ -296,6 +329,16 @@ def _memory_budget(cfg: Config, stage: Stage, s: int, device: torch.device,
     if limit is not None and fixed is None:
         budget.replan(costs=profile_model(cfg, build_layers(cfg)), why="before step 1")
     return budget
+
+
+def _clusters(named: list) -> list[list[int]]:
+    """Fork/join clusters of the model (one per layer when the graph cannot be read)."""
+    try:
+        return model_clusters([m for _, m in named])
+    except Exception as exc:  # an opaque layer the tracer cannot read: cut anywhere
+        log.warning("could not read the layer graph (%s); every layer is its own cluster",
+                    str(exc).splitlines()[0][:200])
+        return [[i] for i in range(len(named))]
 
 
 def _plan_record(budget: MemoryBudget, plan) -> dict:

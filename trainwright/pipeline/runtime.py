@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainwright.comm import P2P
+from trainwright.pipeline.rebalance import Migration
 from trainwright.pipeline.schedule import Action
 from trainwright.pipeline.stage import Stage
 from trainwright.sync import GradSync
@@ -44,6 +45,10 @@ class StepStats:
     """``torch.cuda.max_memory_allocated`` over the step (CUDA only)."""
     events: list = field(default_factory=list)
     """``(kind, mb, start_ns, dur_ns)`` per action, when tracing."""
+    migration: dict | None = None
+    """What this stage did in a layer migration during the step (None: no migration)."""
+    decision: dict | None = None
+    """A re-partition decided on this (last) stage after the step."""
 
     @property
     def idle_s(self) -> float:
@@ -61,13 +66,13 @@ class PipelineRuntime:
         prev_rank / next_rank: global ranks of the neighbours (None at the ends).
         grad_sync: averages gradients over replicas (SYNC action) and updates (STEP).
         replica: this rank's data-parallel index (for the stats).
-        fault: ``(step, action_index) -> None`` hook called before each action (testing).
+        fault: ``(step, action_index, action) -> None`` hook called before each action (testing).
     """
 
     def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, *,
                  prev_rank: int | None, next_rank: int | None,
                  grad_sync: GradSync, replica: int = 0,
-                 fault: Callable[[int, int], None] | None = None):
+                 fault: Callable[[int, int, Action], None] | None = None):
         self.stage, self.actions, self.p2p = stage, actions, p2p
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.grad_sync, self.replica = grad_sync, replica
@@ -77,7 +82,8 @@ class PipelineRuntime:
         """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
-                 targets: list[torch.Tensor] | None, trace: bool = False) -> StepStats:
+                 targets: list[torch.Tensor] | None, trace: bool = False,
+                 migration: Migration | None = None) -> StepStats:
         """Run one step: every micro-batch forward and backward, sync, optimizer step.
 
         Args:
@@ -85,6 +91,8 @@ class PipelineRuntime:
             inputs: micro-batch inputs (first stage only).
             targets: micro-batch targets (last stage only).
             trace: whether to record an event per action.
+            migration: this step moves layers: its actions (with the ``MIG_*`` ones) replace
+                the regular schedule, and it executes them.
 
         Returns:
             The stage's measurements; ``loss`` is the step's mean loss on the last stage.
@@ -103,9 +111,11 @@ class PipelineRuntime:
         events = []
         compute_ns = 0
         t_step = time.perf_counter_ns()
-        for i, a in enumerate(self.actions):
+        actions = self.actions if migration is None else \
+            migration.plan.actions[self.stage_index]
+        for i, a in enumerate(actions):
             if self.fault is not None:
-                self.fault(step, i)
+                self.fault(step, i, a)
             t0 = time.perf_counter_ns()
             k, mb = a.kind, a.mb
             if k == "RECV_F":
@@ -129,15 +139,19 @@ class PipelineRuntime:
                 self.p2p.send(self.prev_rank, "grad", mb, grads_out.pop(mb))
             elif k == "SYNC":
                 self.p2p.wait_sends()
+                if migration is not None:
+                    migration.ctrl.wait_sends()
                 self.grad_sync.sync(st.parameters())
             elif k == "STEP":
                 self.grad_sync.step(st.slots)
+            elif k.startswith("MIG_") and migration is not None:
+                migration.run(a)
             else:  # pragma: no cover - schedule.KINDS is closed
                 raise ValueError(f"unknown action {a}")
             t1 = time.perf_counter_ns()
             if k in ("F", "B"):
                 compute_ns += t1 - t0
-            if trace:
+            if trace or k.startswith("MIG_"):
                 events.append((k, mb, time.time_ns() - (time.perf_counter_ns() - t0), t1 - t0))
         wall = (time.perf_counter_ns() - t_step) / 1e9
         st.profiler.end_step()
@@ -148,14 +162,17 @@ class PipelineRuntime:
                          held_microbatches_peak=st.store.peak_microbatches, events=events,
                          host_peak_bytes=st.store.peak_host_bytes,
                          cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(
-                             params[0].device) if cuda else None))
+                             params[0].device) if cuda else None),
+                         migration=migration.stats.to_dict() if migration is not None else None)
 
 
-def kill_self_at(kill_step: int, action_index: int) -> Callable[[int, int], None]:
-    """Fault hook that SIGKILLs this process before ``action_index`` of step ``kill_step``."""
+def kill_self_at(kill_step: int, action_index: int,
+                 kind: str = "") -> Callable[[int, int, Action], None]:
+    """Fault hook that SIGKILLs this process in step ``kill_step``: before the first action
+    of ``kind`` when given (e.g. ``"MIG_RECV"``), else before action ``action_index``."""
 
-    def hook(step: int, i: int) -> None:
-        if step == kill_step and i == action_index:
+    def hook(step: int, i: int, action: Action) -> None:
+        if step == kill_step and (action.kind == kind if kind else i == action_index):
             os.kill(os.getpid(), signal.SIGKILL)
 
     return hook

@@ -65,6 +65,10 @@ class Stage:
         self.slots = list(slots)
         self.store, self.profiler = store, profiler
         self.is_first, self.loss_fn, self.loss_scale = is_first, loss_fn, loss_scale
+        self.retiring: dict[int, LayerSlot] = {}
+        """Layers no longer forwarded here whose held segments still need a backward."""
+        self.record_rng: set[int] = set()
+        """Layers whose segments also record the RNG state (they may be shipped)."""
         for s in self.slots:
             self._adopt(s)
 
@@ -72,6 +76,40 @@ class Stage:
         self.store.exclude_params([slot.module])
         pbytes = sum(p.numel() * p.element_size() for p in slot.module.parameters())
         self.profiler.register(slot.index, slot.name, pbytes)
+
+    def add_layers(self, slots: list[LayerSlot]) -> None:
+        """Forward these layers here from now on (a migration's receiver side)."""
+        for slot in slots:
+            self._adopt(slot)
+        self.slots = sorted([*self.slots, *slots], key=lambda x: x.index)
+
+    def retire_layers(self, indices) -> list[LayerSlot]:
+        """Stop forwarding these layers; they stay for the backward of held segments."""
+        indices = set(indices)
+        gone = [s for s in self.slots if s.index in indices]
+        self.slots = [s for s in self.slots if s.index not in indices]
+        if not self.slots:
+            raise RuntimeError(f"stage would lose all its layers ({sorted(indices)})")
+        self.retiring.update({s.index: s for s in gone})
+        return gone
+
+    def drop_retired(self, indices) -> list[LayerSlot]:
+        """Delete retired layers once no segment of theirs is held (giver, end of migration)."""
+        held = {layer for layer, _ in self.store.held()}
+        out = []
+        for i in indices:
+            if i in held:
+                raise RuntimeError(f"layer {i} still holds activations; cannot delete it")
+            out.append(self.retiring.pop(i))
+            self.profiler.forget(i)
+        return out
+
+    def layer(self, index: int) -> LayerSlot:
+        """The slot of a layer forwarded or retiring here."""
+        for s in self.slots:
+            if s.index == index:
+                return s
+        return self.retiring[index]
 
     @property
     def is_last(self) -> bool:
@@ -112,12 +150,13 @@ class Stage:
                               target=target if i == last else None)
                 self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
             else:
+                rng = _rng_state(inp) if slot.index in self.record_rng else None
                 with self.store.capture(inp, swap=policy == "swap") as cap:
                     t0 = time.perf_counter()
                     out = self._run(slot, inp, i == last, target)
                     dt = time.perf_counter() - t0
                 seg = Segment(slot.index, mb, inp, out, storages=cap.saved, policy=policy,
-                              swapped=cap.swapped)
+                              swapped=cap.swapped, rng_state=rng)
                 self.profiler.forward(slot.index, dt, cap.activation_bytes, in_bytes,
                                       _nbytes(out))
             self.store.put(seg)
@@ -134,17 +173,22 @@ class Stage:
         Returns:
             Gradients of the stage's inputs (None where an input needs no gradient).
         """
-        last = len(self.slots) - 1
-        for i in range(last, -1, -1):
-            slot = self.slots[i]
-            seg = self.store.pop(slot.index, mb)
-            if i > 0:  # the next layer back starts coming home while this one computes
-                self.store.prefetch(self.slots[i - 1].index, mb)
+        # the layers holding a segment of mb: normally every slot; during a migration, layers
+        # shipped away are skipped and layers received (or retiring) are included
+        held = {layer for layer, m in self.store.held() if m == mb}
+        known = {s.index: s for s in [*self.slots, *self.retiring.values()]}
+        order = sorted(held, reverse=True)
+        loss_layer = self.slots[-1].index if self.is_last else None
+        for i, index in enumerate(order):
+            slot = known[index]
+            seg = self.store.pop(index, mb)
+            if i + 1 < len(order):  # the next layer back starts coming home while this computes
+                self.store.prefetch(order[i + 1], mb)
             outputs, transient = seg.outputs, sum(s.nbytes for s in seg.swapped)
             if seg.policy == "recompute":
                 with _rng_restored(seg.inputs, seg.rng_state), \
                         self.store.capture(seg.inputs) as cap:
-                    outputs = self._run(slot, seg.inputs, i == last, seg.target)
+                    outputs = self._run(slot, seg.inputs, index == loss_layer, seg.target)
                 transient = cap.activation_bytes
                 self.profiler.saved(slot.index, transient)
             t0 = time.perf_counter()
