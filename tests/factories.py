@@ -43,3 +43,25 @@ class Regression:
         g = torch.Generator().manual_seed(self.seed * 7919 + step)
         x = torch.randn(n, 16, generator=g)
         return x, torch.sin(x[:, :4]) + 0.1 * x[:, 4:8]
+
+
+class Heavy(nn.Module):
+    """A shape-preserving layer that costs ``reps`` small matmuls (rebalancing tests)."""
+
+    def __init__(self, d: int = 32, reps: int = 16):
+        super().__init__()
+        self.lin, self.reps = nn.Linear(d, d), reps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.reps):
+            x = x + 0.01 * torch.tanh(self.lin(x))
+        return x
+
+
+def insert_heavy(step: int) -> list:
+    """Edit hook: a heavy layer joins stage 0 (after the embedding) before step 3."""
+    from trainwright.pipeline.edit import InsertLayer
+
+    if step == 3:
+        return [InsertLayer(at=1, build=lambda: Heavy(32, 24), name="heavy")]
+    return []

@@ -165,6 +165,9 @@ class RebalanceConfig:
     """Checks ignored after a re-partition, while the new stage times settle."""
     smoothing: float = 0.5
     """Weight of the newest check in the moving average of stage times."""
+    min_gain: float = 0.05
+    """Re-partition only when the new plan's largest stage time is at least this fraction
+    below the current one (a move must pay for itself)."""
     link_bandwidth: float = 1e9
     """Bytes/s between neighbouring stages: prices a cut among balanced partitions."""
     switch_mb: int = 0

@@ -39,12 +39,16 @@ class LayerProfiler:
 
     Args:
         smoothing: weight of the newest step in the exponential moving average of times.
+        warmup_steps: a layer's first steps on this stage (allocator and cache warm-up, up
+            to 10x slower on CPU) are timed only when nothing else is known yet; the
+            average starts afresh after them.
     """
 
-    def __init__(self, smoothing: float = 0.3):
-        self.smoothing = smoothing
+    def __init__(self, smoothing: float = 0.3, warmup_steps: int = 1):
+        self.smoothing, self.warmup_steps = smoothing, warmup_steps
         self.costs: dict[int, LayerCost] = {}
         self._step: dict[int, list[float]] = {}
+        self._seen: dict[int, int] = {}
 
     def register(self, layer: int, name: str, param_bytes: int) -> None:
         """Declare a layer this stage runs (again after a migration is harmless)."""
@@ -54,6 +58,15 @@ class LayerProfiler:
         """Drop a layer that left this stage."""
         self.costs.pop(layer, None)
         self._step.pop(layer, None)
+        self._seen.pop(layer, None)
+
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """Layers changed index (a layer was inserted or removed): ``old -> new``."""
+        self.costs = {mapping[k]: v for k, v in self.costs.items() if k in mapping}
+        for k, c in self.costs.items():
+            c.layer = k
+        self._step = {mapping[k]: v for k, v in self._step.items() if k in mapping}
+        self._seen = {mapping[k]: v for k, v in self._seen.items() if k in mapping}
 
     def forward(self, layer: int, seconds: float, saved_bytes: int | None, input_bytes: int,
                 output_bytes: int) -> None:
@@ -83,7 +96,8 @@ class LayerProfiler:
             c = self.costs.get(layer)
             if c is None:
                 continue
-            a = self.smoothing if c.forward_s else 1.0
+            seen = self._seen[layer] = self._seen.get(layer, 0) + 1
+            a = self.smoothing if c.forward_s and seen != self.warmup_steps + 1 else 1.0
             if fn:
                 c.forward_s = (1 - a) * c.forward_s + a * fsum / fn
             if bn:

@@ -29,6 +29,7 @@ from trainwright.pipeline.budget import (
     resolve_limit,
     stage_in_flight,
 )
+from trainwright.pipeline.edit import apply_edits, load_edit_hook
 from trainwright.pipeline.rebalance import LayerCatalog, Migration
 from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
@@ -209,7 +210,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     parts = cfg.partition(len(named))
     first = sum(parts[:s])
     stage_of = [k for k, n in enumerate(parts) for _ in range(n)]
-    rebalancing = cfg.rebalance.enabled or bool(cfg.rebalance.at_step)
+    rebalancing = cfg.rebalance.enabled or bool(cfg.rebalance.at_step or cfg.rebalance.edits)
+    edit_hook = load_edit_hook(cfg.rebalance.edits) if cfg.rebalance.edits else None
     catalog = LayerCatalog(named) if rebalancing else None
     clusters = _clusters(named) if rebalancing and s == topo.pp - 1 else []
     slots = []
@@ -265,6 +267,19 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
         x, y = data.batch(step, t.batch_size)
         x, y = x[lo : lo + per_replica].to(device), y[lo : lo + per_replica].to(device)
         migration = None
+        edits = edit_hook(step) if edit_hook is not None else []
+        if edits:
+            parts, rebalancer.clusters = apply_edits(
+                edits, stage=stage, stage_index=s, counts=rebalancer.counts, catalog=catalog,
+                clusters=rebalancer.clusters, device=device, seed=t.seed + step,
+                make_optimizer=lambda params: build_optimizer(cfg, params))
+            rebalancer.counts, rebalancer.target = list(parts), None
+            stage_of = [k for k, n in enumerate(parts) for _ in range(n)]
+            budget.on_layers_changed()
+            if recorder is not None:
+                recorder.writer.write("model_edit", step=step, partition=parts,
+                                      edits=[repr(e) for e in edits],
+                                      layer_names=list(catalog.names))
         if rebalancer is not None:
             ms = rebalancer.migration_for(step)
             if ms is not None:

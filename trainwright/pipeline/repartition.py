@@ -147,7 +147,10 @@ class Rebalancer:
         part = seed_partition(costs, self.topo.pp, rb.link_bandwidth,
                               threshold_s=rb.threshold_s or None, threshold_rel=rb.threshold_rel)
         new = [len(x) for x in part.stages]
-        if new == self.counts:
+        if new == self.counts or part.max_time > max(before) * (1 - rb.min_gain):
+            log.info("stages unbalanced (%s) but the best plan %s gains less than %.0f %%; "
+                     "keeping %s", [round(t * 1e3, 2) for t in before], new,
+                     100 * rb.min_gain, self.counts)
             return None
         return {"step": step, "old": list(self.counts), "new": new, "rule": part.rule,
                 "stage_times_before": before, "stage_times_predicted": part.stage_times,
