@@ -48,6 +48,10 @@ class RunMetrics:
     end: dict | None = None
     memory_plans: dict[int, dict] = field(default_factory=dict)
     """The latest ``memory_plan`` record of each stage."""
+    repartitions: list[dict] = field(default_factory=list)
+    """``repartition`` records (live layer migrations), in step order."""
+    decisions: list[dict] = field(default_factory=list)
+    """``imbalance`` records (re-partition plans made on the last stage)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -88,6 +92,10 @@ def load_metrics(path: str | Path) -> RunMetrics:
             out.end = rec
         elif kind == "memory_plan" and isinstance(rec.get("stage"), int):
             out.memory_plans[rec["stage"]] = rec
+        elif kind == "repartition":
+            out.repartitions.append(rec)
+        elif kind == "imbalance":
+            out.decisions.append(rec)
     out.steps = [by_step[s] for s in sorted(by_step)]
     if not numbered:
         out.notes.append(f"{path.name} is empty: the run stopped before its first record.")
@@ -234,6 +242,35 @@ def _memory_plan_section(m: RunMetrics) -> str:
             "<th>swap ms</th></tr>\n" + table + "</table>\n</section>\n")
 
 
+def _repartition_section(m: RunMetrics) -> str:
+    if not m.repartitions and not m.decisions:
+        return ""
+    plans = "".join(
+        f"<tr><td>{_fmt(d.get('step'))}</td><td>{html.escape(str(d.get('old')))}</td>"
+        f"<td>{html.escape(str(d.get('new')))}</td><td>{html.escape(str(d.get('rule')))}</td>"
+        f"<td>{100 * (d.get('imbalance_before') or 0):.0f} %</td>"
+        f"<td>{100 * (d.get('imbalance_predicted') or 0):.0f} %</td></tr>\n"
+        for d in m.decisions)
+    moves = "".join(
+        f"<tr><td>{_fmt(r.get('step'))}</td><td>{html.escape(str(r.get('old')))}</td>"
+        f"<td>{html.escape(str(r.get('new')))}</td><td>"
+        + html.escape("; ".join(f"layers {mv['layers']} {mv['from']}&rarr;{mv['to']}"
+                                for mv in r.get("moves", []))).replace("&amp;rarr;", "&rarr;")
+        + f"</td><td>{_fmt(r.get('bytes_moved'))}</td><td>{1e3 * (r.get('time_s') or 0):.0f}"
+        f"</td><td>{_fmt(r.get('in_flight'))}</td><td>{1e3 * (r.get('step_time_s') or 0):.0f}"
+        f"</td></tr>\n" for r in m.repartitions)
+    return ("<section>\n<h2>Re-partitions</h2>\n<p class=\"caption\">Plans made on the last "
+            "stage when the stages' times drifted apart (imbalance = (max - min) / max of the "
+            "per-layer times summed by stage), and the live migrations that applied them: "
+            "layers moved, bytes sent by the giving stages, time from the first to the last "
+            "migration action, micro-batches in flight on the giver.</p>\n"
+            "<table>\n<tr><th>after step</th><th>partition</th><th>plan</th><th>rule</th>"
+            "<th>imbalance</th><th>predicted</th></tr>\n" + plans + "</table>\n"
+            "<table>\n<tr><th>step</th><th>from</th><th>to</th><th>moves</th><th>bytes</th>"
+            "<th>ms</th><th>in flight</th><th>step ms</th></tr>\n" + moves
+            + "</table>\n</section>\n")
+
+
 def _build_html(run_dir: Path) -> str:
     m = load_metrics(run_dir / "metrics.jsonl")
     events, names, trace_notes = _load_trace(run_dir / "trace.json")
@@ -304,6 +341,7 @@ def _build_html(run_dir: Path) -> str:
             "No layer profile was recorded.",
         ),
     ]
+    parts.append(_repartition_section(m))
     parts.append(_memory_plan_section(m))
     parts.append("</body></html>\n")
     return "".join(parts)

@@ -316,6 +316,7 @@ def deepspeed_worker(
     out_path: str,
     *,
     activation_checkpointing: bool = False,
+    partition_method: str | None = None,
 ) -> None:
     """Train the benchmark workload with DeepSpeed's pipeline engine on one rank (CPU, gloo).
 
@@ -336,6 +337,9 @@ def deepspeed_worker(
             DeepSpeed's default would also wrap the embedding, whose integer input needs
             no grad, and crash on the first backward). The system is then
             ``"deepspeed_pipeline_ckpt"``.
+        partition_method: let DeepSpeed partition (``"parameters"``, ``"uniform"``, ...)
+            instead of using ``spec.split``; the system is then
+            ``"deepspeed_pipeline_<method>"``.
     """
     os.environ["DS_ACCELERATOR"] = "cpu"  # before the first deepspeed import in this process
     os.environ.update(
@@ -362,15 +366,18 @@ def deepspeed_worker(
         all_layers = spec.layers()  # every rank builds all: identical initial weights
         parts = [sum(spec.split[:i]) for i in range(len(spec.split) + 1)]
         n_mb = spec.micro_batches
-        module_cls = _split_pipeline_module(PipelineModule, parts)
+        module_cls = (PipelineModule if partition_method
+                      else _split_pipeline_module(PipelineModule, parts))
         module = module_cls(
             layers=all_layers,
             num_stages=world_size,
             loss_fn=_mean_loss,  # the engine divides by gradient_accumulation_steps
-            partition_method="uniform",  # ignored: the subclass fixes the partition
+            partition_method=partition_method or "uniform",  # else the subclass decides
             activation_checkpoint_interval=1 if activation_checkpointing else 0,
             checkpointable_layers=[Block.__name__] if activation_checkpointing else None,
         )
+        if partition_method:
+            parts = [int(x) for x in module.parts]
         start, stop = parts[rank], parts[rank + 1]
         if (module._local_start, module._local_stop) != (start, stop):
             raise RuntimeError(
@@ -413,7 +420,9 @@ def deepspeed_worker(
                 losses.append(float(loss.item()))
             logger.debug("deepspeed rank %d step %d: %.3f s", rank, step, step_times[-1])
 
-        system = "deepspeed_pipeline_ckpt" if activation_checkpointing else "deepspeed_pipeline"
+        system = _system_name(deepspeed_worker, {
+            "activation_checkpointing": activation_checkpointing,
+            "partition_method": partition_method})
         _write_result(
             out_path,
             system=system,
@@ -423,7 +432,8 @@ def deepspeed_worker(
             layers=stage_layers,
             start=start,
             extra={"activation_checkpointing": activation_checkpointing,
-                   "saved_peak_bytes": meter.peak_bytes},
+                   "saved_peak_bytes": meter.peak_bytes,
+                   "partition": [b - a for a, b in zip(parts, parts[1:], strict=False)]},
         )
     finally:
         if dist.is_initialized():
@@ -441,7 +451,9 @@ def _system_name(worker_fn: Callable[..., Any], worker_kwargs: dict[str, Any]) -
         return "torch_pipelining_1f1b"
     if inner is deepspeed_worker:
         ckpt = worker_kwargs.get("activation_checkpointing", False)
-        return "deepspeed_pipeline_ckpt" if ckpt else "deepspeed_pipeline"
+        method = worker_kwargs.get("partition_method")
+        return ("deepspeed_pipeline" + ("_ckpt" if ckpt else "")
+                + (f"_{method}" if method else ""))
     return str(getattr(inner, "__name__", repr(worker_fn)))
 
 
