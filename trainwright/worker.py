@@ -227,6 +227,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
               on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
     sync = make_grad_sync(cfg, topo)
+    if hasattr(sync, "watch"):  # sparse sync: learn which parameters are embedding tables
+        sync.watch([slot.module for slot in slots])
     fault = None
     if fault_rank is not None and cfg.fault.kill_rank == fault_rank:
         fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2)
