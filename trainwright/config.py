@@ -135,6 +135,18 @@ class SyncConfig:
     plain data parallel without a barrier)."""
     sparse: bool = False
     """Send sparse (embedding) gradients as rows + height + values (seed 001)."""
+    sparse_path: str = "auto"
+    """With ``sparse``: ``"auto"`` (the cost model picks per parameter and step), or always
+    ``"allgather"`` (padded to the largest count), ``"broadcast"`` (one per rank with rows)
+    or ``"dense"`` (all-reduce of the full table)."""
+    sparse_latency_s: float = 0.0
+    """Cost model: seconds per collective call; 0 = measure at start."""
+    sparse_bandwidth: float = 0.0
+    """Cost model: bytes/s a rank sends in an all-gather or broadcast; 0 = measure at start."""
+    sparse_allreduce_bandwidth: float = 0.0
+    """Cost model: bytes/s of ring all-reduce traffic per rank; 0 = measure at start."""
+    sparse_merge_rate: float = 0.0
+    """Cost model: bytes/s of local scatter-add of gathered rows; 0 = measure at start."""
 
 
 @dataclass(kw_only=True)
@@ -232,6 +244,7 @@ CHOICES = {
     "train.loss": ("cross_entropy", "mse"), "memory.planner": ("greedy", "optimal"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "sync.strategy": ("dense", "hierarchical", "tokenring"),
+    "sync.sparse_path": ("auto", "allgather", "broadcast", "dense"),
 }
 POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
             "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
@@ -297,6 +310,14 @@ class Config:
             self.check_layers(m.n_layers)
         self.stage_limits()  # parses every limit now, so a typo fails before any process
         parse_bytes(self.memory.reserve)
+        for key in ("sparse_latency_s", "sparse_bandwidth", "sparse_allreduce_bandwidth",
+                    "sparse_merge_rate"):
+            if getattr(self.sync, key) < 0:
+                raise ConfigError(f"sync.{key} = {getattr(self.sync, key)!r} must be >= 0 "
+                                  f"(0 = measure at start)")
+        if self.sync.sparse and self.sync.strategy != "dense":
+            raise ConfigError(f"sync.sparse = true works with sync.strategy = \"dense\", not "
+                              f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")
         t = self.train
         if t.batch_size % par.dp:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "

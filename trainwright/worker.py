@@ -241,6 +241,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
                    on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
         rebalancer = Rebalancer(cfg, topo, parts, clusters, schedules, ctrl)
     sync = make_grad_sync(cfg, topo)
+    if hasattr(sync, "watch"):  # sparse sync: learn which parameters are embedding tables
+        sync.watch([slot.module for slot in slots])
     fault = None
     if fault_rank is not None and cfg.fault.kill_rank == fault_rank:
         fault = kill_self_at(cfg.fault.kill_step, len(actions) // 2, cfg.fault.kill_before)

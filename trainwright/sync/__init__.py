@@ -41,6 +41,10 @@ def make_grad_sync(cfg: Config, topo: Topology) -> GradSync:
     from trainwright.sync.dense import BucketedAllReduce
 
     strategy = cfg.sync.strategy
+    if strategy == "dense" and cfg.sync.sparse:
+        from trainwright.sync.sparse import sparse_sync_from_config
+
+        return sparse_sync_from_config(cfg, topo.dp_group, topo.dp)
     if strategy == "dense":
         return BucketedAllReduce(topo.dp_group, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
     raise NotImplementedError(f"sync.strategy = {strategy!r} is not available inside the "

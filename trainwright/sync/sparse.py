@@ -1,0 +1,614 @@
+"""Sparse gradient synchronisation as *rows + height + values* (seed 001).
+
+An embedding table touched by a few thousand ids out of millions has a gradient that is
+almost all zeros. :class:`RowSparse` keeps only the touched rows: the sorted, unique row
+ids, the table's height and one value row per id (PaddlePaddle's SelectedRows). The
+exchange over a data-parallel group is:
+
+1. every rank sums its duplicate rows locally and all-gathers its row count (one small
+   all-gather for all parameters of the call);
+2. from the gathered counts every rank sizes the storage for everyone's rows before
+   anything is received, and a :class:`LinkModel` (measured latency and bandwidth)
+   picks the cheapest way: ``allgather`` (all counts equal: rows and values directly;
+   unequal: padded to the largest), ``broadcast`` (one per rank that has rows), or
+   ``dense`` (all-reduce of the full table when that is cheaper, e.g. at high density);
+3. the gathered rows are summed into the target sparse gradient and divided by the group
+   size, exactly like dense DDP averages.
+
+Row ids travel inside the value rows (the int64 id's bytes reinterpreted as 1, 2 or 4
+value elements), so each transfer is one collective.
+
+:class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
+groups, ``sync.sparse = true``); :class:`SparseDataParallel` is the DDP-like wrapper for
+plain data parallel. Both send every other parameter through
+:class:`~trainwright.sync.dense.BucketedAllReduce`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainwright.sync import GradSync
+from trainwright.sync.dense import BucketedAllReduce
+
+__all__ = ["RowSparse", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
+           "SparseGradSync", "SparseDataParallel", "sparse_sync_from_config"]
+
+log = logging.getLogger(__name__)
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); same collective
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+PATHS = ("auto", "allgather", "broadcast", "dense")
+"""Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
+
+_ID_BYTES = 8  # row ids travel as int64
+
+
+# --------------------------------------------------------------------------- the triple
+
+
+@dataclass
+class RowSparse:
+    """A row-sparse tensor: ``values[i]`` is row ``rows[i]`` of a ``height``-row tensor.
+
+    ``rows`` is int64, sorted and unique (duplicates are summed when the triple is built);
+    ``values`` has shape ``(len(rows), *row_shape)``.
+    """
+
+    rows: torch.Tensor
+    height: int
+    values: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """Number of valid rows."""
+        return int(self.rows.numel())
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """Shape of one row."""
+        return tuple(self.values.shape[1:])
+
+    @classmethod
+    def from_ids(cls, ids: torch.Tensor, values: torch.Tensor, height: int) -> RowSparse:
+        """Build from possibly repeated row ids (int32 or int64), summing duplicate rows.
+
+        Raises:
+            ValueError: an id outside ``[0, height)`` or a length mismatch.
+        """
+        ids = ids.reshape(-1)
+        if ids.numel() != values.shape[0]:
+            raise ValueError(f"{ids.numel()} row ids but {values.shape[0]} value rows")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= height):
+            raise ValueError(f"row ids must lie in [0, {height}); got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        rows, vals = _sum_duplicates(ids.to(torch.int64), values, height)
+        return cls(rows, height, vals)
+
+    @classmethod
+    def from_coo(cls, grad: torch.Tensor) -> RowSparse:
+        """Build from a sparse COO gradient with one sparse dimension (``Embedding(sparse=True)``).
+
+        Raises:
+            TypeError: not a COO tensor with ``sparse_dim() == 1``.
+        """
+        if grad.layout != torch.sparse_coo or grad.sparse_dim() != 1:
+            raise TypeError(f"expected a sparse COO tensor with one sparse dimension, got "
+                            f"layout {grad.layout}" + (f" with sparse_dim {grad.sparse_dim()}"
+                                                       if grad.is_sparse else ""))
+        height = grad.shape[0]
+        if grad.is_coalesced():
+            return cls(grad.indices()[0], height, grad.values())
+        # uncoalesced internals: our duplicate sum is cheaper than coalesce() (no full sort)
+        return cls.from_ids(grad._indices()[0], grad._values(), height)
+
+    @classmethod
+    def from_dense(cls, grad: torch.Tensor) -> RowSparse:
+        """Build from a dense gradient of an embedding-like parameter: rows with any non-zero."""
+        flat = grad.reshape(grad.shape[0], -1)
+        rows = flat.ne(0).any(dim=1).nonzero().squeeze(1)
+        return cls(rows, grad.shape[0], grad.index_select(0, rows))
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> RowSparse:
+        """No rows (a rank whose batch did not touch the table)."""
+        return cls(torch.empty(0, dtype=torch.int64, device=device), shape[0],
+                   torch.empty((0, *shape[1:]), dtype=dtype, device=device))
+
+    def to_dense(self) -> torch.Tensor:
+        """The full ``(height, *row_shape)`` tensor."""
+        out = self.values.new_zeros((self.height, *self.row_shape))
+        out.index_copy_(0, self.rows, self.values)
+        return out
+
+    def to_coo(self) -> torch.Tensor:
+        """A coalesced sparse COO tensor (what ``nn.Embedding(sparse=True)`` gradients are)."""
+        return torch.sparse_coo_tensor(self.rows.unsqueeze(0), self.values,
+                                       (self.height, *self.row_shape), is_coalesced=True,
+                                       check_invariants=False)
+
+
+def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor,
+                    height: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique ids and the summed value row of each."""
+    if ids.numel() == 0:
+        return ids, values
+    if ids.numel() * 16 < height:  # few ids: sorting them beats a pass over the table
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    else:  # many ids: mark them in a table-sized bitmap, no sort
+        mark = torch.zeros(height, dtype=torch.bool, device=ids.device)
+        mark[ids] = True
+        rows = mark.nonzero().squeeze(1)
+        slot = torch.empty(height, dtype=torch.int64, device=ids.device)
+        slot[rows] = torch.arange(rows.numel(), device=ids.device)
+        inverse = slot[ids]
+    if rows.numel() == ids.numel():  # no duplicates: a permutation
+        out = torch.empty_like(values)
+        out[inverse] = values
+        return rows, out
+    out = values.new_zeros((rows.numel(), *values.shape[1:]))
+    out.index_add_(0, inverse, values)
+    return rows, out
+
+
+def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:
+    """``(n_rows, width + k)`` buffer: value row, then the row id's bytes as ``k`` elements.
+
+    Rows past ``t.count`` are padding (never read: receivers know every rank's count).
+    """
+    dtype = t.values.dtype
+    k = _id_slots(dtype)
+    width = math.prod(t.row_shape)
+    buf = torch.empty((n_rows, width + k), dtype=dtype, device=t.values.device)
+    n = t.count
+    buf[:n, :width] = t.values.reshape(n, width)
+    buf[:n, width:] = t.rows.reshape(n, 1).view(dtype)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = math.prod(row_shape)
+    rows = buf[:, width:].contiguous().view(torch.int64).reshape(-1)
+    return rows, buf[:, :width].reshape(buf.shape[0], *row_shape)
+
+
+def _id_slots(dtype: torch.dtype) -> int:
+    size = torch.empty(0, dtype=dtype).element_size()
+    if not (dtype.is_floating_point or dtype.is_complex) or _ID_BYTES % size:
+        raise TypeError(f"sparse sync needs floating-point values of 2, 4 or 8 bytes, got {dtype}")
+    return _ID_BYTES // size
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """The path taken for one parameter in one step, with the model's estimates."""
+
+    path: str
+    """``"allgather"``, ``"broadcast"``, ``"dense"`` or ``"none"`` (no rank has rows)."""
+    counts: tuple[int, ...]
+    """Valid rows per rank."""
+    estimates_s: dict = field(default_factory=dict)
+    """Predicted seconds per candidate path."""
+    bytes_sent_per_rank: float = 0.0
+    """Bytes the chosen collective makes an average rank send (by its algorithm)."""
+    forced: bool = False
+    """True when ``sync.sparse_path`` named the path instead of ``auto``."""
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Predicts each path's time from a few measured constants (see :func:`calibrate`).
+
+    All-gather is a ring (each rank sends ``(W-1)`` chunks), broadcast a binomial tree
+    (``ceil(log2 W)`` rounds, gloo's algorithm), all-reduce a ring (``2(W-1)/W`` of the data
+    per rank); merging gathered rows and filling a dense buffer cost ``bytes / merge_rate``.
+    """
+
+    latency_s: float
+    """Fixed cost of one collective call."""
+    bandwidth: float
+    """Bytes/s one rank moves in an all-gather or broadcast."""
+    allreduce_bandwidth: float
+    """Bytes/s of ring all-reduce traffic per rank (includes the reduction)."""
+    merge_rate: float
+    """Bytes/s of local scatter-add (summing gathered rows, filling a dense buffer)."""
+
+    def estimates(self, counts: list[int], height: int, row_bytes: int, world: int,
+                  sparse_input: bool, elem_bytes: int = 4) -> dict[str, tuple[float, float]]:
+        """``path -> (seconds, bytes sent per rank)`` for every path that applies.
+
+        Args:
+            counts: valid rows of each rank.
+            height: rows of the full table.
+            row_bytes: bytes of one value row.
+            world: ranks in the group.
+            sparse_input: the gradient is sparse, so the dense path must first fill a
+                buffer and carries one extra element per row (the touched-row mark).
+            elem_bytes: bytes of one value element.
+        """
+        a, w = self.latency_s, world
+        total, top = sum(counts), max(counts)
+        sent_row = row_bytes + _ID_BYTES
+        merge = total * row_bytes / self.merge_rate
+        ag_bytes = (w - 1) * top * sent_row
+        out = {"allgather": (a + ag_bytes / self.bandwidth + merge, ag_bytes)}
+        rounds = math.ceil(math.log2(w)) if w > 1 else 0
+        senders = [c for c in counts if c]
+        out["broadcast"] = (len(senders) * a + rounds * total * sent_row / self.bandwidth + merge,
+                            (w - 1) * total * sent_row / w)
+        dense_row = row_bytes + elem_bytes if sparse_input else row_bytes
+        ar_bytes = 2 * (w - 1) / w * height * dense_row
+        fill = height * dense_row / self.merge_rate if sparse_input else 0.0
+        out["dense"] = (a + ar_bytes / self.allreduce_bandwidth + fill, ar_bytes)
+        return out
+
+    def choose(self, counts: list[int], height: int, row_bytes: int, world: int,
+               sparse_input: bool, force: str = "auto", elem_bytes: int = 4) -> PathChoice:
+        """The cheapest path by :meth:`estimates` (or the forced one)."""
+        counts = [int(c) for c in counts]
+        if sum(counts) == 0:
+            return PathChoice("none", tuple(counts))
+        est = self.estimates(counts, height, row_bytes, world, sparse_input, elem_bytes)
+        path = force if force != "auto" else min(est, key=lambda k: est[k][0])
+        return PathChoice(path, tuple(counts), {k: v[0] for k, v in est.items()},
+                          est[path][1], forced=force != "auto")
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (first-use allocations, connection set-up)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(group=None, device=None, *, chunk_bytes: int = 1 << 20,
+              repeats: int = 3) -> LinkModel:
+    """Measure the :class:`LinkModel` constants with a micro-benchmark (a few ms to ~0.1 s).
+
+    Every rank of ``group`` must call it; the measurements are averaged over the group so
+    that every rank holds the same model and takes the same path.
+    """
+    world = dist.get_world_size(group)
+    dev = torch.device(device or "cpu")
+    tiny = torch.zeros(1, device=dev)
+    n = chunk_bytes // 4
+    send = torch.ones(n, device=dev)
+    recv = torch.empty(n * world, device=dev)
+    big = torch.ones(4 * n, device=dev)
+
+    def sync_dev():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def timed(op):
+        return _median_time(lambda: (op(), sync_dev()), repeats)
+
+    lat = timed(lambda: dist.all_reduce(tiny, group=group))
+    t_ag = timed(lambda: _all_gather(recv, send, group=group))
+    t_ar = timed(lambda: dist.all_reduce(big, group=group))
+    ids = torch.randint(0, 16384, (16384,), device=dev)
+    vals = torch.ones(16384, 64, device=dev)
+    acc = torch.zeros(16384, 64, device=dev)
+    t_merge = timed(lambda: acc.index_add_(0, ids, vals))
+    eps = 1e-6
+    measured = torch.tensor([
+        lat,
+        (world - 1) * chunk_bytes / max(t_ag - lat, eps),
+        2 * (world - 1) / world * big.numel() * 4 / max(t_ar - lat, eps),
+        vals.numel() * 4 / max(t_merge, eps),
+    ], dtype=torch.float64, device=dev)
+    dist.all_reduce(measured, group=group)
+    measured = (measured / world).tolist()
+    return LinkModel(*measured)
+
+
+# --------------------------------------------------------------------------- exchange
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group)
+
+
+def _global_rank(group, r: int) -> int:
+    return r if group is None else dist.get_global_rank(group, r)
+
+
+def gather_counts(local: list[int], group=None) -> torch.Tensor:
+    """All-gather one int64 per parameter from every rank: ``(world, len(local))``."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor(local, dtype=torch.int64)
+    out = torch.empty(world * len(local), dtype=torch.int64)
+    _all_gather(out, mine, group=group)
+    return out.view(world, len(local))
+
+
+def exchange(t: RowSparse, counts: list[int], path: str, group=None) -> RowSparse:
+    """Sum every rank's triple over ``group`` along ``path`` (not yet divided by the size).
+
+    Args:
+        t: this rank's triple (duplicates already summed).
+        counts: every rank's valid rows (from :func:`gather_counts`); storage for the
+            received rows is sized from them before any transfer starts.
+        path: ``"allgather"``, ``"broadcast"`` or ``"dense"``.
+        group: the data-parallel group.
+
+    Returns:
+        The summed triple, sorted unique rows, on every rank.
+    """
+    world, me = dist.get_world_size(group), _group_rank(group)
+    if counts[me] != t.count:
+        raise ValueError(f"rank {me} has {t.count} rows but the gathered count says {counts[me]}")
+    if path == "dense":
+        return _exchange_dense(t, group)
+    if path == "allgather":
+        top = max(counts)
+        recv = torch.empty((world * top, math.prod(t.row_shape) + _id_slots(t.values.dtype)),
+                           dtype=t.values.dtype, device=t.values.device)
+        _all_gather(recv, _pack(t, top), group=group)
+        if any(c != top for c in counts):  # drop the padding
+            keep = torch.cat([torch.arange(c) + r * top for r, c in enumerate(counts)])
+            recv = recv.index_select(0, keep.to(recv.device))
+    elif path == "broadcast":
+        width = math.prod(t.row_shape) + _id_slots(t.values.dtype)
+        bufs, works = [], []
+        for r, c in enumerate(counts):  # all buffers exist before the first transfer
+            if c:
+                bufs.append(_pack(t, c) if r == me else
+                            torch.empty((c, width), dtype=t.values.dtype, device=t.values.device))
+        senders = [r for r, c in enumerate(counts) if c]
+        for r, buf in zip(senders, bufs, strict=True):
+            works.append(dist.broadcast(buf, src=_global_rank(group, r), group=group,
+                                        async_op=True))
+        for w in works:
+            w.wait()
+        recv = torch.cat(bufs)
+    else:
+        raise ValueError(f"unknown sparse sync path {path!r}; choose one of {PATHS[1:]}")
+    rows, values = _unpack(recv, t.row_shape)
+    rows, values = _sum_duplicates(rows, values, t.height)
+    return RowSparse(rows, t.height, values)
+
+
+def _exchange_dense(t: RowSparse, group) -> RowSparse:
+    """All-reduce the full table plus a touched-row mark column, then keep touched rows."""
+    width = math.prod(t.row_shape)
+    buf = t.values.new_zeros((t.height, width + 1))
+    buf[:, :width].index_copy_(0, t.rows, t.values.reshape(t.count, width))
+    buf[:, width].index_fill_(0, t.rows, 1)
+    dist.all_reduce(buf, group=group)
+    rows = buf[:, width].nonzero().squeeze(1)
+    values = buf[:, :width].index_select(0, rows).reshape(rows.numel(), *t.row_shape)
+    return RowSparse(rows, t.height, values)
+
+
+# --------------------------------------------------------------------------- strategy
+
+
+class SparseGradSync(GradSync):
+    """Average gradients over a group: row-sparse parameters as triples, the rest dense.
+
+    A parameter goes the sparse way when its gradient is a sparse COO tensor or it is the
+    weight of an ``nn.Embedding`` / ``nn.EmbeddingBag`` registered with :meth:`watch`
+    (dense gradients: touched rows are detected). Ranks agree on this through the count
+    all-gather; a parameter that is sparse on some ranks only goes dense everywhere.
+
+    Args:
+        group: the data-parallel group (None: the default group).
+        world: its size; with 1 nothing is sent.
+        bucket_bytes: bucket size of the dense all-reduce of the other parameters.
+        path: ``"auto"`` (cost model) or a forced path from :data:`PATHS`.
+        link: the cost model; None = :func:`calibrate` at the first sync.
+        link_overrides: constants that replace measured ones (``latency_s``, ...; 0 = measure).
+    """
+
+    def __init__(self, group, world: int, bucket_bytes: int = 25 * 2**20, *, path: str = "auto",
+                 link: LinkModel | None = None, link_overrides: dict | None = None):
+        if path not in PATHS:
+            raise ValueError(f"sparse path {path!r} is not one of {PATHS}")
+        self.group, self.world, self.path = group, world, path
+        self.dense = BucketedAllReduce(group, world, bucket_bytes)
+        self.link = link
+        self.link_overrides = {k: v for k, v in (link_overrides or {}).items() if v}
+        self.steps = 0
+        self.last: list[PathChoice] = []
+        """The choice for every row-sparse parameter in the last :meth:`sync`."""
+        self._watched: dict[int, weakref.ref] = {}
+
+    def watch(self, modules) -> None:
+        """Register the embedding tables inside ``modules`` as row-sparse parameters."""
+        for module in modules:
+            for m in module.modules():
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+                    self._watched[id(m.weight)] = weakref.ref(m.weight)
+
+    def is_row_sparse(self, p: torch.Tensor) -> bool:
+        """Whether this rank sees ``p`` as row-sparse (sparse grad or watched embedding)."""
+        ref = self._watched.get(id(p))
+        return (p.grad is not None and p.grad.is_sparse) or (ref is not None and ref() is p)
+
+    def step(self, slots: list) -> None:
+        """Update, then re-learn the embedding tables (layers may have moved)."""
+        super().step(slots)
+        self._watched.clear()
+        self.watch([s.module for s in slots])
+
+    def model(self) -> LinkModel:
+        """The cost model, calibrated on first use (every rank of the group calls sync)."""
+        if self.link is None:
+            base = self.link_overrides
+            keys = ("latency_s", "bandwidth", "allreduce_bandwidth", "merge_rate")
+            if all(base.get(k) for k in keys):
+                self.link = LinkModel(**{k: base[k] for k in keys})
+            else:
+                measured = calibrate(self.group)
+                self.link = LinkModel(**{k: base.get(k) or getattr(measured, k) for k in keys})
+            log.info("sparse sync cost model: %s", self.link)
+        return self.link
+
+    def sync(self, params: list) -> list[PathChoice]:
+        """Average the gradients of ``params`` in place; returns the row-sparse choices."""
+        self.steps += 1
+        self.last = []
+        if self.world == 1 or not params:
+            return self.last
+        sparse_idx = [i for i, p in enumerate(params) if self.is_row_sparse(p)]
+        local, triples = [-1] * len(params), {}
+        for i in sparse_idx:
+            triples[i] = _local_triple(params[i])
+            local[i] = triples[i].count
+        # one all-gather: every rank's row count (-1 = dense here) for every parameter
+        counts = gather_counts(local + [int(params[i].grad is not None and params[i].grad.is_sparse)
+                                        for i in range(len(params))], self.group)
+        n = len(params)
+        dense_params = []
+        link = self.model() if self.path == "auto" else None
+        for i, p in enumerate(params):
+            col = counts[:, i].tolist()
+            if min(col) < 0:
+                if max(col) >= 0:
+                    log.warning("parameter %d is row-sparse on some ranks only; sent dense", i)
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+                dense_params.append(p)
+                continue
+            any_sparse = bool(counts[:, n + i].max())
+            t = triples[i]
+            row_bytes = math.prod(t.row_shape) * t.values.element_size()
+            if link is not None:
+                choice = link.choose(col, t.height, row_bytes, self.world, any_sparse,
+                                     elem_bytes=t.values.element_size())
+            else:
+                choice = PathChoice(self.path if sum(col) else "none", tuple(col), forced=True)
+            self.last.append(choice)
+            local_sparse = p.grad.is_sparse if p.grad is not None else any_sparse
+            if choice.path == "dense" and not any_sparse:
+                dense_params.append(p)  # dense gradients everywhere: the plain all-reduce
+                continue
+            if choice.path == "none":
+                summed = t
+            else:
+                summed = exchange(t, col, choice.path, self.group)
+            summed.values.div_(self.world)
+            _write_grad(p, summed, local_sparse)
+        self.dense.sync(dense_params)
+        if self.last:
+            log.info("sparse sync step %d: %s", self.steps,
+                     ", ".join(f"{c.path} {list(c.counts)}" for c in self.last))
+        return self.last
+
+
+def _local_triple(p: torch.Tensor) -> RowSparse:
+    g = p.grad
+    if g is None:
+        return RowSparse.empty(tuple(p.shape), p.dtype, p.device)
+    return RowSparse.from_coo(g) if g.is_sparse else RowSparse.from_dense(g)
+
+
+def _write_grad(p: torch.Tensor, t: RowSparse, sparse: bool) -> None:
+    if sparse:
+        p.grad = t.to_coo()
+        return
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    else:
+        p.grad.zero_()
+    p.grad.index_copy_(0, t.rows, t.values)
+
+
+def sparse_sync_from_config(cfg, group, world: int) -> SparseGradSync:
+    """The strategy configured by ``cfg.sync`` (``sparse_*`` keys) for a dp group."""
+    s = cfg.sync
+    return SparseGradSync(group, world, int(cfg.parallel.bucket_mb * 2**20), path=s.sparse_path,
+                          link_overrides=dict(latency_s=s.sparse_latency_s,
+                                              bandwidth=s.sparse_bandwidth,
+                                              allreduce_bandwidth=s.sparse_allreduce_bandwidth,
+                                              merge_rate=s.sparse_merge_rate))
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+class SparseDataParallel(nn.Module):
+    """Data parallel like ``DistributedDataParallel``, with row-sparse embedding gradients.
+
+    Wrap the model on every rank; the parameters are broadcast from the group's first rank.
+    After each ``backward`` the gradients are averaged over the group: embedding tables
+    (and any parameter with a sparse gradient) through :class:`SparseGradSync`, the rest
+    through the dense bucketed all-reduce. Use :meth:`no_sync` to accumulate gradients
+    locally, or ``auto_sync=False`` and call :meth:`sync_gradients` yourself.
+
+    Args:
+        module: the model.
+        process_group: the data-parallel group (None: the default group).
+        path: ``"auto"`` or a forced path (see :data:`PATHS`).
+        link: a cost model (None: calibrated at the first sync).
+        bucket_mb: dense bucket size in MiB.
+        auto_sync: synchronise at the end of every backward.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, *, path: str = "auto",
+                 link: LinkModel | None = None, bucket_mb: float = 25.0, auto_sync: bool = True):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group
+        world = dist.get_world_size(process_group)
+        self.grad_sync = SparseGradSync(process_group, world, int(bucket_mb * 2**20), path=path,
+                                        link=link)
+        self.grad_sync.watch([module])
+        src = _global_rank(process_group, 0)
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=src, group=process_group)
+        self._auto, self._enabled, self._queued = auto_sync, True, False
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        if auto_sync:
+            for p in self._params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module."""
+        return self.module(*args, **kwargs)
+
+    def _grad_ready(self, _p: torch.Tensor) -> None:
+        if self._enabled and not self._queued:
+            self._queued = True  # sync once, after the whole backward pass
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        self._queued = False
+        self.sync_gradients()
+
+    def sync_gradients(self) -> list[PathChoice]:
+        """Average the gradients now; returns the path taken for each row-sparse parameter."""
+        return self.grad_sync.sync(self._params)
+
+    @property
+    def last_paths(self) -> list[PathChoice]:
+        """The choices of the last synchronisation."""
+        return self.grad_sync.last
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the automatic synchronisation inside this block (gradient accumulation)."""
+        before, self._enabled = self._enabled, False
+        try:
+            yield
+        finally:
+            self._enabled = before
