@@ -217,7 +217,7 @@ def test_bench_hierarchical_smoke_on_loopback():
     ours = rows["trainwright_hierarchical"]["shards"]
     assert sum(s["shard_numel"] for s in ours[:2]) == numel  # node 0's slices tile the gradient
     for s in ours:
-        assert s["optimizer_state_bytes"] - 2 * s["shard_bytes"] in (0, 4, 8)  # + step counter
+        assert 0 <= s["optimizer_state_bytes"] - 2 * s["shard_bytes"] <= 8 * spec.chunks  # + steps
     unequal = result["unequal_weights"]["shards"]  # the last rank has half the memory:
     assert [s["weights"] for s in unequal] == [[8 * 2**30, 4 * 2**30]] * 4  # min over nodes
     assert abs(unequal[0]["shard_numel"] - 2 * unequal[1]["shard_numel"]) <= 2 * 64

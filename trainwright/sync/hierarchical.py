@@ -294,7 +294,12 @@ class HierarchicalSync(GradSync):
         self.weights: list[float] = []
         self.flat_param: torch.Tensor | None = None
         self.flat_grad: torch.Tensor | None = None
-        self.shard: nn.Parameter | None = None
+        self.pieces: list[list[tuple[int, int]]] = []
+        """Per slice, its ``chunks`` pieces ``[a, b)`` (the unit of overlap)."""
+        self.shards: list[nn.Parameter] = []
+        """The owned slice's non-empty pieces, as parameters aliasing ``flat_param``."""
+        self._pending: list | None = None
+        self._averaged = False
         self.optimizer: torch.optim.Optimizer | None = None
         self.timings: dict[str, float] = {}
 
@@ -336,9 +341,12 @@ class HierarchicalSync(GradSync):
                 p.grad = self.flat_grad[off : off + n].view_as(p)
                 off += n
         self.params = params
-        lo, hi = self.owned
-        self.shard = nn.Parameter(self.flat_param[lo:hi])  # aliases the flat buffer
-        self.optimizer = self.make_optimizer([self.shard])
+        self.pieces = [_pieces(lo, hi, self.cfg.chunks) for lo, hi in self.bounds]
+        # one parameter per piece, aliasing the flat buffer: a piece can be updated (and its
+        # all-gather started) as soon as its inter-node all-reduce is done
+        self.shards = [nn.Parameter(self.flat_param[a:b])
+                       for a, b in self.pieces[self.groups.local] if b > a]
+        self.optimizer = self.make_optimizer(self.shards) if self.shards else None
 
     def _gather_grads(self) -> None:
         """Make every parameter's gradient the view into ``flat_grad`` (copy if replaced)."""
@@ -367,8 +375,7 @@ class HierarchicalSync(GradSync):
     def _reduce_scatter_p2p(self) -> list:
         """Post every piece's sends and receives, then sum and all-reduce piece by piece."""
         g, me = self.groups, self.groups.local
-        chunks, ranks = self.cfg.chunks, self.groups.intra_ranks
-        pieces = [_pieces(lo, hi, chunks) for lo, hi in self.bounds]
+        chunks, ranks, pieces = self.cfg.chunks, self.groups.intra_ranks, self.pieces
         sends, recvs = [], [[] for _ in range(chunks)]
         for c in range(chunks):
             for j, peer in enumerate(ranks):
@@ -390,9 +397,8 @@ class HierarchicalSync(GradSync):
                 self._wait(work, "intra-node receive")
                 self.flat_grad[a:b].add_(buf)
             recvs[c] = []
-            if b > a and g.layout.nodes > 1:
-                reduces.append(dist.all_reduce(self.flat_grad[a:b], group=g.inter_group,
-                                               async_op=True))
+            if b > a:
+                reduces.append((c, a, b, self._all_reduce(a, b)))
         for work in sends:
             self._wait(work, "intra-node send")
         return reduces
@@ -400,8 +406,7 @@ class HierarchicalSync(GradSync):
     def _reduce_scatter_reduce(self) -> list:
         """One ``dist.reduce`` per slice piece to its owner, then the inter-node all-reduce."""
         g, me = self.groups, self.groups.local
-        ranks = g.intra_ranks
-        pieces = [_pieces(lo, hi, self.cfg.chunks) for lo, hi in self.bounds]
+        ranks, pieces = g.intra_ranks, self.pieces
         reduces = []
         for c in range(self.cfg.chunks):
             works = []
@@ -413,33 +418,89 @@ class HierarchicalSync(GradSync):
             for work in works:
                 self._wait(work, "intra-node reduce")
             a, b = pieces[me][c]
-            if b > a and g.layout.nodes > 1:
-                reduces.append(dist.all_reduce(self.flat_grad[a:b], group=g.inter_group,
-                                               async_op=True))
+            if b > a:
+                reduces.append((c, a, b, self._all_reduce(a, b)))
         return reduces
 
+    def _all_reduce(self, a: int, b: int):
+        """Start the inter-node all-reduce of ``flat_grad[a:b]`` (None with one node)."""
+        if self.groups.layout.nodes == 1:
+            return None
+        return dist.all_reduce(self.flat_grad[a:b], group=self.groups.inter_group,
+                               async_op=True)
+
     def sync(self, params: list[nn.Parameter]) -> None:
-        """Reduce-scatter inside the node, all-reduce the owned slice between nodes, and
-        average: afterwards ``flat_grad[lo:hi]`` holds the mean gradient of the owned slice
-        (the rest of ``flat_grad`` is scratch)."""
+        """Reduce-scatter inside the node and *start* the inter-node all-reduce of every
+        piece of the owned slice. :meth:`step` finishes each piece as it arrives (so the
+        update and all-gather of one piece overlap the all-reduce of the next); call
+        :meth:`wait_sync` first if you need the averaged slice before ``step``."""
         t0 = time.perf_counter()
         if self.flat_param is None:
             self.setup(list(params))
         self._gather_grads()
         if self.groups.layout.ranks_per_node > 1:
-            reduces = (self._reduce_scatter_p2p() if self.intra == "p2p"
-                       else self._reduce_scatter_reduce())
+            self._pending = (self._reduce_scatter_p2p() if self.intra == "p2p"
+                             else self._reduce_scatter_reduce())
         else:  # one rank per node: the whole gradient is the slice
-            reduces = [dist.all_reduce(self.flat_grad, group=self.groups.inter_group,
-                                       async_op=True)] if self.groups.layout.nodes > 1 else []
-        for work in reduces:
-            self._wait(work, "inter-node all-reduce")
-        lo, hi = self.owned
-        self.flat_grad[lo:hi].div_(self.world)
+            self._pending = [(c, a, b, self._all_reduce(a, b))
+                             for c, (a, b) in enumerate(self.pieces[0]) if b > a]
+        self._averaged = False
         self.timings["sync_s"] = time.perf_counter() - t0
 
+    def _finish_piece(self, a: int, b: int, work) -> None:
+        if work is not None:
+            self._wait(work, "inter-node all-reduce")
+        self.flat_grad[a:b].div_(self.world)
+
+    def wait_sync(self) -> None:
+        """Wait for every pending all-reduce: ``flat_grad[lo:hi]`` then holds the mean
+        gradient of the owned slice (the rest of ``flat_grad`` is scratch)."""
+        if self._pending is None or self._averaged:
+            return
+        for _, a, b, work in self._pending:
+            self._finish_piece(a, b, work)
+        self._averaged = True
+
+    def step(self, slots: list | None = None) -> None:
+        """Per piece of the owned slice: wait for its all-reduce, update it (optimizer state
+        for the owned slice only), send it to the node's other ranks; then wait for theirs
+        and clear the gradients. ``slots`` (the pipeline's layers) are ignored: their own
+        optimizers are replaced by the sharded one."""
+        if self._pending is None:
+            raise RuntimeError("HierarchicalSync.step() without sync(): call sync() after "
+                               "backward")
+        t0 = time.perf_counter()
+        g, me, update_s = self.groups, self.groups.local, 0.0
+        works = []
+        peers = [r for j, r in enumerate(g.intra_ranks) if j != me]
+        for j, peer in enumerate(g.intra_ranks):  # post every all-gather receive up front
+            if j != me:
+                for c, (a, b) in enumerate(self.pieces[j]):
+                    if b > a:
+                        works.append(dist.irecv(self.flat_param[a:b], src=peer,
+                                                group=g.intra_group, tag=c))
+        for shard, (c, a, b, work) in zip(self.shards, self._pending, strict=True):
+            if not self._averaged:
+                self._finish_piece(a, b, work)
+            u0 = time.perf_counter()
+            with torch.no_grad():
+                shard.grad = self.flat_grad[a:b]
+                self.optimizer.step()  # the pieces without .grad are skipped
+                shard.grad = None
+            update_s += time.perf_counter() - u0
+            for peer in peers:
+                works.append(dist.isend(self.flat_param[a:b], dst=peer, group=g.intra_group,
+                                        tag=c))
+        for work in works:
+            self._wait(work, "intra-node all-gather")
+        self.flat_grad.zero_()
+        self._pending, self._averaged = None, False
+        self.timings["update_s"] = update_s
+        self.timings["step_s"] = time.perf_counter() - t0
+        self.timings["all_gather_s"] = self.timings["step_s"] - update_s
+
     def all_gather(self) -> None:
-        """Intra-node all-gather of the slices, received straight into ``flat_param``."""
+        """Intra-node all-gather of the whole slices, straight into ``flat_param``."""
         g, me = self.groups, self.groups.local
         if g.layout.ranks_per_node == 1:
             return
@@ -456,23 +517,6 @@ class HierarchicalSync(GradSync):
         for work in works:
             self._wait(work, "intra-node all-gather")
 
-    def step(self, slots: list | None = None) -> None:
-        """Update the owned slice (optimizer state for it only), all-gather the slices,
-        clear the gradients. ``slots`` (the pipeline's layers) are ignored: their own
-        optimizers are replaced by the sharded one."""
-        t0 = time.perf_counter()
-        lo, hi = self.owned
-        with torch.no_grad():
-            self.shard.grad = self.flat_grad[lo:hi]
-            if hi > lo:
-                self.optimizer.step()
-            self.shard.grad = None
-        t1 = time.perf_counter()
-        self.all_gather()
-        self.flat_grad.zero_()
-        self.timings["update_s"] = t1 - t0
-        self.timings["all_gather_s"] = time.perf_counter() - t1
-
     # --- accounting and checkpoints --------------------------------------------------
     def optimizer_state_bytes(self, per_element_only: bool = False) -> int:
         """Bytes of the sharded optimizer's state on this rank (``per_element_only``: only
@@ -480,10 +524,10 @@ class HierarchicalSync(GradSync):
         if self.optimizer is None:
             return 0
         total = 0
-        for state in self.optimizer.state.values():
+        for param, state in self.optimizer.state.items():
             for t in state.values():
                 if isinstance(t, torch.Tensor) and (
-                        not per_element_only or t.shape == self.shard.shape):
+                        not per_element_only or t.shape == param.shape):
                     total += t.numel() * t.element_size()
         return total
 
@@ -496,8 +540,7 @@ class HierarchicalSync(GradSync):
         rank = self.groups.rank
         meta = {"rank": rank, "node": self.groups.node, "local": self.groups.local, "lo": lo,
                 "hi": hi, "numel": self.flat_param.numel()}
-        state = {**meta, "params": self.flat_param[lo:hi].clone(),
-                 "optim": self.optimizer.state_dict()}
+        state = {**meta, "params": self.flat_param[lo:hi].clone(), "optim": self._slice_state()}
         path = d / f"shard_{rank:05d}.pt"
         torch.save(state, d / f".shard_{rank:05d}.pt.tmp")
         os.replace(d / f".shard_{rank:05d}.pt.tmp", path)
@@ -505,6 +548,21 @@ class HierarchicalSync(GradSync):
         tmp.write_text(json.dumps(meta))
         os.replace(tmp, d / f"shard_{rank:05d}.json")
         return path
+
+    def _slice_state(self) -> dict:
+        """The optimizer state as if one parameter held the whole slice (pieces joined)."""
+        if self.optimizer is None:
+            return {"state": {}, "param_groups": []}
+        sd = self.optimizer.state_dict()
+        per_piece = [sd["state"].get(i, {}) for i in range(len(self.shards))]
+        merged: dict = {}
+        for key, t in per_piece[0].items():
+            if isinstance(t, torch.Tensor) and t.shape == self.shards[0].shape:
+                merged[key] = torch.cat([st[key].reshape(-1) for st in per_piece])
+            else:  # e.g. Adam's step count: equal for every piece
+                merged[key] = t
+        groups = [{**sd["param_groups"][0], "params": [0]}]
+        return {"state": {0: merged} if per_piece[0] else {}, "param_groups": groups}
 
     def load_shards(self, directory: str | Path, params: list[nn.Parameter]) -> None:
         """Start-up from shards: read the parts of ``directory``'s shards that overlap this
@@ -533,9 +591,14 @@ class HierarchicalSync(GradSync):
                     buf[a - lo : b - lo].copy_(t[a - meta["lo"] : b - meta["lo"]])
                 else:
                     new_state[key] = t
-        if groups_state is not None and new_state:
-            self.optimizer.load_state_dict({"state": {0: new_state},
-                                            "param_groups": groups_state})
+        if groups_state and new_state and self.optimizer is not None:
+            mine = [(a - lo, b - lo) for a, b in self.pieces[self.groups.local] if b > a]
+            # clone everything: torch optimizers update state in place (Adam's step too)
+            state = {i: {k: (v[a:b] if v.shape == (hi - lo,) else v).clone()
+                         if isinstance(v, torch.Tensor) else v for k, v in new_state.items()}
+                     for i, (a, b) in enumerate(mine)}
+            groups = [{**groups_state[0], "params": list(range(len(mine)))}]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.all_gather()
 
 
