@@ -116,7 +116,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2) if not args.json else f"wrote {args.json}")
     for row in result.get("rows", []):
         figures = {k: v for k, v in row.items() if k in ("step_ms_median", "samples_per_s",
-                                                           "step_s", "peak_bytes_per_stage")}
+                                                           "step_s", "peak_bytes_per_stage",
+                                                           "sync_s")}
         print(f"{row['system']:<24} {figures}", file=sys.stderr)
     for key, value in result.items():  # the headline figures: every top-level scalar
         if isinstance(value, (int, float, bool, str)) and key != "benchmark":
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--steps", type=int, default=None, help="steps per run (default: spec)")
     ben.add_argument("--stages", type=int, default=None,
                      help="pipeline stages, where the benchmark has them (default: spec)")
+    ben.add_argument("--loopback", action="store_true",
+                     help="hierarchical: run on 127.0.0.1 instead of the emulated network")
     ben.set_defaults(func=_cmd_bench)
     return p
 

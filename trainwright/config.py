@@ -153,6 +153,21 @@ class SyncConfig:
 class HierarchicalConfig:
     ranks_per_node: int = 0
     """Ranks forming one node; 0 = ranks on the same host (set it to emulate nodes)."""
+    weights: object = "memory"
+    """How each node cuts the gradient into one slice per local rank: ``"memory"`` (in
+    proportion to free device memory), ``"memory_speed"`` (free memory times a measured
+    matmul speed), ``"equal"``, or a list with one positive weight per local rank. Slice
+    ``j`` is the same on every node: its weight is the smallest over the nodes' rank ``j``."""
+    available_memory: object = ""
+    """CPU ranks: free memory per rank for ``weights = "memory"``: ``""`` (measured:
+    MemAvailable / local ranks), a size such as ``"8GiB"``, or one size per local rank.
+    CUDA ranks use ``torch.cuda.mem_get_info``."""
+    align: int = 64
+    """Slice boundaries fall on multiples of this many elements (the last slice ends at the
+    gradient's end)."""
+    chunks: int = 4
+    """Pieces per slice, pipelined so the inter-node all-reduce of one piece overlaps the
+    intra-node reduce-scatter of the next."""
 
 
 @dataclass(kw_only=True)
@@ -251,7 +266,8 @@ POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context",
             "parallel.pp", "parallel.dp", "runtime.p2p_timeout_s", "runtime.peer_timeout_s",
             "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes",
             "rebalance.check_every", "rebalance.patience", "rebalance.smoothing",
-            "rebalance.link_bandwidth")
+            "rebalance.link_bandwidth",
+            "hierarchical.align", "hierarchical.chunks")
 
 
 @dataclass(kw_only=True)
@@ -308,6 +324,7 @@ class Config:
             raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")
         if m.n_layers is not None:
             self.check_layers(m.n_layers)
+        self.check_hierarchical()
         self.stage_limits()  # parses every limit now, so a typo fails before any process
         parse_bytes(self.memory.reserve)
         for key in ("sparse_latency_s", "sparse_bandwidth", "sparse_allreduce_bandwidth",
@@ -354,6 +371,31 @@ class Config:
                               f"integers (layers per stage)")
         if rb.edits and ":" not in rb.edits:
             raise ConfigError(f"rebalance.edits = {rb.edits!r} must be \"module:function\"")
+    def check_hierarchical(self) -> None:
+        """Check the ``[hierarchical]`` section (slice weights, memory sizes, node size)."""
+        h = self.hierarchical
+        w = h.weights
+        if isinstance(w, list):
+            if not w or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                and x > 0 for x in w):
+                raise ConfigError(f"hierarchical.weights = {w!r} must be positive numbers, one "
+                                  f"per local rank, e.g. [2, 1]")
+        elif w not in ("memory", "memory_speed", "equal"):
+            raise ConfigError(f"hierarchical.weights = {w!r} is not allowed; choose one of "
+                              f"['memory', 'memory_speed', 'equal'] or a list such as [2, 1]")
+        mem = h.available_memory
+        for v in mem if isinstance(mem, list) else [mem]:
+            if v == "" and not isinstance(mem, list):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, str)) or parse_bytes(v) <= 0:
+                raise ConfigError(f"hierarchical.available_memory = {mem!r}: write a size such "
+                                  f"as \"8GiB\", or a list with one size per local rank")
+        if h.ranks_per_node < 0:
+            raise ConfigError(f"hierarchical.ranks_per_node = {h.ranks_per_node} must be 0 "
+                              f"(ranks on one host form a node) or positive")
+        if self.sync.strategy == "hierarchical" and self.rebalance.enabled:
+            raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
+                              "layers cannot migrate; set rebalance.enabled = false")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).

@@ -12,6 +12,7 @@ BENCHMARKS = {
     "pipeline": "trainwright.bench.pipeline",
     "memory": "trainwright.bench.memory",
     "rebalance": "trainwright.bench.rebalance",
+    "hierarchical": "trainwright.bench.hierarchical",
 }
 
 

@@ -47,5 +47,8 @@ def make_grad_sync(cfg: Config, topo: Topology) -> GradSync:
         return sparse_sync_from_config(cfg, topo.dp_group, topo.dp)
     if strategy == "dense":
         return BucketedAllReduce(topo.dp_group, topo.dp, int(cfg.parallel.bucket_mb * 2**20))
+    if strategy == "hierarchical":
+        from trainwright.sync.hierarchical import pipeline_sync
+        return pipeline_sync(cfg, topo)
     raise NotImplementedError(f"sync.strategy = {strategy!r} is not available inside the "
                               f"pipeline yet")

@@ -1,0 +1,706 @@
+"""Seed 003: hierarchical sharded gradient sync, slices sized by each device's memory.
+
+Ranks that share a host form a *node* (``hierarchical.ranks_per_node`` overrides that, to
+emulate nodes on one host). Every node cuts the flat gradient into one slice per local rank,
+sized in proportion to the ranks' free memory (optionally times their speed). One sync is:
+
+1. intra-node reduce-scatter: local rank ``j`` receives slice ``j`` of every other local
+   rank's gradient and sums it (point-to-point ``isend`` / ``irecv``, uneven sizes);
+2. inter-node all-reduce of each slice among the ranks of the same local index;
+3. (at ``step``) the sharded update: an optimizer that holds state for the owned slice only;
+4. intra-node all-gather of the updated slices, straight into the flat parameter buffer.
+
+Steps 1 and 2 are pipelined in ``chunks`` pieces per slice, so the slow inter-node
+all-reduce of one piece runs while the next piece is still being reduced inside the node.
+
+Why point-to-point for 1 and 4: torch 2.13's gloo ``reduce_scatter_tensor`` is a full
+all-reduce plus a copy and there is no uneven reduce-scatter on gloo at all; per-slice
+``dist.reduce`` is the other torch-native option (``intra="reduce"``), measured slower by
+``trainwright bench hierarchical`` (see docs/hierarchical.md).
+
+Parameters and gradients of the synced module become views into two flat buffers (as
+DDP's ``gradient_as_bucket_view``), so the all-gather and the update need no copies. The
+optimizer works on a flat 1-D parameter, so any element-wise torch optimizer (SGD, Adam,
+AdamW, ...) gives the same result as on the full model; optimizers that look at a
+parameter's shape (LBFGS, Adafactor) do not.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainwright.config import HierarchicalConfig, parse_bytes
+from trainwright.errors import CommError, ConfigError
+from trainwright.sync import GradSync
+
+__all__ = ["NodeLayout", "HierGroups", "node_layout", "create_groups", "slice_bounds",
+           "free_memory", "measure_speed", "HierarchicalSync", "HierarchicalDataParallel",
+           "pipeline_sync", "assemble_flat"]
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+# ----------------------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The ranks of one sync group arranged as ``nodes x ranks_per_node``.
+
+    ``order`` lists the group's global ranks node by node; position ``n * ranks_per_node +
+    j`` is local rank ``j`` of node ``n``.
+    """
+
+    order: tuple[int, ...]
+    ranks_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        """Number of nodes."""
+        return len(self.order) // self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """Node index of global ``rank``."""
+        return self.order.index(rank) // self.ranks_per_node
+
+    def local_of(self, rank: int) -> int:
+        """Local index of global ``rank`` within its node."""
+        return self.order.index(rank) % self.ranks_per_node
+
+    def intra(self, node: int) -> list[int]:
+        """Global ranks of ``node``, by local index."""
+        k = self.ranks_per_node
+        return list(self.order[node * k : (node + 1) * k])
+
+    def inter(self, local: int) -> list[int]:
+        """Global ranks with local index ``local``, one per node."""
+        return list(self.order[local :: self.ranks_per_node])
+
+
+def node_layout(members: Sequence[int], ranks_per_node: int = 0,
+                hosts: Sequence[str] | None = None) -> NodeLayout:
+    """Arrange the sync group ``members`` (global ranks) into nodes.
+
+    Args:
+        members: the group's global ranks.
+        ranks_per_node: consecutive members per node; 0 = members on one host form a node.
+        hosts: host name of every global rank (needed when ``ranks_per_node`` is 0).
+
+    Raises:
+        ConfigError: the members do not split into equal nodes.
+    """
+    members = list(members)
+    if ranks_per_node > 0:
+        if len(members) % ranks_per_node:
+            raise ConfigError(f"hierarchical.ranks_per_node = {ranks_per_node} does not divide "
+                              f"the {len(members)} ranks of the sync group; use a divisor of "
+                              f"{len(members)}")
+        return NodeLayout(tuple(members), ranks_per_node)
+    if hosts is None:
+        raise ValueError("node_layout needs the host names when ranks_per_node is 0")
+    by_host: dict[str, list[int]] = {}
+    for r in members:
+        by_host.setdefault(hosts[r], []).append(r)
+    sizes = {h: len(rs) for h, rs in by_host.items()}
+    if len(set(sizes.values())) != 1:
+        raise ConfigError(f"hosts run different numbers of ranks of one sync group ({sizes}); "
+                          f"hierarchical sync needs equal nodes: launch the same number of "
+                          f"ranks per host or set hierarchical.ranks_per_node")
+    return NodeLayout(tuple(r for rs in by_host.values() for r in rs), len(members) // len(by_host))
+
+
+def host_names() -> list[str]:
+    """Host name of every rank of the default group (a collective)."""
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, os.environ.get("TRAINWRIGHT_HOST") or socket.gethostname())
+    return names
+
+
+@dataclass
+class HierGroups:
+    """This rank's place in a :class:`NodeLayout` and its two process groups."""
+
+    layout: NodeLayout
+    rank: int
+    intra_group: object = field(repr=False)
+    """The ranks of this rank's node."""
+    inter_group: object = field(repr=False)
+    """The ranks with this rank's local index, one per node."""
+
+    @property
+    def node(self) -> int:
+        """This rank's node."""
+        return self.layout.node_of(self.rank)
+
+    @property
+    def local(self) -> int:
+        """This rank's local index."""
+        return self.layout.local_of(self.rank)
+
+    @property
+    def intra_ranks(self) -> list[int]:
+        """Global ranks of this node, by local index."""
+        return self.layout.intra(self.node)
+
+
+def create_groups(layouts: Sequence[NodeLayout], rank: int) -> HierGroups | None:
+    """Create the intra- and inter-node groups of every layout; return this rank's.
+
+    ``new_group`` is collective over the default group, so every rank of the job must call
+    this with the same ``layouts`` (e.g. one per pipeline stage): groups are created in the
+    same order everywhere.
+    """
+    mine = None
+    for layout in layouts:
+        intra = [dist.new_group(layout.intra(n)) for n in range(layout.nodes)]
+        inter = [dist.new_group(layout.inter(j)) for j in range(layout.ranks_per_node)]
+        if rank in layout.order:
+            mine = HierGroups(layout, rank, intra[layout.node_of(rank)],
+                              inter[layout.local_of(rank)])
+    return mine
+
+
+# ----------------------------------------------------------------------------- slices
+
+def slice_bounds(numel: int, weights: Sequence[float], align: int) -> list[tuple[int, int]]:
+    """Cut ``[0, numel)`` into one slice per weight, sizes in proportion to the weights.
+
+    Each inner boundary is the ideal cumulative share rounded to the nearest multiple of
+    ``align``, so every slice is within one ``align`` of its ideal size; the last slice ends
+    exactly at ``numel``.
+    """
+    total = float(sum(weights))
+    if not weights or any(w <= 0 for w in weights):
+        raise ConfigError(f"slice weights {list(weights)} must all be positive")
+    cuts, acc = [0], 0.0
+    for w in weights[:-1]:
+        acc += w
+        cuts.append(min(numel, max(cuts[-1], align * round(numel * acc / total / align))))
+    cuts.append(numel)
+    return [(cuts[j], cuts[j + 1]) for j in range(len(weights))]
+
+
+def _pieces(lo: int, hi: int, chunks: int) -> list[tuple[int, int]]:
+    n = hi - lo
+    edges = [lo + (n * c) // chunks for c in range(chunks + 1)]
+    return [(edges[c], edges[c + 1]) for c in range(chunks)]
+
+
+def free_memory(device: torch.device, available: object = "", local: int = 0,
+                local_ranks: int = 1) -> float:
+    """Free memory of this rank's device in bytes.
+
+    CUDA: ``torch.cuda.mem_get_info``. CPU: the configured ``available`` (a size, or a list
+    indexed by local rank), else the host's MemAvailable shared by ``local_ranks``.
+    """
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    if isinstance(available, list):
+        if len(available) != local_ranks:
+            raise ConfigError(f"hierarchical.available_memory has {len(available)} sizes but a "
+                              f"node has {local_ranks} ranks; give one size per local rank")
+        return float(parse_bytes(available[local]))
+    if available not in ("", None):
+        return float(parse_bytes(available))
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024 / local_ranks
+    return 1.0  # pragma: no cover - not Linux: equal slices
+
+
+def measure_speed(device: torch.device, size: int = 256, repeats: int = 8) -> float:
+    """This rank's matmul speed in FLOP/s (median of ``repeats`` timed products)."""
+    a = torch.randn(size, size, device=device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / max(sorted(times)[len(times) // 2], 1e-9)
+
+
+def agree_weights(groups: HierGroups, mine: float) -> list[float]:
+    """Slice weights by local index, the same on every node: gather each node's values and
+    take the smallest per local index over the nodes (a slice must fit on every node)."""
+    k = groups.layout.ranks_per_node
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(k)]
+    dist.all_gather(out, torch.tensor([mine], dtype=torch.float64), group=groups.intra_group)
+    vec = torch.cat(out)
+    if groups.layout.nodes > 1:
+        dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=groups.inter_group)
+    return vec.tolist()
+
+
+def resolve_weights(cfg: HierarchicalConfig, groups: HierGroups,
+                    device: torch.device) -> list[float]:
+    """The slice weights ``cfg.weights`` asks for (a collective over the sync group)."""
+    k = groups.layout.ranks_per_node
+    w = cfg.weights
+    if isinstance(w, list):
+        if len(w) != k:
+            raise ConfigError(f"hierarchical.weights has {len(w)} values but a node has {k} "
+                              f"ranks; give one weight per local rank")
+        return [float(x) for x in w]
+    if w == "equal":
+        return [1.0] * k
+    mine = free_memory(device, cfg.available_memory, groups.local, k)
+    if w == "memory_speed":
+        mine *= measure_speed(device)
+    return agree_weights(groups, mine)
+
+
+# ----------------------------------------------------------------------------- the sync
+
+class HierarchicalSync(GradSync):
+    """Seed 003 as a :class:`GradSync`: ``sync`` reduce-scatters inside the node and
+    all-reduces each slice between nodes; ``step`` updates the owned slice with a sharded
+    optimizer and all-gathers the slices inside the node.
+
+    Args:
+        groups: this rank's layout and groups (:func:`create_groups`).
+        make_optimizer: builds the optimizer over a list with one flat parameter.
+        cfg: the ``[hierarchical]`` section (weights, align, chunks).
+        timeout_s: deadline of every wait.
+        intra: ``"p2p"`` (isend/irecv, default) or ``"reduce"`` (one ``dist.reduce`` per
+            slice) for the intra-node reduce-scatter.
+    """
+
+    def __init__(self, groups: HierGroups, make_optimizer: OptimizerFactory,
+                 cfg: HierarchicalConfig | None = None, timeout_s: float = 300.0,
+                 intra: str = "p2p"):
+        if intra not in ("p2p", "reduce"):
+            raise ValueError(f"intra = {intra!r}; choose 'p2p' or 'reduce'")
+        self.groups, self.make_optimizer = groups, make_optimizer
+        self.cfg = cfg or HierarchicalConfig()
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.intra = intra
+        self.params: list[nn.Parameter] = []
+        self.bounds: list[tuple[int, int]] = []
+        self.weights: list[float] = []
+        self.flat_param: torch.Tensor | None = None
+        self.flat_grad: torch.Tensor | None = None
+        self.pieces: list[list[tuple[int, int]]] = []
+        """Per slice, its ``chunks`` pieces ``[a, b)`` (the unit of overlap)."""
+        self.shards: list[nn.Parameter] = []
+        """The owned slice's non-empty pieces, as parameters aliasing ``flat_param``."""
+        self._pending: list | None = None
+        self._averaged = False
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.timings: dict[str, float] = {}
+
+    # --- set-up -------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        """Ranks of the whole sync group."""
+        return len(self.groups.layout.order)
+
+    @property
+    def owned(self) -> tuple[int, int]:
+        """``[lo, hi)`` of the flat parameter vector this rank owns."""
+        return self.bounds[self.groups.local]
+
+    def setup(self, params: list[nn.Parameter], weights: Sequence[float] | None = None) -> None:
+        """Move ``params`` (and their gradients) into flat buffers and build the sharded
+        optimizer. Collective within the sync group (the weights are agreed)."""
+        params = list(params)
+        if not params:
+            raise ValueError("hierarchical sync needs at least one parameter")
+        dtypes = {(p.dtype, p.device) for p in params}
+        if len(dtypes) != 1:
+            raise ConfigError(f"hierarchical sync needs one dtype and device for all parameters "
+                              f"of a stage, found {sorted(map(str, dtypes))}")
+        device = params[0].device
+        self.weights = list(weights) if weights is not None else \
+            resolve_weights(self.cfg, self.groups, device)
+        numel = sum(p.numel() for p in params)
+        self.bounds = slice_bounds(numel, self.weights, self.cfg.align)
+        with torch.no_grad():
+            self.flat_param = torch.cat([p.detach().reshape(-1) for p in params])
+            self.flat_grad = torch.zeros_like(self.flat_param)
+            off = 0
+            for p in params:
+                n = p.numel()
+                if p.grad is not None:
+                    self.flat_grad[off : off + n].copy_(p.grad.reshape(-1))
+                p.data = self.flat_param[off : off + n].view_as(p)
+                p.grad = self.flat_grad[off : off + n].view_as(p)
+                off += n
+        self.params = params
+        self.pieces = [_pieces(lo, hi, self.cfg.chunks) for lo, hi in self.bounds]
+        # one parameter per piece, aliasing the flat buffer: a piece can be updated (and its
+        # all-gather started) as soon as its inter-node all-reduce is done
+        self.shards = [nn.Parameter(self.flat_param[a:b])
+                       for a, b in self.pieces[self.groups.local] if b > a]
+        self.optimizer = self.make_optimizer(self.shards) if self.shards else None
+
+    def _gather_grads(self) -> None:
+        """Make every parameter's gradient the view into ``flat_grad`` (copy if replaced)."""
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            view = self.flat_grad[off : off + n]
+            if p.grad is None:
+                view.zero_()
+                p.grad = view.view_as(p)
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+                p.grad = view.view_as(p)
+            off += n
+
+    # --- communication -------------------------------------------------------------
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise CommError(f"rank {self.groups.rank}: {what} failed: {exc}") from exc
+        if ok is False:
+            raise CommError(f"rank {self.groups.rank}: {what} missed its "
+                            f"{self.timeout.total_seconds():.0f} s deadline")
+
+    def _reduce_scatter_p2p(self) -> list:
+        """Post every piece's sends and receives, then sum and all-reduce piece by piece."""
+        g, me = self.groups, self.groups.local
+        chunks, ranks, pieces = self.cfg.chunks, self.groups.intra_ranks, self.pieces
+        sends, recvs = [], [[] for _ in range(chunks)]
+        for c in range(chunks):
+            for j, peer in enumerate(ranks):
+                if j == me:
+                    continue
+                a, b = pieces[j][c]
+                if b > a:
+                    sends.append(dist.isend(self.flat_grad[a:b], dst=peer, group=g.intra_group,
+                                            tag=c))
+                a, b = pieces[me][c]
+                if b > a:
+                    buf = torch.empty(b - a, dtype=self.flat_grad.dtype,
+                                      device=self.flat_grad.device)
+                    recvs[c].append((dist.irecv(buf, src=peer, group=g.intra_group, tag=c), buf))
+        reduces = []
+        for c in range(chunks):
+            a, b = pieces[me][c]
+            for work, buf in recvs[c]:
+                self._wait(work, "intra-node receive")
+                self.flat_grad[a:b].add_(buf)
+            recvs[c] = []
+            if b > a:
+                reduces.append((c, a, b, self._all_reduce(a, b)))
+        for work in sends:
+            self._wait(work, "intra-node send")
+        return reduces
+
+    def _reduce_scatter_reduce(self) -> list:
+        """One ``dist.reduce`` per slice piece to its owner, then the inter-node all-reduce."""
+        g, me = self.groups, self.groups.local
+        ranks, pieces = g.intra_ranks, self.pieces
+        reduces = []
+        for c in range(self.cfg.chunks):
+            works = []
+            for j, owner in enumerate(ranks):
+                a, b = pieces[j][c]
+                if b > a:  # non-owners' buffers are scratch: their slices are cleared at step
+                    works.append(dist.reduce(self.flat_grad[a:b], dst=owner,
+                                             group=g.intra_group, async_op=True))
+            for work in works:
+                self._wait(work, "intra-node reduce")
+            a, b = pieces[me][c]
+            if b > a:
+                reduces.append((c, a, b, self._all_reduce(a, b)))
+        return reduces
+
+    def _all_reduce(self, a: int, b: int):
+        """Start the inter-node all-reduce of ``flat_grad[a:b]`` (None with one node)."""
+        if self.groups.layout.nodes == 1:
+            return None
+        return dist.all_reduce(self.flat_grad[a:b], group=self.groups.inter_group,
+                               async_op=True)
+
+    def sync(self, params: list[nn.Parameter]) -> None:
+        """Reduce-scatter inside the node and *start* the inter-node all-reduce of every
+        piece of the owned slice. :meth:`step` finishes each piece as it arrives (so the
+        update and all-gather of one piece overlap the all-reduce of the next); call
+        :meth:`wait_sync` first if you need the averaged slice before ``step``."""
+        t0 = time.perf_counter()
+        if self.flat_param is None:
+            self.setup(list(params))
+        self._gather_grads()
+        if self.groups.layout.ranks_per_node > 1:
+            self._pending = (self._reduce_scatter_p2p() if self.intra == "p2p"
+                             else self._reduce_scatter_reduce())
+        else:  # one rank per node: the whole gradient is the slice
+            self._pending = [(c, a, b, self._all_reduce(a, b))
+                             for c, (a, b) in enumerate(self.pieces[0]) if b > a]
+        self._averaged = False
+        self.timings["sync_s"] = time.perf_counter() - t0
+
+    def _finish_piece(self, a: int, b: int, work) -> None:
+        if work is not None:
+            self._wait(work, "inter-node all-reduce")
+        self.flat_grad[a:b].div_(self.world)
+
+    def wait_sync(self) -> None:
+        """Wait for every pending all-reduce: ``flat_grad[lo:hi]`` then holds the mean
+        gradient of the owned slice (the rest of ``flat_grad`` is scratch)."""
+        if self._pending is None or self._averaged:
+            return
+        for _, a, b, work in self._pending:
+            self._finish_piece(a, b, work)
+        self._averaged = True
+
+    def step(self, slots: list | None = None) -> None:
+        """Per piece of the owned slice: wait for its all-reduce, update it (optimizer state
+        for the owned slice only), send it to the node's other ranks; then wait for theirs
+        and clear the gradients. ``slots`` (the pipeline's layers) are ignored: their own
+        optimizers are replaced by the sharded one."""
+        if self._pending is None:
+            raise RuntimeError("HierarchicalSync.step() without sync(): call sync() after "
+                               "backward")
+        t0 = time.perf_counter()
+        g, me, update_s = self.groups, self.groups.local, 0.0
+        works = []
+        peers = [r for j, r in enumerate(g.intra_ranks) if j != me]
+        for j, peer in enumerate(g.intra_ranks):  # post every all-gather receive up front
+            if j != me:
+                for c, (a, b) in enumerate(self.pieces[j]):
+                    if b > a:
+                        works.append(dist.irecv(self.flat_param[a:b], src=peer,
+                                                group=g.intra_group, tag=c))
+        for shard, (c, a, b, work) in zip(self.shards, self._pending, strict=True):
+            if not self._averaged:
+                self._finish_piece(a, b, work)
+            u0 = time.perf_counter()
+            with torch.no_grad():
+                shard.grad = self.flat_grad[a:b]
+                self.optimizer.step()  # the pieces without .grad are skipped
+                shard.grad = None
+            update_s += time.perf_counter() - u0
+            for peer in peers:
+                works.append(dist.isend(self.flat_param[a:b], dst=peer, group=g.intra_group,
+                                        tag=c))
+        for work in works:
+            self._wait(work, "intra-node all-gather")
+        self.flat_grad.zero_()
+        self._pending, self._averaged = None, False
+        self.timings["update_s"] = update_s
+        self.timings["step_s"] = time.perf_counter() - t0
+        self.timings["all_gather_s"] = self.timings["step_s"] - update_s
+
+    def all_gather(self) -> None:
+        """Intra-node all-gather of the whole slices, straight into ``flat_param``."""
+        g, me = self.groups, self.groups.local
+        if g.layout.ranks_per_node == 1:
+            return
+        lo, hi = self.owned
+        works = []
+        for j, peer in enumerate(g.intra_ranks):
+            if j == me:
+                continue
+            a, b = self.bounds[j]
+            if hi > lo:
+                works.append(dist.isend(self.flat_param[lo:hi], dst=peer, group=g.intra_group))
+            if b > a:
+                works.append(dist.irecv(self.flat_param[a:b], src=peer, group=g.intra_group))
+        for work in works:
+            self._wait(work, "intra-node all-gather")
+
+    # --- accounting and checkpoints --------------------------------------------------
+    def optimizer_state_bytes(self, per_element_only: bool = False) -> int:
+        """Bytes of the sharded optimizer's state on this rank (``per_element_only``: only
+        tensors shaped like the shard, e.g. Adam's moments, not its step counter)."""
+        if self.optimizer is None:
+            return 0
+        total = 0
+        for param, state in self.optimizer.state.items():
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and (
+                        not per_element_only or t.shape == param.shape):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def save_shard(self, directory: str | Path) -> Path:
+        """Write this rank's parameter slice and its optimizer state to
+        ``directory/shard_RANK.pt`` (plus a small ``.json`` index), atomically."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        lo, hi = self.owned
+        rank = self.groups.rank
+        meta = {"rank": rank, "node": self.groups.node, "local": self.groups.local, "lo": lo,
+                "hi": hi, "numel": self.flat_param.numel()}
+        state = {**meta, "params": self.flat_param[lo:hi].clone(), "optim": self._slice_state()}
+        path = d / f"shard_{rank:05d}.pt"
+        torch.save(state, d / f".shard_{rank:05d}.pt.tmp")
+        os.replace(d / f".shard_{rank:05d}.pt.tmp", path)
+        tmp = d / f".shard_{rank:05d}.json.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, d / f"shard_{rank:05d}.json")
+        return path
+
+    def _slice_state(self) -> dict:
+        """The optimizer state as if one parameter held the whole slice (pieces joined)."""
+        if self.optimizer is None:
+            return {"state": {}, "param_groups": []}
+        sd = self.optimizer.state_dict()
+        per_piece = [sd["state"].get(i, {}) for i in range(len(self.shards))]
+        merged: dict = {}
+        for key, t in per_piece[0].items():
+            if isinstance(t, torch.Tensor) and t.shape == self.shards[0].shape:
+                merged[key] = torch.cat([st[key].reshape(-1) for st in per_piece])
+            else:  # e.g. Adam's step count: equal for every piece
+                merged[key] = t
+        groups = [{**sd["param_groups"][0], "params": [0]}]
+        return {"state": {0: merged} if per_piece[0] else {}, "param_groups": groups}
+
+    def load_shards(self, directory: str | Path, params: list[nn.Parameter]) -> None:
+        """Start-up from shards: read the parts of ``directory``'s shards that overlap this
+        rank's slice (parameters and optimizer state; any number of ranks may have written
+        them), then all-gather the slices inside the node to assemble the full model.
+        Collective within the sync group."""
+        if self.flat_param is None:
+            self.setup(list(params))
+        lo, hi = self.owned
+        parts = _covering_shards(directory, self.flat_param.numel())
+        new_state: dict = {}
+        groups_state = None
+        for meta in parts:
+            a, b = max(lo, meta["lo"]), min(hi, meta["hi"])
+            if b <= a:
+                continue
+            saved = torch.load(Path(directory) / f"shard_{meta['rank']:05d}.pt",
+                               map_location=self.flat_param.device, weights_only=True)
+            with torch.no_grad():
+                self.flat_param[a:b].copy_(saved["params"][a - meta["lo"] : b - meta["lo"]])
+            groups_state = saved["optim"]["param_groups"]
+            for key, t in saved["optim"]["state"].get(0, {}).items():
+                if isinstance(t, torch.Tensor) and t.shape == (meta["hi"] - meta["lo"],):
+                    buf = new_state.setdefault(key, torch.zeros(hi - lo, dtype=t.dtype,
+                                                                device=t.device))
+                    buf[a - lo : b - lo].copy_(t[a - meta["lo"] : b - meta["lo"]])
+                else:
+                    new_state[key] = t
+        if groups_state and new_state and self.optimizer is not None:
+            mine = [(a - lo, b - lo) for a, b in self.pieces[self.groups.local] if b > a]
+            # clone everything: torch optimizers update state in place (Adam's step too)
+            state = {i: {k: (v[a:b] if v.shape == (hi - lo,) else v).clone()
+                         if isinstance(v, torch.Tensor) else v for k, v in new_state.items()}
+                     for i, (a, b) in enumerate(mine)}
+            groups = [{**groups_state[0], "params": list(range(len(mine)))}]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        self.all_gather()
+
+
+def _covering_shards(directory: str | Path, numel: int) -> list[dict]:
+    """The index entries of one node's shards that tile ``[0, numel)``."""
+    metas = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("shard_*.json"))]
+    if not metas:
+        raise FileNotFoundError(f"no shard_*.json in {directory}; was it written by "
+                                f"HierarchicalSync.save_shard?")
+    if metas[0]["numel"] != numel:
+        raise ValueError(f"shards in {directory} hold {metas[0]['numel']} parameters, the model "
+                         f"has {numel}; they belong to a different model")
+    node0 = sorted((m for m in metas if m["node"] == 0), key=lambda m: m["lo"])
+    edge = 0
+    for m in node0:
+        if m["lo"] != edge:
+            break
+        edge = m["hi"]
+    if edge != numel:
+        raise FileNotFoundError(f"the shards of node 0 in {directory} cover [0, {edge}) of "
+                                f"{numel} parameters; a shard file is missing")
+    return node0
+
+
+def assemble_flat(directory: str | Path) -> torch.Tensor:
+    """The full flat parameter vector from a directory of shards (one process, no group)."""
+    metas = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("shard_*.json"))]
+    if not metas:
+        raise FileNotFoundError(f"no shard_*.json in {directory}")
+    numel = metas[0]["numel"]
+    out = None
+    for m in _covering_shards(directory, numel):
+        saved = torch.load(Path(directory) / f"shard_{m['rank']:05d}.pt", map_location="cpu",
+                           weights_only=True)
+        if out is None:
+            out = torch.empty(numel, dtype=saved["params"].dtype)
+        out[m["lo"] : m["hi"]].copy_(saved["params"])
+    return out
+
+
+# ----------------------------------------------------------------------------- front ends
+
+class HierarchicalDataParallel(nn.Module):
+    """Plain data parallel with seed 003's sync: wrap a model, run forward/backward as
+    usual, then ``sync()`` and ``step()`` (instead of ``optimizer.step()``).
+
+    Every rank of ``members`` (default: the whole job) must build it, with the same
+    ``cfg``; replicas must start from equal weights (same seed, or :meth:`load_shards`).
+    Creating it is collective over the default group (it creates process groups).
+
+    Args:
+        module: the model.
+        make_optimizer: e.g. ``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``.
+        cfg: the ``[hierarchical]`` section.
+        members: global ranks that are replicas (default all).
+        timeout_s: deadline of every wait.
+    """
+
+    def __init__(self, module: nn.Module, make_optimizer: OptimizerFactory,
+                 cfg: HierarchicalConfig | None = None, members: Sequence[int] | None = None,
+                 timeout_s: float = 300.0, intra: str = "p2p"):
+        super().__init__()
+        cfg = cfg or HierarchicalConfig()
+        self.module = module
+        members = list(range(dist.get_world_size())) if members is None else list(members)
+        hosts = host_names() if cfg.ranks_per_node == 0 else None
+        layout = node_layout(members, cfg.ranks_per_node, hosts)
+        groups = create_groups([layout], dist.get_rank())
+        self.hsync = HierarchicalSync(groups, make_optimizer, cfg, timeout_s, intra)
+        self.hsync.setup([p for p in module.parameters() if p.requires_grad])
+
+    def forward(self, *args, **kwargs):
+        """The wrapped module's forward."""
+        return self.module(*args, **kwargs)
+
+    def sync(self) -> None:
+        """Reduce-scatter + inter-node all-reduce of the gradients (after backward)."""
+        self.hsync.sync(self.hsync.params)
+
+    def step(self) -> None:
+        """Sharded optimizer step, all-gather of the parameters, gradients cleared."""
+        self.hsync.step()
+
+    def save_shards(self, directory: str | Path) -> Path:
+        """Write this rank's shard (see :meth:`HierarchicalSync.save_shard`)."""
+        return self.hsync.save_shard(directory)
+
+    def load_shards(self, directory: str | Path) -> None:
+        """Load shards written by any number of ranks and assemble the full model."""
+        self.hsync.load_shards(directory, self.hsync.params)
+
+
+def pipeline_sync(cfg, topo) -> HierarchicalSync:
+    """The strategy for ``sync.strategy = "hierarchical"`` inside the pipeline: each stage's
+    replicas (its dp group) are arranged into nodes. Collective over the whole job."""
+    from trainwright.build import build_optimizer
+
+    h = cfg.hierarchical
+    hosts = host_names() if h.ranks_per_node == 0 else None
+    layouts = [node_layout([d * topo.pp + s for d in range(topo.dp)], h.ranks_per_node, hosts)
+               for s in range(topo.pp)]
+    groups = create_groups(layouts, topo.rank)
+    return HierarchicalSync(groups, lambda ps: build_optimizer(cfg, ps), h,
+                            cfg.runtime.collective_timeout_s)
+
