@@ -147,6 +147,44 @@ class HierarchicalConfig:
 class TokenRingConfig:
     close_fraction: float = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
+    nodes: int = 4
+    """Nodes the local launcher starts; also the number of data shards (a node trains on
+    shard ``index`` of every global batch, so ``train.batch_size`` must split into it)."""
+    min_nodes: int = 2
+    """When fewer members remain, the ring stops, the first node saves the model and the
+    run exits non-zero."""
+    rendezvous: str = ""
+    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the node
+    that binds it hosts formation. Empty = 127.0.0.1 on a free port (local launcher)."""
+    formation_quiet_s: float = 2.0
+    """Formation closes after this long without a new join (or once ``nodes`` joined)."""
+    token_timeout_s: float = 2.0
+    """Quiet time after which the last broadcaster retransmits its token message."""
+    succession_s: float = 1.0
+    """T: the k-th successor of a silent holder declares it lost after
+    ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""
+    idle_hold_s: float = 0.005
+    """A holder keeps a token that went a full round without news this long, waiting for
+    its own gradient, instead of spinning the token around an idle ring."""
+    close_timeout_s: float = 120.0
+    """Deadline for a step to close and for the gradients of a closed step to arrive."""
+    batch_steps: int = 10
+    """Steps per batch boundary: after each, the first node admits standby nodes."""
+    standby_timeout_s: float = 120.0
+    """How long a standby node waits to be admitted before giving up."""
+    slow_node: int = -1
+    """Fault injection: this node index is slowed by ``slow_factor`` (it sleeps
+    ``(slow_factor - 1)`` times its measured compute time each step)."""
+    slow_factor: float = 1.0
+    """Fault injection: slowdown of ``slow_node``."""
+    kill_nodes: list = field(default_factory=list)
+    """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
+    computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
+    kill_step: int = -1
+    """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
+    restart_killed: bool = False
+    """Fault injection: the local launcher restarts killed nodes once, as standby nodes
+    that rejoin at the next batch boundary."""
 
 
 @dataclass(kw_only=True)
@@ -207,7 +245,11 @@ CHOICES = {
 POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
             "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
             "parallel.pp", "parallel.dp", "runtime.p2p_timeout_s", "runtime.peer_timeout_s",
-            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes")
+            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes",
+            "tokenring.nodes", "tokenring.min_nodes", "tokenring.formation_quiet_s",
+            "tokenring.token_timeout_s", "tokenring.succession_s", "tokenring.idle_hold_s",
+            "tokenring.close_timeout_s", "tokenring.batch_steps", "tokenring.standby_timeout_s",
+            "tokenring.slow_factor")
 
 
 @dataclass(kw_only=True)
@@ -267,6 +309,9 @@ class Config:
         self.stage_limits()  # parses every limit now, so a typo fails before any process
         parse_bytes(self.memory.reserve)
         t = self.train
+        if self.sync.strategy == "tokenring":
+            self.validate_tokenring()
+            return
         if t.batch_size % par.dp:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
                               f"parallel.dp = {par.dp} replicas; use a multiple of {par.dp}")
@@ -276,6 +321,26 @@ class Config:
             raise ConfigError(f"train.micro_batches = {t.micro_batches} does not divide the "
                               f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
                               f"; allowed: {divisors}")
+
+    def validate_tokenring(self) -> None:
+        """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
+        r, t = self.tokenring, self.train
+        if not 0 < r.close_fraction <= 1:
+            raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
+        if r.min_nodes > r.nodes:
+            raise ConfigError(f"tokenring.min_nodes = {r.min_nodes} is more than tokenring.nodes"
+                              f" = {r.nodes}; use at most {r.nodes}")
+        if t.batch_size % r.nodes:
+            raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
+                              f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
+        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
+            raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
+                              "SGD); set train.optimizer=\"sgd\" with momentum and "
+                              "weight_decay 0")
+        bad = [i for i in [*r.kill_nodes, r.slow_node] if i != -1 and not 0 <= i < r.nodes]
+        if bad or not all(isinstance(i, int) for i in r.kill_nodes):
+            raise ConfigError(f"tokenring fault injection names node {bad[0] if bad else '?'};"
+                              f" node indices are 0..{r.nodes - 1}")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).
