@@ -4,8 +4,8 @@ Every node holds the whole model and trains on shard ``index`` of each global ba
 is no process group (a membership change would break it): nodes meet at a rendezvous,
 the first node sends everyone its weights, and gradients travel through
 :class:`~trainwright.sync.tokenring.TokenRing`. :func:`launch_ring` starts the local node
-processes (``python -m trainwright.sync.ring_runner RUN_DIR INDEX ENDPOINT ROLE``) and,
-with ``tokenring.restart_killed``, restarts nodes killed by fault injection as standby.
+processes (forked from one helper that imported torch once) and, with
+``tokenring.restart_killed``, restarts nodes killed by fault injection as standby.
 
 Each node writes ``node<index>.json`` (parameter hash after every applied step, steps it
 contributed to, membership events, close times); the first node saves ``model.pt``.
@@ -82,7 +82,7 @@ class _Node:
         self.hashes: dict[int, str] = {}
         self.joined: list[dict] = []
         self.rings: list[TokenRing] = []
-        self.restarted = role == "spare"
+        self.restarted = False
 
     # ------------------------------------------------------------ joining
     def _bind(self) -> tuple[zmq.Socket, str]:
@@ -263,15 +263,59 @@ class _Node:
 
 
 def node_main(argv: list[str]) -> int:
-    """Entry of one node process: ``RUN_DIR INDEX ENDPOINT ROLE`` (host | join | spare)."""
+    """One node: ``RUN_DIR INDEX ENDPOINT ROLE`` (host | join | rejoin, rejoin = restarted)."""
     run_dir, want, endpoint, role = Path(argv[0]), int(argv[1]), argv[2], argv[3]
-    logging.basicConfig(level=logging.WARNING, format=f"[node {want}] %(message)s")
+    logging.basicConfig(level=logging.WARNING, format=f"[node {want}] %(message)s", force=True)
     cfg = load_config(run_dir / "config.toml")
-    if role == "spare":  # imported and waiting: the launcher says when to start
-        ready, _, _ = select.select([sys.stdin], [], [], cfg.tokenring.standby_timeout_s)
-        if not ready or not sys.stdin.readline().strip():
-            return 0
-    return _Node(cfg, run_dir, want, endpoint, role).run()
+    node = _Node(cfg, run_dir, want, endpoint, "join" if role == "rejoin" else role)
+    node.restarted = role == "rejoin"
+    return node.run()
+
+
+def _exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def zygote_main(argv: list[str]) -> int:
+    """Fork node processes on request, so torch is imported once, not once per node.
+
+    Reads ``start KEY INDEX ROLE`` / ``kill`` lines on stdin, writes ``exit KEY CODE`` lines
+    on stdout (CODE < 0: killed by that signal). Forks before any thread or ZeroMQ context
+    exists here, which keeps the children sound. Ends when stdin closes and every child exited.
+    """
+    run_dir, endpoint = argv
+    children: dict[int, str] = {}
+    open_in, pending, fd = True, b"", sys.stdin.fileno()
+    while open_in or children:
+        lines: list[str] = []
+        if open_in and select.select([fd], [], [], 0.02)[0]:
+            chunk = os.read(fd, 65536)  # unbuffered: select and the reads must agree
+            open_in = bool(chunk)
+            *done, pending = (pending + chunk).split(b"\n")
+            lines = [x.decode() for x in done]
+        elif not open_in:
+            time.sleep(0.02)
+        for line in lines:
+            if line.startswith("start"):
+                _, key, index, role = line.split()
+                pid = os.fork()
+                if pid == 0:  # the node
+                    code = 1
+                    try:
+                        code = node_main([run_dir, index, endpoint, role])
+                    finally:
+                        sys.stderr.flush()
+                        os._exit(code)
+                children[pid] = key
+            elif line.startswith("kill"):
+                for pid in children:
+                    os.kill(pid, signal.SIGKILL)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            print(f"exit {children.pop(pid)} {_exit_code(status)}", flush=True)
+    return 0
 
 
 @dataclass
@@ -300,6 +344,10 @@ class RingResult:
 def launch_ring(cfg: Config, run_dir: Path, timeout_s: float | None = None) -> RingResult:
     """Start ``tokenring.nodes`` local node processes and wait for them.
 
+    The nodes are forked from one helper process that imported torch once. With
+    ``tokenring.restart_killed`` a node killed by fault injection is started again (a new
+    process, keeping its index), which joins as standby.
+
     Args:
         cfg: validated configuration, already written to ``run_dir/config.toml``.
         run_dir: the run directory (node reports and ``model.pt`` go there).
@@ -310,44 +358,66 @@ def launch_ring(cfg: Config, run_dir: Path, timeout_s: float | None = None) -> R
     r = cfg.tokenring
     endpoint = r.rendezvous or f"tcp://127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    zygote = subprocess.Popen([sys.executable, "-m", "trainwright.sync.ring_runner", "zygote",
+                               str(run_dir), endpoint], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
 
-    def start(i: int, role: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "trainwright.sync.ring_runner", str(run_dir), str(i),
-               endpoint, role]
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if role == "spare" else None)
+    def start(key: str, index: int, role: str) -> None:
+        zygote.stdin.write(f"start {key} {index} {role}\n")
+        zygote.stdin.flush()
 
-    procs = {str(i): start(i, "host" if i == 0 else "join") for i in range(r.nodes)}
-    spares = {str(i): start(i, "spare") for i in r.kill_nodes} if r.restart_killed else {}
+    for i in range(r.nodes):
+        start(str(i), i, "host" if i == 0 else "join")
+    running = {str(i) for i in range(r.nodes)}
+    codes: dict[str, int] = {}
     grace = 3 * (r.token_timeout_s + r.nodes * r.succession_s) + 15
     end = time.monotonic() + (timeout_s or 1e9)
-    failed_at = None
+    failed_at, killed = None, False
+    out, pending = zygote.stdout.fileno(), b""
+
+    def exits(block: bool) -> list[tuple[str, int]] | None:
+        """``(key, code)`` lines from the zygote (None at its end); unbuffered reads."""
+        nonlocal pending
+        if not block and not select.select([out], [], [], 0.05)[0]:
+            return []
+        chunk = os.read(out, 65536)
+        if not chunk:
+            return None
+        *done, pending = (pending + chunk).split(b"\n")
+        return [(w[1], int(w[2])) for w in (x.decode().split() for x in done)
+                if len(w) == 3 and w[0] == "exit"]
+
     try:
-        while any(p.poll() is None for p in procs.values()):
-            for k, p in list(procs.items()):
-                code = p.poll()
-                if code == -signal.SIGKILL and k in spares:  # fault injection: restart it
-                    spare = spares.pop(k)
-                    spare.stdin.write(b"go\n")
-                    spare.stdin.close()
-                    procs[f"{k}r"] = spare
-                elif code not in (None, 0, -signal.SIGKILL) and failed_at is None:
+        while running:
+            got = exits(block=False)
+            if got is None:
+                break
+            for key, code in got:
+                running.discard(key)
+                codes[key] = code
+                restart = (r.restart_killed and codes[key] == -signal.SIGKILL
+                           and not key.endswith("r") and int(key) in r.kill_nodes)
+                if restart:
+                    start(f"{key}r", int(key), "rejoin")
+                    running.add(f"{key}r")
+                elif codes[key] not in (0, -signal.SIGKILL) and failed_at is None:
                     failed_at = time.monotonic()
             now = time.monotonic()
-            if now > end or (failed_at is not None and now - failed_at > grace):
-                for p in procs.values():
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.05)
+            if not killed and (now > end or (failed_at is not None and now - failed_at > grace)):
+                zygote.stdin.write("kill\n")
+                zygote.stdin.flush()
+                killed = True
     finally:
-        for p in [*procs.values(), *spares.values()]:
-            if p.poll() is None and p.stdin is not None:
-                p.stdin.close()  # an unused spare reads EOF and exits
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    codes = {k: p.returncode for k, p in procs.items()}
+        if running and not killed:  # interrupted: leave no node behind
+            zygote.stdin.write("kill\n")
+        zygote.stdin.close()
+        try:
+            while (got := exits(block=True)) is not None:
+                codes.update(got)
+            zygote.wait(30)
+        except subprocess.TimeoutExpired:
+            zygote.kill()
+            zygote.wait()
     reports = {}
     for path in sorted(run_dir.glob("node*.json")):
         key = path.stem.removeprefix("node").replace("-restart", "r")
@@ -374,4 +444,6 @@ def run_ring_command(cfg: Config) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "zygote":
+        raise SystemExit(zygote_main(sys.argv[2:]))
     raise SystemExit(node_main(sys.argv[1:]))

@@ -68,8 +68,10 @@ def pack(header: dict, tensors: list[torch.Tensor]) -> list:
     """Frames of one message: a JSON header, then each tensor's raw bytes (no copy)."""
     header = {**header, "shapes": [list(t.shape) for t in tensors],
               "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors]}
-    return [json.dumps(header).encode()] + [memoryview(t.detach().contiguous().numpy())
-                                            .cast("B") for t in tensors]
+    # bytes view of each tensor (any dtype, bfloat16 included), shared with the tensor
+    return [json.dumps(header).encode()] + [
+        memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for t in tensors]
 
 
 def unpack(frames: list) -> tuple[dict, list[torch.Tensor]]:
