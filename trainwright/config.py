@@ -174,6 +174,44 @@ class HierarchicalConfig:
 class TokenRingConfig:
     close_fraction: float = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
+    nodes: int = 4
+    """Nodes the local launcher starts; also the number of data shards (a node trains on
+    shard ``index`` of every global batch, so ``train.batch_size`` must split into it)."""
+    min_nodes: int = 2
+    """When fewer members remain, the ring stops, the first node saves the model and the
+    run exits non-zero."""
+    rendezvous: str = ""
+    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the node
+    that binds it hosts formation. Empty = 127.0.0.1 on a free port (local launcher)."""
+    formation_quiet_s: float = 2.0
+    """Formation closes after this long without a new join (or once ``nodes`` joined)."""
+    token_timeout_s: float = 2.0
+    """Quiet time after which the last broadcaster retransmits its token message."""
+    succession_s: float = 1.0
+    """T: the k-th successor of a silent holder declares it lost after
+    ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""
+    idle_hold_s: float = 0.005
+    """A holder keeps a token that went a full round without news this long, waiting for
+    its own gradient, instead of spinning the token around an idle ring."""
+    close_timeout_s: float = 120.0
+    """Deadline for a step to close and for the gradients of a closed step to arrive."""
+    batch_steps: int = 10
+    """Steps per batch boundary: after each, the first node admits standby nodes."""
+    standby_timeout_s: float = 120.0
+    """How long a standby node waits to be admitted before giving up."""
+    slow_node: int = -1
+    """Fault injection: this node index is slowed by ``slow_factor`` (it sleeps
+    ``(slow_factor - 1)`` times its measured compute time each step)."""
+    slow_factor: float = 1.0
+    """Fault injection: slowdown of ``slow_node``."""
+    kill_nodes: list = field(default_factory=list)
+    """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
+    computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
+    kill_step: int = -1
+    """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
+    restart_killed: bool = False
+    """Fault injection: the local launcher restarts killed nodes once, as standby nodes
+    that rejoin at the next batch boundary."""
 
 
 @dataclass(kw_only=True)
@@ -267,7 +305,11 @@ POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context",
             "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes",
             "rebalance.check_every", "rebalance.patience", "rebalance.smoothing",
             "rebalance.link_bandwidth",
-            "hierarchical.align", "hierarchical.chunks")
+            "hierarchical.align", "hierarchical.chunks",
+            "tokenring.nodes", "tokenring.min_nodes", "tokenring.formation_quiet_s",
+            "tokenring.token_timeout_s", "tokenring.succession_s", "tokenring.idle_hold_s",
+            "tokenring.close_timeout_s", "tokenring.batch_steps", "tokenring.standby_timeout_s",
+            "tokenring.slow_factor")
 
 
 @dataclass(kw_only=True)
@@ -336,6 +378,9 @@ class Config:
             raise ConfigError(f"sync.sparse = true works with sync.strategy = \"dense\", not "
                               f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")
         t = self.train
+        if self.sync.strategy == "tokenring":
+            self.validate_tokenring()
+            return
         if t.batch_size % par.dp:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
                               f"parallel.dp = {par.dp} replicas; use a multiple of {par.dp}")
@@ -349,7 +394,7 @@ class Config:
 
     def _validate_rebalance(self) -> None:
         rb, m = self.rebalance, self.train.micro_batches
-        if not 0 <= rb.switch_mb <= m - 2:
+        if (rb.enabled or rb.at_step) and not 0 <= rb.switch_mb <= max(m - 2, 0):
             raise ConfigError(f"rebalance.switch_mb = {rb.switch_mb} must be in 0..{m - 2} (a "
                               f"forward must follow it); with train.micro_batches = {m}"
                               + (" use at least 2 micro-batches" if m < 2 else ""))
@@ -396,6 +441,25 @@ class Config:
         if self.sync.strategy == "hierarchical" and self.rebalance.enabled:
             raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
                               "layers cannot migrate; set rebalance.enabled = false")
+    def validate_tokenring(self) -> None:
+        """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
+        r, t = self.tokenring, self.train
+        if not 0 < r.close_fraction <= 1:
+            raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
+        if r.min_nodes > r.nodes:
+            raise ConfigError(f"tokenring.min_nodes = {r.min_nodes} is more than tokenring.nodes"
+                              f" = {r.nodes}; use at most {r.nodes}")
+        if t.batch_size % r.nodes:
+            raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
+                              f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
+        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
+            raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
+                              "SGD); set train.optimizer=\"sgd\" with momentum and "
+                              "weight_decay 0")
+        bad = [i for i in [*r.kill_nodes, r.slow_node] if i != -1 and not 0 <= i < r.nodes]
+        if bad or not all(isinstance(i, int) for i in r.kill_nodes):
+            raise ConfigError(f"tokenring fault injection names node {bad[0] if bad else '?'};"
+                              f" node indices are 0..{r.nodes - 1}")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).

@@ -1,0 +1,220 @@
+"""Token ring (seed 002): wire format, ring arithmetic, and 4-node runs on 127.0.0.1.
+
+The multi-node tests start real node processes (pyzmq, no process group) through
+:func:`launch_ring` with short time-outs; each checks replicas against each other by
+parameter hash at every step, and the no-fault run against single-process SGD.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import zmq
+from torch import nn
+
+from trainwright.build import build_data, build_layers, loss_fn
+from trainwright.config import load_config
+from trainwright.errors import ConfigError
+from trainwright.launch import create_run_dir
+from trainwright.sync.membership import Epoch, announce_delay, ring_distance
+from trainwright.sync.ring_runner import launch_ring, param_hash
+from trainwright.sync.tokenring import contributors_needed, pack, sum_canonical, unpack
+
+
+def ring_cfg(tmp_path, **extra):
+    """4 nodes, an MLP on synthetic data, plain SGD, time-outs short enough for tests."""
+    base = {
+        "sync.strategy": '"tokenring"', "train.optimizer": '"sgd"', "model.name": '"mlp"',
+        "model.d_in": 16, "model.d_model": 32, "model.n_blocks": 2, "train.batch_size": 32,
+        "train.steps": 5, "train.lr": 0.1, "run.dir": f'"{tmp_path / "runs"}"',
+        "tokenring.close_fraction": 1.0, "tokenring.token_timeout_s": 0.5,
+        "tokenring.succession_s": 0.3, "tokenring.close_timeout_s": 20.0,
+        "tokenring.standby_timeout_s": 30.0, "tokenring.formation_quiet_s": 10.0,
+    }
+    base.update(extra)
+    return load_config(None, [f"{k}={v}" for k, v in base.items()])
+
+
+def run_ring(cfg, timeout_s=50):
+    run_dir = create_run_dir(cfg)
+    t0 = time.monotonic()
+    result = launch_ring(cfg, run_dir, timeout_s=timeout_s)
+    assert time.monotonic() - t0 < timeout_s, "the ring ran into the launcher's deadline"
+    return result
+
+
+def assert_identical_replicas(reports: dict, steps: range) -> None:
+    """Every node that applied a step has the same parameter hash after it."""
+    for s in steps:
+        seen = {k: r["hashes"][str(s)] for k, r in reports.items() if str(s) in r["hashes"]}
+        assert len(set(seen.values())) == 1, f"replicas differ after step {s}: {seen}"
+
+
+# ---------------------------------------------------------------- no processes
+@pytest.mark.timeout(30)
+def test_frames_round_trip_raw_tensors():
+    ts = [torch.randn(3, 4), torch.arange(5, dtype=torch.int64), torch.empty(0, 2),
+          torch.randn(2, 3).t()]  # non-contiguous is made contiguous
+    frames = pack({"t": "grad", "step": 7}, ts)
+    assert len(frames) == 1 + len(ts) and frames[1].nbytes == 3 * 4 * 4
+    header, back = unpack([zmq.Frame(bytes(f)) for f in frames])
+    assert header["step"] == 7
+    for a, b in zip(ts, back, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(30)
+def test_push_pull_with_unlimited_hwm_loses_nothing_sent_before_the_peer_binds():
+    ctx = zmq.Context()
+    try:
+        port = ctx.socket(zmq.PULL).bind_to_random_port("tcp://127.0.0.1")  # find a port
+        ctx.destroy(0)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 0)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        n = 20000  # far above the default high-water mark of 1000
+        for i in range(n):
+            push.send(i.to_bytes(4, "little"))
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.RCVHWM, 0)
+        pull.bind(f"tcp://127.0.0.1:{port}")
+        got = []
+        while len(got) < n and pull.poll(5000):
+            got.append(int.from_bytes(pull.recv(), "little"))
+        assert got == list(range(n))
+    finally:
+        ctx.destroy(0)
+
+
+@pytest.mark.timeout(30)
+def test_ring_arithmetic():
+    assert contributors_needed(0.9, 4) == 4  # the seed's default needs all four of four
+    assert contributors_needed(0.75, 4) == 3
+    assert contributors_needed(0.75, 3) == 3
+    assert contributors_needed(0.5, 3) == 2
+    ep = Epoch((0, 0), {0: "a", 1: "b", 3: "d"})
+    assert ep.successor(0) == 1 and ep.successor(1) == 3 and ep.successor(3) == 0
+    assert ep.successor(2) == 3  # a lost node's successor
+    assert ring_distance(ep.order, 1, 3) == 1 and ring_distance(ep.order, 1, 0) == 2
+    assert ring_distance(ep.order, 2, 0) == 2  # from a dropped node
+    assert ep.without(1, 3).key == (1, 3) and ep.without(1, 3).order == [0, 3]
+    assert announce_delay(1, 0.5, 0.3) < announce_delay(2, 0.5, 0.3)
+
+
+@pytest.mark.timeout(30)
+def test_canonical_sum_is_order_independent_bitwise():
+    g = {i: [torch.randn(1000) * 10 ** i] for i in range(4)}
+    a = sum_canonical(g)
+    b = sum_canonical(dict(reversed(list(g.items()))))
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[0], sum(g[i][0] for i in range(4)))
+
+
+@pytest.mark.timeout(30)
+def test_tokenring_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="train.optimizer"):
+        ring_cfg(tmp_path, **{"train.optimizer": '"adamw"'})
+    with pytest.raises(ConfigError, match="does not split into tokenring.nodes"):
+        ring_cfg(tmp_path, **{"train.batch_size": 30})
+    with pytest.raises(ConfigError, match="close_fraction"):
+        ring_cfg(tmp_path, **{"tokenring.close_fraction": 1.5})
+    with pytest.raises(ConfigError, match="node indices are 0..3"):
+        ring_cfg(tmp_path, **{"tokenring.kill_nodes": [7]})
+    with pytest.raises(ConfigError, match="min_nodes"):
+        ring_cfg(tmp_path, **{"tokenring.min_nodes": 5})
+
+
+# ---------------------------------------------------------------- 4 node processes
+@pytest.mark.timeout(60)
+def test_no_faults_equals_synchronous_data_parallel(tmp_path):
+    cfg = ring_cfg(tmp_path)
+    result = run_ring(cfg)
+    assert result.ok, result.message()
+    reps = result.reports
+    assert sorted(reps) == ["0", "1", "2", "3"]
+    for r in reps.values():
+        assert r["contributed"] == [1, 2, 3, 4, 5] and r["gaps"] == 0
+        assert all(sorted(c) == [0, 1, 2, 3] for c in r["closes"].values())
+    assert_identical_replicas(reps, range(1, 6))
+    # reference: one process, whole global batch, w <- w - lr * grad
+    model = nn.Sequential(*[m for _, m in build_layers(cfg)])
+    data, lossf = build_data(cfg), loss_fn(cfg)
+    for step in range(1, 6):
+        x, y = data.batch(step, cfg.train.batch_size)
+        grads = torch.autograd.grad(lossf(model(x), y), list(model.parameters()))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.sub_(cfg.train.lr * g)
+    saved = torch.load(result.run_dir / "model.pt")
+    torch.testing.assert_close(saved, model.state_dict())
+
+
+@pytest.mark.timeout(60)
+def test_straggler_is_left_out_and_replicas_stay_identical(tmp_path):
+    cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75, "tokenring.slow_node": 3,
+                                "tokenring.slow_factor": 5.0, "train.steps": 16,
+                                "model.d_in": 64, "model.d_model": 384,
+                                "train.batch_size": 512})
+    result = run_ring(cfg)
+    assert result.ok, result.message()
+    reps = result.reports
+    assert_identical_replicas(reps, range(1, 17))
+    assert all(len(r["hashes"]) == 16 for r in reps.values())  # the straggler applies all
+    closes = reps["0"]["closes"]
+    assert all(len(c) >= 3 for c in closes.values())
+    without = [s for s, c in closes.items() if 3 not in c]
+    assert len(without) >= 12, f"the 5x slower node was waited for: {closes}"
+    assert len(reps["3"]["contributed"]) <= 4
+
+
+@pytest.mark.timeout(60)
+def test_killed_node_is_dropped_and_rejoins_with_current_weights(tmp_path):
+    cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75, "tokenring.kill_nodes": [2],
+                                "tokenring.kill_step": 3, "tokenring.restart_killed": "true",
+                                "tokenring.batch_steps": 5, "train.steps": 40,
+                                "model.d_in": 64, "model.d_model": 256,
+                                "train.batch_size": 256})
+    result = run_ring(cfg)
+    assert result.ok, result.message()
+    assert result.returncodes["2"] == -9 and result.returncodes["2r"] == 0
+    reps = result.reports
+    lost = [e for r in reps.values() for e in r["events"] if e["event"] == "lost"]
+    assert [e["node"] for e in lost] == [2]  # announced once, by one successor
+    assert lost[0]["members"] == [0, 1, 3]
+    back = reps["2r"]["joined"][0]
+    assert back["as"] == "standby" and back["applied"] % 5 == 0 and back["applied"] >= 5
+    b = back["applied"]
+    # between the kill and the rejoin the ring closed steps without node 2
+    closes = {int(s): c for s, c in reps["0"]["closes"].items()}
+    assert all(2 not in closes[s] for s in range(4, b + 1))
+    assert all(len(c) == 3 for s, c in closes.items() if 3 < s <= b)
+    # the rejoined node applies every later step and matches the others bit for bit
+    assert sorted(int(s) for s in reps["2r"]["hashes"]) == list(range(b + 1, 41))
+    assert_identical_replicas(reps, range(1, 41))
+    admits = [e for e in reps["0"]["events"] if e["event"] == "admit"]
+    assert [(e["nodes"], e["at_step"]) for e in admits] == [([2], b)]
+    for k in ("1", "3"):  # the others adopted the epoch that has node 2 again
+        assert reps[k]["events"][-1]["members"] == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_three_of_four_killed_survivor_saves_and_fails(tmp_path, capfd):
+    cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75,
+                                "tokenring.kill_nodes": [1, 2, 3], "tokenring.kill_step": 3,
+                                "train.steps": 30})
+    result = run_ring(cfg)
+    assert not result.ok
+    assert result.returncodes == {"0": 3, "1": -9, "2": -9, "3": -9}
+    rep = result.reports["0"]
+    assert rep["status"] == "failed"
+    assert "node(s) [1, 2, 3] lost" in rep["reason"] and "min_nodes = 2" in rep["reason"]
+    assert (result.run_dir / "model.pt").exists()
+    assert "saved to" in capfd.readouterr().err
+    saved = torch.load(result.run_dir / "model.pt")
+    last = max(rep["hashes"], key=int)
+    assert param_hash(list(saved.values())) == rep["hashes"][last]
