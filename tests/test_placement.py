@@ -47,11 +47,11 @@ def test_chunks_exact_ratios():
     assert split_by_bandwidth(7, [0, 2]) == [0, 7]
 
 
-def _stage(stage, in_flight, tensors, budget, fwd=0.01, inp=1000):
+def _stage(stage, in_flight, tensors, budget, fwd=0.01, inp=1000, n_micro=0):
     layers = sorted({t.layer for t in tensors})
     mems = [LayerMem(ly, sum(t.nbytes for t in tensors if t.layer == ly), inp, fwd, 2 * fwd)
             for ly in layers]
-    return StageMem(stage, in_flight, mems, tensors, budget)
+    return StageMem(stage, in_flight, mems, tensors, budget, n_micro)
 
 
 def _line_bw(n, fast=50e9):
@@ -98,7 +98,8 @@ def _random_case(rng: random.Random, n_stages: int):
                    for ly in range(rng.randint(1, 3)) for k in range(rng.randint(1, 3))]
         keep = stage_required(_stage(s, n_stages - s, tensors, None), {})
         budget = int(keep * rng.uniform(0.3, 1.6))
-        stages.append(_stage(s, n_stages - s, tensors, budget, fwd=rng.uniform(1e-6, 1e-3)))
+        stages.append(_stage(s, n_stages - s, tensors, budget, fwd=rng.uniform(1e-6, 1e-3),
+                             n_micro=rng.choice([0, n_stages + 2])))
     return stages
 
 
@@ -119,7 +120,7 @@ def test_never_more_on_a_peer_than_its_spare():
                 for c in t.chunks:
                     if c.target >= 0:
                         assert c.target in mapping[st_.stage + 1:]  # later stages only
-                        held[c.target] += c.nbytes * st_.in_flight
+                        held[c.target] += c.nbytes * st_.peer_slots
         for d, h in held.items():
             assert h == pl.peer_held[d]
             assert h <= pl.spare[d]

@@ -23,12 +23,12 @@ layer: its forward runs again before its backward, so every tensor of the layer 
    schedules have a point after the owner's forward and before its backward, see
    :mod:`trainwright.pipeline.peerswap`), joined to ``s``'s device by a link with
    ``bandwidth > 0``, with spare memory left.
-3. A chunk that does not fit its peer's spare memory (it is held for ``in_flight``
-   micro-batches), or whose round trip ``2 * chunk / link_bandwidth`` exceeds the interval,
-   goes to recompute or host swap, whichever adds less time: recompute adds the layer's
-   ``forward_s`` (nothing if the layer is recomputed already), host swap adds
-   ``max(0, 2 * chunk / host_bandwidth - interval)``; recompute wins only when strictly
-   cheaper.
+3. A chunk that does not fit its peer's spare memory (it is held for
+   :attr:`StageMem.peer_slots` micro-batches), or whose round trip
+   ``2 * chunk / link_bandwidth`` exceeds the interval, goes to recompute or host swap,
+   whichever adds less time: recompute adds the layer's ``forward_s`` (nothing if the
+   layer is recomputed already), host swap adds ``max(0, 2 * chunk / host_bandwidth -
+   interval)``; recompute wins only when strictly cheaper.
 4. A stage is processed only while over its budget; tensors are taken short-interval class
    first, then largest first.
 
@@ -36,7 +36,7 @@ layer: its forward runs again before its backward, so every tensor of the layer 
 ``peer_mb`` = bytes it sends to peers per micro-batch; ``transient`` = the largest
 host/recompute bytes of one layer): ``required = in_flight * held + peer_mb + transient``
 (one micro-batch's peer chunks are on the device while they are sent, or fetched back for
-backward). A peer device holds ``in_flight(owner) * chunk`` for each chunk; a plan never
+backward). A peer device holds ``peer_slots(owner) * chunk`` for each chunk; a plan never
 puts on a device more than ``budget - its own required`` (:func:`place`).
 
 **Mapping score** (:func:`mapping_score`): for stage-to-device mapping ``pi``,
@@ -88,6 +88,14 @@ class StageMem:
     tensors: list[TensorInfo]
     budget: int | None
     """Activation bytes allowed on the stage's device (None: unlimited)."""
+    n_micro: int = 0
+    """Micro-batches per step (0: same as ``in_flight``)."""
+
+    @property
+    def peer_slots(self) -> int:
+        """Micro-batches of this stage's chunks a peer holds at once: ``in_flight``, plus one
+        being sent back while the next is received when more micro-batches follow."""
+        return self.in_flight + (self.n_micro > self.in_flight)
 
 
 @dataclass(frozen=True)
@@ -289,8 +297,8 @@ def _place_stage(st: StageMem, dev: int, peers: list[int], free: dict[int, int],
     def release(p: TensorPlan) -> None:
         for c in p.chunks:
             if c.target != HOST:
-                free[c.target] += c.nbytes * st.in_flight
-                held_for[c.target] -= c.nbytes * st.in_flight
+                free[c.target] += c.nbytes * st.peer_slots
+                held_for[c.target] -= c.nbytes * st.peer_slots
 
     def recompute_layer(layer: int) -> None:
         for t in st.tensors:
@@ -342,12 +350,12 @@ def _place_stage(st: StageMem, dev: int, peers: list[int], free: dict[int, int],
         for p, n in zip(cands, sizes, strict=True):
             if n == 0:
                 continue
-            fits = n * st.in_flight <= free[p]
+            fits = n * st.peer_slots <= free[p]
             fast = 2 * n / bandwidth[dev][p] <= t.interval_s
             if fits and fast:
                 chunks.append(Chunk(p, n))
-                free[p] -= n * st.in_flight
-                held_for[p] += n * st.in_flight
+                free[p] -= n * st.peer_slots
+                held_for[p] += n * st.peer_slots
                 continue
             c = fallback(t, n)
             if c is None:  # the layer is recomputed: this tensor's chunks are moot
@@ -357,14 +365,14 @@ def _place_stage(st: StageMem, dev: int, peers: list[int], free: dict[int, int],
         if gone:
             for c in chunks:
                 if c.target >= 0:
-                    free[c.target] += c.nbytes * st.in_flight
-                    held_for[c.target] -= c.nbytes * st.in_flight
+                    free[c.target] += c.nbytes * st.peer_slots
+                    held_for[c.target] -= c.nbytes * st.peer_slots
             continue
         if any(c.target == -2 for c in chunks):  # no allowed fallback: leave it kept
             for c in chunks:
                 if c.target >= 0:
-                    free[c.target] += c.nbytes * st.in_flight
-                    held_for[c.target] -= c.nbytes * st.in_flight
+                    free[c.target] += c.nbytes * st.peer_slots
+                    held_for[c.target] -= c.nbytes * st.peer_slots
             continue
         policy = "peer" if any(c.target >= 0 for c in chunks) else "host"
         plans[key] = TensorPlan(t.layer, t.index, t.nbytes, policy, chunks)
