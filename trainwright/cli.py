@@ -1,4 +1,4 @@
-"""``trainwright run | report | schedule | bench``: the command line.
+"""``trainwright run | report | schedule | bench | plan | simulate``: the command line.
 
 Configuration errors print one line and exit 2 before any process starts.
 """
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--stages", type=int, default=None,
                      help="pipeline stages, where the benchmark has them (default: spec)")
     ben.set_defaults(func=_cmd_bench)
+
+    from trainwright.plan.commands import add_parsers as add_plan_parsers
+    add_plan_parsers(sub)  # `plan` and `simulate` (seed 004)
     return p
 
 

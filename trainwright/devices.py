@@ -23,6 +23,7 @@ Pure except :func:`measure_p2p` and :func:`from_nvidia_smi`.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -121,6 +122,9 @@ class DeviceTopology:
         n = self.n
         if n > 16:
             return [tuple(range(n))]
+        off = {b for i, r in enumerate(self.bandwidth) for j, b in enumerate(r) if i != j}
+        if len(off) == 1 and len(set(self.memory)) == 1 and len(set(self.host_bandwidth)) == 1:
+            return list(itertools.permutations(range(n)))  # all devices alike: every order
         out: list[tuple[int, ...]] = []
         perm: list[int] = []
         used = [False] * n

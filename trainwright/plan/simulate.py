@@ -30,6 +30,8 @@ Memory per device (bytes the activation store counts, plus chunks held for peers
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from trainwright.errors import PlanError
@@ -235,23 +237,36 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
             add(s, start, c.peer_bytes.get(a.peer, 0))
         return end
 
-    total = sum(len(x) for x in schedule)
-    for _ in range(total):
-        best = None
-        for s in range(n):
-            if pos[s] < len(schedule[s]):
-                t = ready(s, schedule[s][pos[s]])
-                if t is not None and (best is None or t < best[0]):
-                    best = (t, s)
-        if best is None:
-            stuck = {s: str(schedule[s][pos[s]]) for s in range(n) if pos[s] < len(schedule[s])}
-            raise Deadlock(f"schedule deadlocks: every stage waits; next actions {stuck}")
-        start, s = best
+    # a stage's next action can only become ready when the stage moves or a message for it
+    # is posted, so keep each stage's earliest start in a heap and refresh those two
+    heap: list[tuple[float, int, int]] = []
+    version = [0] * n
+
+    def refresh(s: int) -> None:
+        version[s] += 1
+        if pos[s] < len(schedule[s]):
+            t = ready(s, schedule[s][pos[s]])
+            if t is not None:
+                heapq.heappush(heap, (t, s, version[s]))
+
+    for s in range(n):
+        refresh(s)
+    while heap:
+        start, s, v = heapq.heappop(heap)
+        if v != version[s]:
+            continue
         a = schedule[s][pos[s]]
         end = run(s, a, start)
         timeline.append((s, a.kind, a.mb, start, end))
         clock[s] = end
         pos[s] += 1
+        refresh(s)
+        other = {"SEND_F": s + 1, "SEND_B": s - 1}.get(a.kind, getattr(a, "peer", -1))
+        if 0 <= other < n and other != s:
+            refresh(other)
+    if any(pos[s] < len(schedule[s]) for s in range(n)):
+        stuck = {s: str(schedule[s][pos[s]]) for s in range(n) if pos[s] < len(schedule[s])}
+        raise Deadlock(f"schedule deadlocks: every stage waits; next actions {stuck}")
     step = max(clock) if clock else 0.0
     peaks, own_peaks, curves = [], [], []
     for s in range(n):
@@ -280,17 +295,19 @@ def liveness(result: SimResult, costs: list[StageCost],
         Layer -> seconds.
     """
     out: dict[int, float] = {}
+    forwards: dict[int, list[tuple[int, float]]] = {}
+    for (st, kind, mb), (f0, _) in result.times.items():
+        if kind == "F":
+            forwards.setdefault(st, []).append((mb, f0))
     for s, names in enumerate(layers):
         c = costs[s]
         fw = c.layer_forward_s or [c.forward_s / max(len(names), 1)] * len(names)
         bw = c.layer_backward_s or [c.backward_s / max(len(names), 1)] * len(names)
-        for (st, kind, mb), (f0, _) in result.times.items():
-            if st != s or kind != "F":
-                continue
+        packed_at = list(itertools.accumulate(fw))
+        after = list(itertools.accumulate(reversed(bw)))[::-1][1:] + [0.0]
+        for mb, f0 in forwards.get(s, []):
             b0 = result.times[(s, "B", mb)][0]
             for i, layer in enumerate(names):
-                packed = f0 + sum(fw[: i + 1])
-                unpacked = b0 + sum(bw[i + 1 :])
-                span = max(0.0, unpacked - packed)
+                span = max(0.0, b0 + after[i] - f0 - packed_at[i])
                 out[layer] = min(out.get(layer, span), span)
     return out
