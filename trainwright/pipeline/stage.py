@@ -112,7 +112,8 @@ class Stage:
                               target=target if i == last else None)
                 self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
             else:
-                with self.store.capture(inp, swap=policy == "swap") as cap:
+                with self.store.capture(inp, swap=policy == "swap",
+                                        segment=(slot.index, mb)) as cap:
                     t0 = time.perf_counter()
                     out = self._run(slot, inp, i == last, target)
                     dt = time.perf_counter() - t0
