@@ -103,3 +103,54 @@ def test_liveness_intervals_from_the_replay():
     assert live[2] == pytest.approx(3.0)
     # stage 0: F 0..2, B 8..12: layer 0 packed 1, unpacked 8 + 2 = 10
     assert live[0] == pytest.approx(9.0)
+
+
+@pytest.mark.timeout(120)
+def test_meta_profile_sizes_equal_the_real_ones():
+    import torch
+
+    from trainwright.models.gpt import GPTConfig, gpt_layers
+    from trainwright.tensor_profile import profile_tensors, profile_tensors_meta
+
+    cfg = GPTConfig(vocab=64, context=16, d_model=32, n_heads=2, n_blocks=2)
+    torch.manual_seed(0)
+    real = profile_tensors([(str(i), m) for i, m in enumerate(gpt_layers(cfg))],
+                           torch.randint(0, 64, (2, 16)), steps=1)
+    with torch.device("meta"):
+        layers = [(str(i), m) for i, m in enumerate(gpt_layers(cfg))]
+        meta = profile_tensors_meta(layers, torch.zeros(2, 16, dtype=torch.long), 1e12, 1e11)
+    assert [[t.nbytes for t in x.tensors] for x in meta] == \
+        [[t.nbytes for t in x.tensors] for x in real]
+    assert [x.output_bytes for x in meta] == [x.output_bytes for x in real]
+    assert all(x.forward_s > 0 and x.backward_s == 2 * x.forward_s for x in meta)
+    # times laid out forward then backward: every tensor unpacked after it was packed
+    assert all(t.unpacked_s >= t.packed_s for x in meta for t in x.tensors)
+    assert all(t.unpacked_s > t.packed_s for t in meta[1].tensors)
+
+
+@pytest.mark.timeout(120)
+def test_plan_and_simulate_cli(tmp_path, capsys):
+    import json
+
+    from trainwright.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-small", "--meta", "--topology", "dgx1", "--pp", "4",
+                 "--global-batch", "8", "--budget", "6MiB", "--gpu-memory", "1GiB",
+                 "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["pp"] == 4 and len(plan["mapping"]) == 4 and len(set(plan["mapping"])) == 4
+    assert plan["predicted"]["step_s"] > 0 and len(plan["predicted"]["peak_bytes"]) == 4
+    assert all(plan["fits"])
+    assert any(c.get("peer") for c in plan["policy_counts"])  # the heavy stage uses its peers
+    png = tmp_path / "timeline.png"
+    assert main(["simulate", str(out), "--png", str(png)]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
+    assert figures["step_s"] == pytest.approx(plan["predicted"]["step_s"], rel=1e-6)
+    assert figures["peak_bytes"] == plan["predicted"]["peak_bytes"]
+    assert png.stat().st_size > 1000
+    # bad input: one line, exit 2, nothing written
+    bad = tmp_path / "bad.json"
+    assert main(["plan", "--topology", "nosuch", "--json", str(bad)]) == 2
+    assert "not a preset" in capsys.readouterr().err and not bad.exists()
+    assert main(["simulate", str(tmp_path / "missing.json")]) == 2

@@ -13,7 +13,8 @@ Two modes:
 * :func:`profile_tensors` runs the layers for real (a few steps, times measured, the last
   step's bytes);
 * :func:`profile_tensors_meta` runs them on the meta device, for models far larger than
-  this machine: sizes are exact (the same ops, the same saved tensors), times come from a
+  this machine: sizes are exact (the same ops, the same saved tensors; attention is routed
+  to the fused kernel real runs use), times come from a
   cost model: ``forward_s = flops / flops_per_s + moved_bytes / bytes_per_s`` (FLOPs from
   :class:`torch.utils.flop_counter.FlopCounterMode`, moved bytes = saved + output),
   ``backward_s = 2 * forward_s``.
@@ -26,7 +27,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["SavedTensor", "LayerTensors", "profile_tensors", "profile_tensors_meta",
            "saved_storages"]
@@ -178,8 +181,27 @@ def profile_tensors(layers: list[tuple[str, nn.Module]], x: torch.Tensor,
     return out
 
 
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """On the meta device ``scaled_dot_product_attention`` falls back to the math kernel,
+    which saves the full ``T x T`` attention matrix; real CPU and CUDA runs use a fused
+    (flash) kernel that saves q, k, v, the output and the log-sum-exp. Route meta calls to
+    the fused op so the saved tensors are the ones a real run has."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device.type == "meta" and \
+                kwargs.get("attn_mask") is None and len(args) == 3:
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                *args, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"))
+            return out
+        return func(*args, **kwargs)
+
+
 def profile_tensors_meta(layers: list[tuple[str, nn.Module]], x: torch.Tensor,
-                         flops_per_s: float, bytes_per_s: float) -> list[LayerTensors]:
+                         flops_per_s: float, bytes_per_s: float,
+                         target: torch.Tensor | None = None,
+                         loss_fn: Callable | None = None) -> list[LayerTensors]:
     """Sizes of every saved tensor with nothing allocated: layers and input on the meta device.
 
     Args:
@@ -187,6 +209,7 @@ def profile_tensors_meta(layers: list[tuple[str, nn.Module]], x: torch.Tensor,
         x: a meta input of one micro-batch (token ids or activations).
         flops_per_s: device arithmetic throughput (e.g. 312e12 for A100 bf16 dense).
         bytes_per_s: device memory bandwidth.
+        target, loss_fn: the loss on the last layer, as in :func:`profile_tensors`.
 
     Returns:
         Per layer: exact bytes; times from the cost model in the module docstring. Packed and
@@ -200,8 +223,10 @@ def profile_tensors_meta(layers: list[tuple[str, nn.Module]], x: torch.Tensor,
     for i, (name, m) in enumerate(layers):
         inp = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in h)
         rec = saved_storages(_excluded(m, inp), lambda: clock_now[0])
-        with FlopCounterMode(display=False) as fc, rec:
+        with FlopCounterMode(display=False) as fc, _FusedAttentionOnMeta(), rec:
             y = _tuple(m(inp[0] if len(inp) == 1 else inp))
+            if i == len(layers) - 1:
+                y = (loss_fn(y[0], target) if loss_fn else y[0].float().sum(),)
         moved = sum(t.nbytes for t in rec.tensors) + _nbytes(y)
         fs = fc.get_total_flops() / flops_per_s + moved / bytes_per_s
         for t in rec.tensors:
