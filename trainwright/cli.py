@@ -1,4 +1,4 @@
-"""``trainwright run | report | schedule | bench``: the command line.
+"""``trainwright run | report | schedule | bench | plan | simulate``: the command line.
 
 Configuration errors print one line and exit 2 before any process starts.
 """
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--loopback", action="store_true",
                      help="hierarchical: run on 127.0.0.1 instead of the emulated network")
     ben.set_defaults(func=_cmd_bench)
+
+    from trainwright.plan.commands import add_parsers as add_plan_parsers
+    add_plan_parsers(sub)  # `plan` and `simulate` (seed 004)
     return p
 
 

@@ -67,13 +67,18 @@ class PipelineRuntime:
         grad_sync: averages gradients over replicas (SYNC action) and updates (STEP).
         replica: this rank's data-parallel index (for the stats).
         fault: ``(step, action_index, action) -> None`` hook called before each action (testing).
+        extensions: handlers of action kinds beyond the built-in ones (e.g. the peer-swap
+            actions of :mod:`trainwright.pipeline.peerswap`), and ``"after"``: a callable
+            run after every action.
     """
 
     def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, *,
                  prev_rank: int | None, next_rank: int | None,
                  grad_sync: GradSync, replica: int = 0,
-                 fault: Callable[[int, int, Action], None] | None = None):
+                 fault: Callable[[int, int, Action], None] | None = None,
+                 extensions: dict[str, Callable[[Action], None]] | None = None):
         self.stage, self.actions, self.p2p = stage, actions, p2p
+        self.extensions = dict(extensions or {})
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.grad_sync, self.replica = grad_sync, replica
         self.fault = fault
@@ -146,8 +151,12 @@ class PipelineRuntime:
                 self.grad_sync.step(st.slots)
             elif k.startswith("MIG_") and migration is not None:
                 migration.run(a)
+            elif k in self.extensions:
+                self.extensions[k](a)
             else:  # pragma: no cover - schedule.KINDS is closed
                 raise ValueError(f"unknown action {a}")
+            if "after" in self.extensions:
+                self.extensions["after"](a)
             t1 = time.perf_counter_ns()
             if k in ("F", "B"):
                 compute_ns += t1 - t0

@@ -151,7 +151,8 @@ class Stage:
                 self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
             else:
                 rng = _rng_state(inp) if slot.index in self.record_rng else None
-                with self.store.capture(inp, swap=policy == "swap") as cap:
+                with self.store.capture(inp, swap=policy == "swap",
+                                        segment=(slot.index, mb)) as cap:
                     t0 = time.perf_counter()
                     out = self._run(slot, inp, i == last, target)
                     dt = time.perf_counter() - t0

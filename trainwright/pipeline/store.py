@@ -104,6 +104,8 @@ class ActivationStore:
         self.peak_microbatches = 0
         self.host_bytes = 0
         self.peak_host_bytes = 0
+        self.peer = None
+        """Seed 004 peer swap (:class:`~trainwright.pipeline.peerswap.PeerSwap`), or None."""
 
     def policy(self, layer: int) -> str:
         """The storage policy of ``layer`` (default ``keep``)."""
@@ -123,18 +125,24 @@ class ActivationStore:
                 self.exclude.add(storage_key(t))
 
     @contextmanager
-    def capture(self, inputs: tuple, swap: bool = False):
+    def capture(self, inputs: tuple, swap: bool = False, segment: tuple | None = None):
         """Record (and with ``swap``, move to the host) what autograd saves in the body.
 
         Tensors sharing a storage with the layer's inputs are never swapped: the segment
-        holds its inputs anyway.
+        holds its inputs anyway. ``segment`` = ``(layer, mb)`` lets a peer swap
+        (:attr:`peer`) claim the tensors its plan names.
         """
         cap = Capture(input_keys=set(_tensor_storages(inputs)))
+        peer = self.peer if segment is not None else None
 
         def pack(t: torch.Tensor):
             key = storage_key(t)
             if key in self.exclude:
                 return t
+            if peer is not None and key not in cap.input_keys:
+                handle = peer.pack(t, *segment)
+                if handle is not None:
+                    return handle
             if swap and key not in cap.input_keys:
                 s = self.swap.pack(t)
                 cap.swapped.append(s)
@@ -143,7 +151,9 @@ class ActivationStore:
             return t
 
         def unpack(x):
-            return self.swap.unpack(x) if isinstance(x, Swapped) else x
+            if isinstance(x, Swapped):
+                return self.swap.unpack(x)
+            return peer.unpack(x) if peer is not None and peer.owns(x) else x
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield cap
@@ -188,6 +198,11 @@ class ActivationStore:
         if seg is not None:
             for s in seg.swapped:
                 self.swap.prefetch(s)
+
+    def add_bytes(self, nbytes: int) -> None:
+        """Count (negative: release) bytes the device holds outside segments (peer swap)."""
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     @contextmanager
     def transient(self, nbytes: int):

@@ -1,0 +1,156 @@
+"""The schedule simulator: step times and peaks against closed forms, contention, deadlocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainwright.pipeline.peer_schedule import PeerAction, with_peer_swap
+from trainwright.pipeline.schedule import Action, build_schedule
+from trainwright.plan.simulate import Deadlock, Links, StageCost, liveness, simulate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _links(n, bw=1e12, latency=0.0):
+    return Links(list(range(n)), [[0 if i == j else bw for j in range(n)] for i in range(n)],
+                 host_bandwidth=1e12, latency_s=latency)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 2), (3, 5)])
+def test_step_time_and_peaks_match_closed_forms(name, p, m):
+    f, b, held = 1.0, 2.0, 100
+    costs = [StageCost(f, b, send_bytes=0, held_bytes=held) for _ in range(p)]
+    r = simulate(build_schedule(name, p, m), costs, _links(p))
+    assert r.step_s == pytest.approx((m + p - 1) * (f + b))
+    for s in range(p):
+        k = m if name == "gpipe" else min(p - s, m)
+        assert r.own_peak_bytes[s] == k * held
+        assert r.bubble[s] == pytest.approx(1 - m * (f + b) / r.step_s)
+
+
+def test_link_transfers_add_latency_and_bandwidth():
+    costs = [StageCost(1.0, 1.0, send_bytes=10**9) for _ in range(2)]
+    fast = simulate(build_schedule("gpipe", 2, 1), costs, _links(2, bw=1e9, latency=0.5))
+    # F0 (1) + send (0.5 + 1) + F1 (1) + B1 (1) + grad back (1.5) + B0 (1)
+    assert fast.step_s == pytest.approx(7.0)
+
+
+def test_contention_on_a_shared_link_serialises_transfers():
+    # stage 0 sends two micro-batches back to back; each takes 2 s on the link
+    costs = [StageCost(0.0, 0.0, send_bytes=2 * 10**9), StageCost(0.0, 0.0)]
+    r = simulate(build_schedule("gpipe", 2, 2), costs, _links(2, bw=1e9))
+    arrivals = sorted(e for (s, k, mb, st, e) in r.timeline if k == "RECV_F")
+    assert arrivals == pytest.approx([2.0, 4.0])
+
+
+def test_deadlock_in_a_broken_hand_made_list_is_found():
+    good = build_schedule("gpipe", 2, 1)
+    assert simulate(good, [StageCost(1, 1), StageCost(1, 1)], _links(2)).step_s > 0
+    # stage 0 waits for the gradient before it sends the activation that produces it
+    broken = [[Action(0, "F", 0), Action(0, "RECV_B", 0), Action(0, "SEND_F", 0),
+               Action(0, "B", 0), Action(0, "SYNC"), Action(0, "STEP")], good[1]]
+    with pytest.raises(Deadlock, match="0RECV_B0"):
+        simulate(broken, [StageCost(1, 1), StageCost(1, 1)], _links(2))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 3), (4, 8), (4, 3)])
+def test_peer_swap_actions_never_deadlock_and_peers_hold_at_most_k(name, p, m):
+    peers = {0: list(range(1, p)), 1: [p - 1]} if p > 2 else {0: [1]}
+    sched = with_peer_swap(build_schedule(name, p, m), peers)
+    chunk = 1000
+    costs = [StageCost(1.0, 2.0, send_bytes=10, held_bytes=50,
+                       peer_bytes={t: chunk for t in peers.get(s, [])}) for s in range(p)]
+    r = simulate(sched, costs, _links(p, bw=1e6))
+    base = simulate(build_schedule(name, p, m), [StageCost(1.0, 2.0, send_bytes=10,
+                                                           held_bytes=50) for _ in range(p)],
+                    _links(p, bw=1e6))
+    assert r.step_s >= base.step_s
+    for t in range(1, p):
+        owners = [s for s, ts in peers.items() if t in ts]
+        k = {s: (m if name == "gpipe" else min(p - s + 1, m)) for s in owners}  # + 1 returning
+        held_for_peers = r.peak_bytes[t]
+        assert held_for_peers <= r.own_peak_bytes[t] + sum(k[s] * chunk for s in owners)
+        assert held_for_peers >= base.own_peak_bytes[t] + min(chunk, held_for_peers)
+    # owner: k micro-batches of held bytes, plus one micro-batch of chunks in transit
+    k0 = m if name == "gpipe" else min(p, m)
+    assert r.own_peak_bytes[0] == k0 * 50 + chunk * len(peers[0])
+
+
+def test_peer_receive_posted_too_late_deadlocks():
+    sched = with_peer_swap(build_schedule("1f1b", 2, 2), {0: [1]})
+    peer = [a for a in sched[1] if not (a.kind == "PEER_RECV" and a.mb == 0)]
+    i = next(i for i, a in enumerate(peer) if a.kind == "PEER_RETURN" and a.mb == 0)
+    peer.insert(i + 1, PeerAction(1, "PEER_RECV", 0, 0))  # after the return it should feed
+    costs = [StageCost(1, 1, peer_bytes={1: 10}), StageCost(1, 1)]
+    with pytest.raises(Deadlock):
+        simulate([sched[0], peer], costs, _links(2))
+
+
+def test_peers_must_be_later_stages():
+    with pytest.raises(ValueError, match="later stages"):
+        with_peer_swap(build_schedule("1f1b", 3, 3), {1: [0]})
+
+
+def test_liveness_intervals_from_the_replay():
+    costs = [StageCost(2.0, 4.0, layer_forward_s=[1.0, 1.0], layer_backward_s=[2.0, 2.0])
+             for _ in range(2)]
+    r = simulate(build_schedule("gpipe", 2, 1), costs, _links(2))
+    live = liveness(r, costs, [[0, 1], [2, 3]])
+    # stage 1: F at 2..4, B at 4..8: layer 3 packed at 4, unpacked at 4 -> 0; layer 2: 3 -> 6
+    assert live[3] == pytest.approx(0.0)
+    assert live[2] == pytest.approx(3.0)
+    # stage 0: F 0..2, B 8..12: layer 0 packed 1, unpacked 8 + 2 = 10
+    assert live[0] == pytest.approx(9.0)
+
+
+@pytest.mark.timeout(120)
+def test_meta_profile_sizes_equal_the_real_ones():
+    import torch
+
+    from trainwright.models.gpt import GPTConfig, gpt_layers
+    from trainwright.tensor_profile import profile_tensors, profile_tensors_meta
+
+    cfg = GPTConfig(vocab=64, context=16, d_model=32, n_heads=2, n_blocks=2)
+    torch.manual_seed(0)
+    real = profile_tensors([(str(i), m) for i, m in enumerate(gpt_layers(cfg))],
+                           torch.randint(0, 64, (2, 16)), steps=1)
+    with torch.device("meta"):
+        layers = [(str(i), m) for i, m in enumerate(gpt_layers(cfg))]
+        meta = profile_tensors_meta(layers, torch.zeros(2, 16, dtype=torch.long), 1e12, 1e11)
+    assert [[t.nbytes for t in x.tensors] for x in meta] == \
+        [[t.nbytes for t in x.tensors] for x in real]
+    assert [x.output_bytes for x in meta] == [x.output_bytes for x in real]
+    assert all(x.forward_s > 0 and x.backward_s == 2 * x.forward_s for x in meta)
+    # times laid out forward then backward: every tensor unpacked after it was packed
+    assert all(t.unpacked_s >= t.packed_s for x in meta for t in x.tensors)
+    assert all(t.unpacked_s > t.packed_s for t in meta[1].tensors)
+
+
+@pytest.mark.timeout(120)
+def test_plan_and_simulate_cli(tmp_path, capsys):
+    import json
+
+    from trainwright.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-small", "--meta", "--topology", "dgx1", "--pp", "4",
+                 "--global-batch", "8", "--budget", "6MiB", "--gpu-memory", "1GiB",
+                 "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["pp"] == 4 and len(plan["mapping"]) == 4 and len(set(plan["mapping"])) == 4
+    assert plan["predicted"]["step_s"] > 0 and len(plan["predicted"]["peak_bytes"]) == 4
+    assert all(plan["fits"])
+    assert any(c.get("peer") for c in plan["policy_counts"])  # the heavy stage uses its peers
+    png = tmp_path / "timeline.png"
+    assert main(["simulate", str(out), "--png", str(png)]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
+    assert figures["step_s"] == pytest.approx(plan["predicted"]["step_s"], rel=1e-6)
+    assert figures["peak_bytes"] == plan["predicted"]["peak_bytes"]
+    assert png.stat().st_size > 1000
+    # bad input: one line, exit 2, nothing written
+    bad = tmp_path / "bad.json"
+    assert main(["plan", "--topology", "nosuch", "--json", str(bad)]) == 2
+    assert "not a preset" in capsys.readouterr().err and not bad.exists()
+    assert main(["simulate", str(tmp_path / "missing.json")]) == 2

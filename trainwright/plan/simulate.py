@@ -1,0 +1,313 @@
+"""Replay a pipeline's action lists with costs: step time, bubbles, memory over time, deadlocks.
+
+The simulator executes the very lists the runtime interprets
+(:func:`~trainwright.pipeline.schedule.build_schedule`, with the peer-swap actions of
+:func:`~trainwright.pipeline.peer_schedule.with_peer_swap`), one action at a time, always
+advancing the stage whose next action can start earliest (so shared links are reserved in
+time order). Pure: no torch.
+
+Semantics (matching :mod:`trainwright.pipeline.runtime` and gloo):
+
+* ``F``/``B`` take the stage's compute time (``B`` includes recomputation);
+* ``SEND_F``/``SEND_B`` post a transfer and go on; it occupies the directed link between
+  the two stages' devices from ``max(post, link free)`` for ``latency + bytes / bandwidth``
+  (transfers on one link queue: contention);
+* ``RECV_F``/``RECV_B`` wait for the matching transfer to arrive; a receive whose send was
+  never posted, while no stage can move, is a **deadlock** (:class:`Deadlock`);
+* ``SYNC`` waits for the stage's own sends and adds ``sync_s``; ``STEP`` adds ``step_s``;
+* host swap: after ``F(m)`` the stage's host link carries ``host_bytes`` out; the copy back
+  starts when the stage reaches ``B(m)``'s receive and ``B(m)`` waits for it;
+* peer swap (:mod:`~trainwright.pipeline.peer_schedule`): ``PEER_RECV`` posts a receive
+  (the peer's memory grows by the chunk), ``PEER_SEND`` waits until the owner's chunks
+  are delivered (a gloo send needs its receive posted first), ``PEER_RETURN`` waits for
+  them and sends them back, ``PEER_FETCH`` posts the owner's receive, ``PEER_WAIT`` waits.
+
+Memory per device (bytes the activation store counts, plus chunks held for peers):
+``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
+``+peer_in`` at ``PEER_FETCH(m)``, ``+transient`` from the start of ``B(m)``, and all of
+``m``'s bytes released at the end of ``B(m)``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from trainwright.errors import PlanError
+
+__all__ = ["StageCost", "Links", "SimResult", "Deadlock", "simulate", "liveness"]
+
+
+class Deadlock(PlanError):
+    """No stage can take its next action, and some have actions left."""
+
+
+@dataclass
+class StageCost:
+    """Per-micro-batch costs of one stage."""
+
+    forward_s: float
+    backward_s: float
+    """Backward compute, recomputation included."""
+    send_bytes: int = 0
+    """Activation bytes sent to the next stage (the gradient coming back is as large)."""
+    held_bytes: int = 0
+    """Bytes held from the end of ``F(m)`` to the end of ``B(m)``."""
+    transient_bytes: int = 0
+    """Extra bytes during ``B(m)`` (host-swapped or recomputed activations, one layer)."""
+    host_bytes: int = 0
+    """Bytes swapped to host memory per micro-batch."""
+    peer_bytes: dict = field(default_factory=dict)
+    """Peer stage -> bytes of this stage's chunks it holds per micro-batch."""
+    sync_s: float = 0.0
+    step_s: float = 0.0
+    layer_forward_s: list = field(default_factory=list)
+    """Per-layer forward times (for :func:`liveness`); optional."""
+    layer_backward_s: list = field(default_factory=list)
+
+
+@dataclass
+class Links:
+    """Bandwidth between the devices the stages run on."""
+
+    mapping: list[int]
+    """Stage -> device."""
+    bandwidth: list[list[float]]
+    """Device x device bytes/s (0: no direct link; ``fallback`` is used)."""
+    host_bandwidth: float = 12e9
+    latency_s: float = 0.0
+    fallback_bandwidth: float = 1e9
+
+    def bw(self, a: int, b: int) -> float:
+        """Bytes/s from stage ``a``'s device to stage ``b``'s."""
+        x = self.bandwidth[self.mapping[a]][self.mapping[b]]
+        return x if x > 0 else self.fallback_bandwidth
+
+
+@dataclass
+class SimResult:
+    """What a replay found."""
+
+    step_s: float
+    busy_s: list[float]
+    """Compute time per stage."""
+    bubble: list[float]
+    """Idle fraction per stage: ``1 - busy / step``."""
+    peak_bytes: list[int]
+    """Per stage (its device): activation bytes plus chunks held for peers, at most."""
+    own_peak_bytes: list[int]
+    """Per stage: the activation store's bytes only (what the runtime measures)."""
+    timeline: list[tuple]
+    """``(stage, kind, mb, start_s, end_s)`` of every action."""
+    memory: list[list[tuple[float, int]]]
+    """Per stage: ``(time, bytes)`` after each change."""
+    times: dict = field(default_factory=dict)
+    """``(stage, kind, mb) -> (start, end)`` of compute actions."""
+
+    def to_dict(self) -> dict:
+        """Headline figures (JSON)."""
+        return {"step_s": self.step_s, "busy_s": self.busy_s, "bubble": self.bubble,
+                "peak_bytes": self.peak_bytes, "own_peak_bytes": self.own_peak_bytes}
+
+
+def _peak(events: list[tuple[float, int]]) -> tuple[int, list[tuple[float, int]]]:
+    cur = peak = 0
+    curve = []
+    # at equal times releases go first: a transfer that ends when another starts frees first
+    for t, d in sorted(events, key=lambda e: (e[0], e[1])):
+        cur += d
+        peak = max(peak, cur)
+        curve.append((t, cur))
+    return peak, curve
+
+
+def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimResult:
+    """Replay ``schedule`` (one action list per stage, one step) under ``costs``.
+
+    Raises:
+        Deadlock: naming every stuck stage's next action and what it waits for.
+    """
+    n = len(schedule)
+    if len(costs) != n or len(links.mapping) < n:
+        raise PlanError(f"{n} stages need {n} stage costs and a device for each; got "
+                        f"{len(costs)} costs and {len(links.mapping)} devices")
+    clock = [0.0] * n
+    pos = [0] * n
+    link_free: dict[tuple, float] = {}
+    arrived: dict[tuple, float] = {}  # message key -> arrival time
+    posted_recv: dict[tuple, float] = {}  # peer-swap receive key -> post time
+    pending_sends: list[list[float]] = [[] for _ in range(n)]
+    busy = [0.0] * n
+    mem: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+    own: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+    timeline: list[tuple] = []
+    times: dict = {}
+    host_back: dict[tuple[int, int], float] = {}
+
+    def transfer(key_link: tuple, t0: float, nbytes: int, bw: float) -> float:
+        start = max(t0, link_free.get(key_link, 0.0))
+        end = start + links.latency_s + nbytes / bw
+        link_free[key_link] = end
+        return end
+
+    def add(s: int, t: float, d: int, store: bool = True) -> None:
+        mem[s].append((t, d))
+        if store:
+            own[s].append((t, d))
+
+    def ready(s: int, a) -> float | None:
+        """Earliest start of action ``a`` on stage ``s``, or None while it must wait."""
+        k, mb, now = a.kind, a.mb, clock[s]
+        if k == "RECV_F":
+            got = arrived.get(("act", s - 1, s, mb))
+            return None if got is None else max(now, got)
+        if k == "RECV_B":
+            got = arrived.get(("grad", s + 1, s, mb))
+            return None if got is None else max(now, got)
+        if k == "SYNC":
+            return max([now, *pending_sends[s]])
+        if k == "PEER_SEND":
+            post = posted_recv.get(("out", s, a.peer, mb))
+            return None if post is None else now
+        if k == "PEER_RETURN":
+            got = arrived.get(("chunk", a.peer, s, mb))
+            return None if got is None else max(now, got)
+        if k == "PEER_WAIT":
+            got = arrived.get(("back", a.peer, s, mb))
+            return None if got is None else max(now, got)
+        if k == "B" and costs[s].host_bytes:
+            back = host_back.get((s, mb))
+            if back is None:  # the copy back starts now (no receive before this B)
+                back = transfer(("host", s), max(now, link_free.get(("host", s), 0.0)),
+                                costs[s].host_bytes, links.host_bandwidth)
+                host_back[(s, mb)] = back
+            return max(now, back)
+        return now
+
+    def run(s: int, a, start: float) -> float:
+        k, mb, c = a.kind, a.mb, costs[s]
+        end = start
+        if k == "F":
+            end = start + c.forward_s
+            busy[s] += c.forward_s
+            add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
+            if c.host_bytes:
+                transfer(("host", s), end, c.host_bytes, links.host_bandwidth)
+            times[(s, "F", mb)] = (start, end)
+        elif k == "B":
+            end = start + c.backward_s
+            busy[s] += c.backward_s
+            add(s, start, c.transient_bytes)
+            add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
+            times[(s, "B", mb)] = (start, end)
+        elif k == "SEND_F":
+            got = transfer((s, s + 1), start, c.send_bytes, links.bw(s, s + 1))
+            arrived[("act", s, s + 1, mb)] = got
+            pending_sends[s].append(got)
+        elif k == "SEND_B":
+            got = transfer((s, s - 1), start, costs[s - 1].send_bytes, links.bw(s, s - 1))
+            arrived[("grad", s, s - 1, mb)] = got
+            pending_sends[s].append(got)
+        elif k == "RECV_B" and c.host_bytes:
+            host_back[(s, mb)] = transfer(("host", s), start, c.host_bytes,
+                                          links.host_bandwidth)
+        elif k == "SYNC":
+            end = start + c.sync_s
+        elif k == "STEP":
+            end = start + c.step_s
+        elif k == "PEER_RECV":  # peer s posts the receive of owner a.peer's chunks
+            nbytes = costs[a.peer].peer_bytes.get(s, 0)
+            posted_recv[("out", a.peer, s, mb)] = start
+            add(s, start, nbytes, store=False)
+        elif k == "PEER_SEND":
+            nbytes = c.peer_bytes.get(a.peer, 0)
+            got = transfer((s, a.peer), max(start, posted_recv[("out", s, a.peer, mb)]),
+                           nbytes, links.bw(s, a.peer))
+            arrived[("chunk", s, a.peer, mb)] = got
+            end = got
+            add(s, end, -nbytes)
+        elif k == "PEER_RETURN":
+            nbytes = costs[a.peer].peer_bytes.get(s, 0)
+            got = transfer((s, a.peer), start, nbytes, links.bw(s, a.peer))
+            arrived[("back", s, a.peer, mb)] = got
+            pending_sends[s].append(got)
+            add(s, got, -nbytes, store=False)
+        elif k == "PEER_FETCH":
+            add(s, start, c.peer_bytes.get(a.peer, 0))
+        return end
+
+    # a stage's next action can only become ready when the stage moves or a message for it
+    # is posted, so keep each stage's earliest start in a heap and refresh those two
+    heap: list[tuple[float, int, int]] = []
+    version = [0] * n
+
+    def refresh(s: int) -> None:
+        version[s] += 1
+        if pos[s] < len(schedule[s]):
+            t = ready(s, schedule[s][pos[s]])
+            if t is not None:
+                heapq.heappush(heap, (t, s, version[s]))
+
+    for s in range(n):
+        refresh(s)
+    while heap:
+        start, s, v = heapq.heappop(heap)
+        if v != version[s]:
+            continue
+        a = schedule[s][pos[s]]
+        end = run(s, a, start)
+        timeline.append((s, a.kind, a.mb, start, end))
+        clock[s] = end
+        pos[s] += 1
+        refresh(s)
+        other = {"SEND_F": s + 1, "SEND_B": s - 1}.get(a.kind, getattr(a, "peer", -1))
+        if 0 <= other < n and other != s:
+            refresh(other)
+    if any(pos[s] < len(schedule[s]) for s in range(n)):
+        stuck = {s: str(schedule[s][pos[s]]) for s in range(n) if pos[s] < len(schedule[s])}
+        raise Deadlock(f"schedule deadlocks: every stage waits; next actions {stuck}")
+    step = max(clock) if clock else 0.0
+    peaks, own_peaks, curves = [], [], []
+    for s in range(n):
+        p, curve = _peak(mem[s])
+        peaks.append(p)
+        curves.append(curve)
+        own_peaks.append(_peak(own[s])[0])
+    return SimResult(step, busy, [1 - b / step if step else 0.0 for b in busy], peaks,
+                     own_peaks, timeline, curves, times)
+
+
+def liveness(result: SimResult, costs: list[StageCost],
+             layers: list[list[int]]) -> dict[int, float]:
+    """Each layer's shortest live interval over the micro-batches of a replay.
+
+    A tensor of layer ``l`` (the ``i``-th of its stage) is packed when the layer's forward
+    ends, ``F_start + sum(forward of layers 0..i)``, and unpacked when its backward starts,
+    ``B_start + sum(backward of layers after i)``.
+
+    Args:
+        result: a replay (all-keep, usually).
+        costs: the stage costs it used, with ``layer_forward_s``/``layer_backward_s``.
+        layers: the layer indices of each stage, in order.
+
+    Returns:
+        Layer -> seconds.
+    """
+    out: dict[int, float] = {}
+    forwards: dict[int, list[tuple[int, float]]] = {}
+    for (st, kind, mb), (f0, _) in result.times.items():
+        if kind == "F":
+            forwards.setdefault(st, []).append((mb, f0))
+    for s, names in enumerate(layers):
+        c = costs[s]
+        fw = c.layer_forward_s or [c.forward_s / max(len(names), 1)] * len(names)
+        bw = c.layer_backward_s or [c.backward_s / max(len(names), 1)] * len(names)
+        packed_at = list(itertools.accumulate(fw))
+        after = list(itertools.accumulate(reversed(bw)))[::-1][1:] + [0.0]
+        for mb, f0 in forwards.get(s, []):
+            b0 = result.times[(s, "B", mb)][0]
+            for i, layer in enumerate(names):
+                span = max(0.0, b0 + after[i] - f0 - packed_at[i])
+                out[layer] = min(out.get(layer, span), span)
+    return out
