@@ -306,3 +306,24 @@ def test_sparse_config_keys_are_validated(tmp_path):
         load_config(None, ["sync.sparse_bandwidth=-1"])
     with pytest.raises(ConfigError, match="sync.strategy"):
         load_config(None, ["sync.sparse=true", "sync.strategy=tokenring"])
+
+
+@pytest.mark.timeout(180)
+def test_bench_sparse_runs_at_tiny_size():
+    from trainwright.bench import BENCHMARKS
+    from trainwright.bench.sparse import SparseBenchSpec, run
+
+    assert BENCHMARKS["sparse"] == "trainwright.bench.sparse"
+    spec = SparseBenchSpec(rows=2000, dim=8, world=2, densities=[0.01, 0.5], repeats=1)
+    result = run(spec, timeout_s=160)  # the ranks assert that all systems' gradients agree
+    rows = result["rows"]
+    assert {(r["system"], r["density"]) for r in rows} == {
+        (s, d) for s in ("trainwright", "dense_allreduce", "ddp_sparse") for d in (0.01, 0.5)}
+    for r in rows:
+        assert r["sync_s"] >= 0 and r["bytes_sent_per_rank"] > 0
+    for key in ("ratio_vs_dense_at_1pct", "ratio_vs_ddp_sparse_at_1pct",
+                "ratio_vs_best_other_at_50pct"):
+        assert result[key] > 0
+    assert result["paths_are_model_cheapest"]
+    dense = next(r for r in rows if r["system"] == "dense_allreduce")
+    assert dense["bytes_sent_per_rank"] == 2 * 1 / 2 * 2000 * 8 * 4

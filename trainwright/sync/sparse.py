@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from torch import nn
 from trainwright.sync import GradSync
 from trainwright.sync.dense import BucketedAllReduce
 
-__all__ = ["RowSparse", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
+__all__ = ["RowSparse", "LocalRows", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
            "SparseGradSync", "SparseDataParallel", "sparse_sync_from_config"]
 
 log = logging.getLogger(__name__)
@@ -139,17 +138,27 @@ class RowSparse:
                                        check_invariants=False)
 
 
-def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor,
-                    height: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _unique_rows(ids: torch.Tensor, height: int):
+    """``(count, plan)``: distinct ids, and what :func:`_sum_duplicates` reuses to sum them."""
+    if ids.numel() * 16 < height:  # few ids: sorting them beats a pass over the table
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        return rows.numel(), (rows, inverse)
+    mark = torch.zeros(height, dtype=torch.bool, device=ids.device)  # many: a bitmap, no sort
+    mark[ids] = True
+    return int(mark.count_nonzero()), mark
+
+
+def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor, height: int,
+                    plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted unique ids and the summed value row of each."""
     if ids.numel() == 0:
         return ids, values
-    if ids.numel() * 16 < height:  # few ids: sorting them beats a pass over the table
-        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    else:  # many ids: mark them in a table-sized bitmap, no sort
-        mark = torch.zeros(height, dtype=torch.bool, device=ids.device)
-        mark[ids] = True
-        rows = mark.nonzero().squeeze(1)
+    if plan is None:
+        _, plan = _unique_rows(ids, height)
+    if isinstance(plan, tuple):
+        rows, inverse = plan
+    else:
+        rows = plan.nonzero().squeeze(1)
         slot = torch.empty(height, dtype=torch.int64, device=ids.device)
         slot[rows] = torch.arange(rows.numel(), device=ids.device)
         inverse = slot[ids]
@@ -160,6 +169,56 @@ def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor,
     out = values.new_zeros((rows.numel(), *values.shape[1:]))
     out.index_add_(0, inverse, values)
     return rows, out
+
+
+class LocalRows:
+    """One rank's rows of one gradient: counted at once, duplicates summed only if needed.
+
+    The dense path never needs the summed triple: raw ids and values are scattered
+    straight into the all-reduce buffer (``index_add_`` sums duplicates on the way).
+    """
+
+    def __init__(self, triple: RowSparse | None = None, ids: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None, height: int = 0):
+        self._triple, self._ids, self._values, self._plan = triple, ids, values, None
+        if triple is not None:
+            self.height, self.row_shape, self.count = triple.height, triple.row_shape, triple.count
+            self.dtype, self.device = triple.values.dtype, triple.values.device
+        else:
+            self.height, self.row_shape = height, tuple(values.shape[1:])
+            self.dtype, self.device = values.dtype, values.device
+            self.count, self._plan = _unique_rows(ids, height)
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> LocalRows:
+        """The rows of ``p.grad``: sparse COO, dense (touched rows detected) or None (no rows)."""
+        g = p.grad
+        if g is None:
+            return cls(RowSparse.empty(tuple(p.shape), p.dtype, p.device))
+        if not g.is_sparse:
+            return cls(RowSparse.from_dense(g))
+        if g.is_coalesced() or g.sparse_dim() != 1:
+            return cls(RowSparse.from_coo(g))
+        return cls(ids=g._indices()[0], values=g._values(), height=g.shape[0])
+
+    def triple(self) -> RowSparse:
+        """The triple with duplicates summed."""
+        if self._triple is None:
+            rows, vals = _sum_duplicates(self._ids, self._values, self.height, self._plan)
+            self._triple = RowSparse(rows, self.height, vals)
+            self._ids = self._values = self._plan = None
+        return self._triple
+
+    def scatter_into(self, dense: torch.Tensor, mark: torch.Tensor) -> None:
+        """Add the rows into a ``(height, width)`` buffer and set their ``mark`` entries."""
+        width = dense.shape[1]
+        if self._triple is not None:
+            t = self._triple
+            dense.index_copy_(0, t.rows, t.values.reshape(t.count, width))
+            mark.index_fill_(0, t.rows, 1)
+        else:
+            dense.index_add_(0, self._ids, self._values.reshape(self._ids.numel(), width))
+            mark.index_fill_(0, self._ids, 1)
 
 
 def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:
@@ -228,7 +287,7 @@ class LinkModel:
     """Bytes/s of local scatter-add (summing gathered rows, filling a dense buffer)."""
 
     def estimates(self, counts: list[int], height: int, row_bytes: int, world: int,
-                  sparse_input: bool, elem_bytes: int = 4) -> dict[str, tuple[float, float]]:
+                  sparse_input: bool) -> dict[str, tuple[float, float]]:
         """``path -> (seconds, bytes sent per rank)`` for every path that applies.
 
         Args:
@@ -237,8 +296,7 @@ class LinkModel:
             row_bytes: bytes of one value row.
             world: ranks in the group.
             sparse_input: the gradient is sparse, so the dense path must first fill a
-                buffer and carries one extra element per row (the touched-row mark).
-            elem_bytes: bytes of one value element.
+                buffer and also all-reduces a one-byte touched-row mark.
         """
         a, w = self.latency_s, world
         total, top = sum(counts), max(counts)
@@ -250,73 +308,81 @@ class LinkModel:
         senders = [c for c in counts if c]
         out["broadcast"] = (len(senders) * a + rounds * total * sent_row / self.bandwidth + merge,
                             (w - 1) * total * sent_row / w)
-        dense_row = row_bytes + elem_bytes if sparse_input else row_bytes
+        # a sparse input also sends a one-byte touched-row mark (second all-reduce)
+        dense_row = row_bytes + 1 if sparse_input else row_bytes
         ar_bytes = 2 * (w - 1) / w * height * dense_row
-        fill = height * dense_row / self.merge_rate if sparse_input else 0.0
-        out["dense"] = (a + ar_bytes / self.allreduce_bandwidth + fill, ar_bytes)
+        fill = height * row_bytes / self.merge_rate if sparse_input else 0.0
+        calls = 2 if sparse_input else 1
+        out["dense"] = (calls * a + ar_bytes / self.allreduce_bandwidth + fill, ar_bytes)
         return out
 
     def choose(self, counts: list[int], height: int, row_bytes: int, world: int,
-               sparse_input: bool, force: str = "auto", elem_bytes: int = 4) -> PathChoice:
+               sparse_input: bool, force: str = "auto") -> PathChoice:
         """The cheapest path by :meth:`estimates` (or the forced one)."""
         counts = [int(c) for c in counts]
         if sum(counts) == 0:
             return PathChoice("none", tuple(counts))
-        est = self.estimates(counts, height, row_bytes, world, sparse_input, elem_bytes)
+        est = self.estimates(counts, height, row_bytes, world, sparse_input)
         path = force if force != "auto" else min(est, key=lambda k: est[k][0])
         return PathChoice(path, tuple(counts), {k: v[0] for k, v in est.items()},
                           est[path][1], forced=force != "auto")
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (first-use allocations, connection set-up)
-    times = []
+def _best_time(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` runs after a warm-up: the least noisy estimate on a busy host."""
+    fn()
+    best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def calibrate(group=None, device=None, *, chunk_bytes: int = 1 << 20,
-              repeats: int = 3) -> LinkModel:
-    """Measure the :class:`LinkModel` constants with a micro-benchmark (a few ms to ~0.1 s).
+              repeats: int = 5) -> LinkModel:
+    """Measure the :class:`LinkModel` constants with a micro-benchmark (~0.1 s).
 
-    Every rank of ``group`` must call it; the measurements are averaged over the group so
-    that every rank holds the same model and takes the same path.
+    Latency is the time of a one-element collective; bandwidths are slopes between a
+    one-element and a ``chunk_bytes`` (all-gather) or ``4 * chunk_bytes`` (all-reduce)
+    transfer; the merge rate times a local ``index_add_``. Every rank of ``group`` must
+    call it; the results are averaged over the group so every rank holds the same model
+    and takes the same path.
     """
     world = dist.get_world_size(group)
     dev = torch.device(device or "cpu")
-    tiny = torch.zeros(1, device=dev)
     n = chunk_bytes // 4
-    send = torch.ones(n, device=dev)
-    recv = torch.empty(n * world, device=dev)
-    big = torch.ones(4 * n, device=dev)
-
-    def sync_dev():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     def timed(op):
-        return _median_time(lambda: (op(), sync_dev()), repeats)
+        def run():
+            op()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return _best_time(run, repeats)
 
-    lat = timed(lambda: dist.all_reduce(tiny, group=group))
-    t_ag = timed(lambda: _all_gather(recv, send, group=group))
-    t_ar = timed(lambda: dist.all_reduce(big, group=group))
+    def gather(k):
+        send, recv = torch.ones(k, device=dev), torch.empty(k * world, device=dev)
+        return timed(lambda: _all_gather(recv, send, group=group))
+
+    def reduce(k):
+        buf = torch.ones(k, device=dev)
+        return timed(lambda: dist.all_reduce(buf, group=group))
+
+    t_ag0, t_ag = gather(1), gather(n)
+    t_ar0, t_ar = reduce(1), reduce(4 * n)
     ids = torch.randint(0, 16384, (16384,), device=dev)
     vals = torch.ones(16384, 64, device=dev)
     acc = torch.zeros(16384, 64, device=dev)
     t_merge = timed(lambda: acc.index_add_(0, ids, vals))
     eps = 1e-6
     measured = torch.tensor([
-        lat,
-        (world - 1) * chunk_bytes / max(t_ag - lat, eps),
-        2 * (world - 1) / world * big.numel() * 4 / max(t_ar - lat, eps),
+        (t_ag0 + t_ar0) / 2,
+        (world - 1) * chunk_bytes / max(t_ag - t_ag0, eps),
+        2 * (world - 1) / world * 4 * chunk_bytes / max(t_ar - t_ar0, eps),
         vals.numel() * 4 / max(t_merge, eps),
     ], dtype=torch.float64, device=dev)
     dist.all_reduce(measured, group=group)
-    measured = (measured / world).tolist()
-    return LinkModel(*measured)
+    return LinkModel(*(measured / world).tolist())
 
 
 # --------------------------------------------------------------------------- exchange
@@ -339,11 +405,11 @@ def gather_counts(local: list[int], group=None) -> torch.Tensor:
     return out.view(world, len(local))
 
 
-def exchange(t: RowSparse, counts: list[int], path: str, group=None) -> RowSparse:
+def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None) -> RowSparse:
     """Sum every rank's triple over ``group`` along ``path`` (not yet divided by the size).
 
     Args:
-        t: this rank's triple (duplicates already summed).
+        t: this rank's triple (or :class:`LocalRows`, summed here only if the path needs it).
         counts: every rank's valid rows (from :func:`gather_counts`); storage for the
             received rows is sized from them before any transfer starts.
         path: ``"allgather"``, ``"broadcast"`` or ``"dense"``.
@@ -355,8 +421,10 @@ def exchange(t: RowSparse, counts: list[int], path: str, group=None) -> RowSpars
     world, me = dist.get_world_size(group), _group_rank(group)
     if counts[me] != t.count:
         raise ValueError(f"rank {me} has {t.count} rows but the gathered count says {counts[me]}")
+    local = LocalRows(t) if isinstance(t, RowSparse) else t
     if path == "dense":
-        return _exchange_dense(t, group)
+        return _exchange_dense(local, group)
+    t = local.triple()
     if path == "allgather":
         top = max(counts)
         recv = torch.empty((world * top, math.prod(t.row_shape) + _id_slots(t.values.dtype)),
@@ -386,16 +454,24 @@ def exchange(t: RowSparse, counts: list[int], path: str, group=None) -> RowSpars
     return RowSparse(rows, t.height, values)
 
 
-def _exchange_dense(t: RowSparse, group) -> RowSparse:
-    """All-reduce the full table plus a touched-row mark column, then keep touched rows."""
-    width = math.prod(t.row_shape)
-    buf = t.values.new_zeros((t.height, width + 1))
-    buf[:, :width].index_copy_(0, t.rows, t.values.reshape(t.count, width))
-    buf[:, width].index_fill_(0, t.rows, 1)
-    dist.all_reduce(buf, group=group)
-    rows = buf[:, width].nonzero().squeeze(1)
-    values = buf[:, :width].index_select(0, rows).reshape(rows.numel(), *t.row_shape)
-    return RowSparse(rows, t.height, values)
+def _exchange_dense(local: LocalRows, group) -> RowSparse:
+    """All-reduce the full table and a touched-row mark, then keep the touched rows."""
+    width = math.prod(local.row_shape)
+    dense = torch.zeros((local.height, width), dtype=local.dtype, device=local.device)
+    mark = torch.zeros(local.height, dtype=torch.uint8, device=local.device)
+    local.scatter_into(dense, mark)
+    works = [dist.all_reduce(dense, group=group, async_op=True),
+             dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+    for w in works:
+        w.wait()
+    if bool(mark.all()):  # every row touched: the buffer is the result, no copy
+        rows = torch.arange(local.height, device=local.device)
+        values = dense
+    else:
+        rows = mark.nonzero().squeeze(1)
+        del mark
+        values = dense.index_select(0, rows)
+    return RowSparse(rows, local.height, values.reshape(rows.numel(), *local.row_shape))
 
 
 # --------------------------------------------------------------------------- strategy
@@ -471,7 +547,7 @@ class SparseGradSync(GradSync):
         sparse_idx = [i for i, p in enumerate(params) if self.is_row_sparse(p)]
         local, triples = [-1] * len(params), {}
         for i in sparse_idx:
-            triples[i] = _local_triple(params[i])
+            triples[i] = LocalRows.of(params[i])
             local[i] = triples[i].count
         # one all-gather: every rank's row count (-1 = dense here) for every parameter
         counts = gather_counts(local + [int(params[i].grad is not None and params[i].grad.is_sparse)
@@ -490,10 +566,9 @@ class SparseGradSync(GradSync):
                 continue
             any_sparse = bool(counts[:, n + i].max())
             t = triples[i]
-            row_bytes = math.prod(t.row_shape) * t.values.element_size()
+            row_bytes = math.prod(t.row_shape) * torch.empty(0, dtype=t.dtype).element_size()
             if link is not None:
-                choice = link.choose(col, t.height, row_bytes, self.world, any_sparse,
-                                     elem_bytes=t.values.element_size())
+                choice = link.choose(col, t.height, row_bytes, self.world, any_sparse)
             else:
                 choice = PathChoice(self.path if sum(col) else "none", tuple(col), forced=True)
             self.last.append(choice)
@@ -502,7 +577,7 @@ class SparseGradSync(GradSync):
                 dense_params.append(p)  # dense gradients everywhere: the plain all-reduce
                 continue
             if choice.path == "none":
-                summed = t
+                summed = t.triple()
             else:
                 summed = exchange(t, col, choice.path, self.group)
             summed.values.div_(self.world)
@@ -512,13 +587,6 @@ class SparseGradSync(GradSync):
             log.info("sparse sync step %d: %s", self.steps,
                      ", ".join(f"{c.path} {list(c.counts)}" for c in self.last))
         return self.last
-
-
-def _local_triple(p: torch.Tensor) -> RowSparse:
-    g = p.grad
-    if g is None:
-        return RowSparse.empty(tuple(p.shape), p.dtype, p.device)
-    return RowSparse.from_coo(g) if g.is_sparse else RowSparse.from_dense(g)
 
 
 def _write_grad(p: torch.Tensor, t: RowSparse, sparse: bool) -> None:
