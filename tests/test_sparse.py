@@ -27,6 +27,8 @@ from trainwright.sync.sparse import (
 )
 from trainwright.testing import run_workers
 
+# Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
+LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)
 HEIGHT, DIM = 40, 3
 CASES = ("equal", "unequal", "zero_rank", "nobody", "duplicates", "overlap", "all_rows",
          "one_rank")
@@ -181,7 +183,7 @@ def _training_worker(rank: int, world: int) -> None:
     for opt, sparse, path in SETUPS:
         ref = _tiny_model(sparse)
         _train(ref, _optimizer(opt, ref), 5, 0, n, n)
-        model = SparseDataParallel(_tiny_model(sparse), path=path)
+        model = SparseDataParallel(_tiny_model(sparse), path=path, link=LINK)
         _train(model, _optimizer(opt, model.module), 5, rank * 4, rank * 4 + 4, n)
         assert model.last_paths, "the embedding went through the sparse path"
         for (name, a), b in zip(model.module.named_parameters(), ref.parameters(), strict=True):
@@ -269,8 +271,6 @@ def test_triple_sums_duplicates_and_round_trips():
         RowSparse.from_ids(torch.tensor([8]), torch.ones(1, 2), height=8)
 
 
-# Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
-LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)
 
 
 def test_cost_model_picks_the_cheapest_path_at_each_density():

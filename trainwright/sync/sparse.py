@@ -222,24 +222,43 @@ class LocalRows:
 
 
 def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:
-    """``(n_rows, width + k)`` buffer: value row, then the row id's bytes as ``k`` elements.
-
-    Rows past ``t.count`` are padding (never read: receivers know every rank's count).
-    """
-    dtype = t.values.dtype
-    k = _id_slots(dtype)
-    width = math.prod(t.row_shape)
-    buf = torch.empty((n_rows, width + k), dtype=dtype, device=t.values.device)
-    n = t.count
-    buf[:n, :width] = t.values.reshape(n, width)
-    buf[:n, width:] = t.rows.reshape(n, 1).view(dtype)
+    """Flat buffer for ``n_rows`` rows: ``n_rows`` value rows, then ``n_rows`` ids, each id's
+    8 bytes as ``k`` value elements. Slots past ``t.count`` are padding, never read
+    (receivers know every rank's count); each block stays contiguous for the merge."""
+    k, width, n = _id_slots(t.values.dtype), math.prod(t.row_shape), t.count
+    buf = torch.empty(n_rows * (width + k), dtype=t.values.dtype, device=t.values.device)
+    buf[: n * width] = t.values.reshape(-1)
+    buf[n_rows * width : n_rows * width + n * k] = t.rows.view(t.values.dtype)
     return buf
 
 
-def _unpack(buf: torch.Tensor, row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = math.prod(row_shape)
-    rows = buf[:, width:].contiguous().view(torch.int64).reshape(-1)
-    return rows, buf[:, :width].reshape(buf.shape[0], *row_shape)
+def _unpack(buf: torch.Tensor, n_rows: int, count: int,
+            row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the ids and value rows of one :func:`_pack` block holding ``count`` rows."""
+    k, width = _id_slots(buf.dtype), math.prod(row_shape)
+    # cloned: the ids are small, and a block may start at an offset int64 cannot view
+    ids = buf[n_rows * width : n_rows * width + count * k].clone().view(torch.int64)
+    return ids, buf[: count * width].view(count, *row_shape)
+
+
+def _merge(blocks: list[tuple[torch.Tensor, torch.Tensor]], height: int,
+           row_shape: tuple[int, ...]) -> RowSparse:
+    """Sum every rank's (ids, values) block into one triple, block by block (no big copy)."""
+    ids = torch.cat([b[0] for b in blocks])
+    _, plan = _unique_rows(ids, height)
+    if isinstance(plan, tuple):
+        rows, inverse = plan
+    else:
+        rows = plan.nonzero().squeeze(1)
+        slot = torch.empty(height, dtype=torch.int64, device=ids.device)
+        slot[rows] = torch.arange(rows.numel(), device=ids.device)
+        inverse = slot[ids]
+    out = blocks[0][1].new_zeros((rows.numel(), *row_shape))
+    offset = 0
+    for block_ids, values in blocks:
+        out.index_add_(0, inverse[offset : offset + block_ids.numel()], values)
+        offset += block_ids.numel()
+    return RowSparse(rows, height, out)
 
 
 def _id_slots(dtype: torch.dtype) -> int:
@@ -328,26 +347,27 @@ class LinkModel:
                           est[path][1], forced=force != "auto")
 
 
-def _best_time(fn, repeats: int) -> float:
-    """Fastest of ``repeats`` runs after a warm-up: the least noisy estimate on a busy host."""
+def _median_time(fn, repeats: int) -> float:
+    """Median of ``repeats`` runs after a warm-up."""
     fn()
-    best = math.inf
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
-def calibrate(group=None, device=None, *, chunk_bytes: int = 1 << 20,
-              repeats: int = 5) -> LinkModel:
-    """Measure the :class:`LinkModel` constants with a micro-benchmark (~0.1 s).
+def calibrate(group=None, device=None, *, chunk_bytes: int = 4 << 20,
+              repeats: int = 3) -> LinkModel:
+    """Measure the :class:`LinkModel` constants with a micro-benchmark (~0.5 s on CPU).
 
     Latency is the time of a one-element collective; bandwidths are slopes between a
     one-element and a ``chunk_bytes`` (all-gather) or ``4 * chunk_bytes`` (all-reduce)
-    transfer; the merge rate times a local ``index_add_``. Every rank of ``group`` must
-    call it; the results are averaged over the group so every rank holds the same model
-    and takes the same path.
+    transfer; the merge rate times a local ``index_add_`` of ``chunk_bytes`` of rows.
+    Sizes are megabytes, not kilobytes, because per-byte costs on CPU grow once buffers
+    leave the caches. Every rank of ``group`` must call it; the results are averaged over
+    the group so every rank holds the same model and takes the same path.
     """
     world = dist.get_world_size(group)
     dev = torch.device(device or "cpu")
@@ -358,7 +378,7 @@ def calibrate(group=None, device=None, *, chunk_bytes: int = 1 << 20,
             op()
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-        return _best_time(run, repeats)
+        return _median_time(run, repeats)
 
     def gather(k):
         send, recv = torch.ones(k, device=dev), torch.empty(k * world, device=dev)
@@ -370,9 +390,10 @@ def calibrate(group=None, device=None, *, chunk_bytes: int = 1 << 20,
 
     t_ag0, t_ag = gather(1), gather(n)
     t_ar0, t_ar = reduce(1), reduce(4 * n)
-    ids = torch.randint(0, 16384, (16384,), device=dev)
-    vals = torch.ones(16384, 64, device=dev)
-    acc = torch.zeros(16384, 64, device=dev)
+    rows = max(chunk_bytes // 256, 1)
+    ids = torch.randint(0, rows, (rows,), device=dev)
+    vals = torch.ones(rows, 64, device=dev)
+    acc = torch.zeros(rows, 64, device=dev)
     t_merge = timed(lambda: acc.index_add_(0, ids, vals))
     eps = 1e-6
     measured = torch.tensor([
@@ -425,33 +446,28 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None)
     if path == "dense":
         return _exchange_dense(local, group)
     t = local.triple()
+    dtype, dev = t.values.dtype, t.values.device
+    per_row = math.prod(t.row_shape) + _id_slots(dtype)
     if path == "allgather":
-        top = max(counts)
-        recv = torch.empty((world * top, math.prod(t.row_shape) + _id_slots(t.values.dtype)),
-                           dtype=t.values.dtype, device=t.values.device)
+        top = max(counts)  # equal counts: no padding at all
+        recv = torch.empty(world * top * per_row, dtype=dtype, device=dev)
         _all_gather(recv, _pack(t, top), group=group)
-        if any(c != top for c in counts):  # drop the padding
-            keep = torch.cat([torch.arange(c) + r * top for r, c in enumerate(counts)])
-            recv = recv.index_select(0, keep.to(recv.device))
+        parts = recv.view(world, top * per_row)
+        blocks = [_unpack(parts[r], top, c, t.row_shape) for r, c in enumerate(counts) if c]
     elif path == "broadcast":
-        width = math.prod(t.row_shape) + _id_slots(t.values.dtype)
-        bufs, works = [], []
-        for r, c in enumerate(counts):  # all buffers exist before the first transfer
-            if c:
-                bufs.append(_pack(t, c) if r == me else
-                            torch.empty((c, width), dtype=t.values.dtype, device=t.values.device))
         senders = [r for r, c in enumerate(counts) if c]
-        for r, buf in zip(senders, bufs, strict=True):
-            works.append(dist.broadcast(buf, src=_global_rank(group, r), group=group,
-                                        async_op=True))
+        # every buffer is sized from the gathered counts before the first transfer
+        bufs = [_pack(t, counts[r]) if r == me else
+                torch.empty(counts[r] * per_row, dtype=dtype, device=dev) for r in senders]
+        works = [dist.broadcast(buf, src=_global_rank(group, r), group=group, async_op=True)
+                 for r, buf in zip(senders, bufs, strict=True)]
         for w in works:
             w.wait()
-        recv = torch.cat(bufs)
+        blocks = [_unpack(buf, counts[r], counts[r], t.row_shape)
+                  for r, buf in zip(senders, bufs, strict=True)]
     else:
         raise ValueError(f"unknown sparse sync path {path!r}; choose one of {PATHS[1:]}")
-    rows, values = _unpack(recv, t.row_shape)
-    rows, values = _sum_duplicates(rows, values, t.height)
-    return RowSparse(rows, t.height, values)
+    return _merge(blocks, t.height, t.row_shape)
 
 
 def _exchange_dense(local: LocalRows, group) -> RowSparse:
