@@ -327,3 +327,14 @@ def test_bench_sparse_runs_at_tiny_size():
     assert result["paths_are_model_cheapest"]
     dense = next(r for r in rows if r["system"] == "dense_allreduce")
     assert dense["bytes_sent_per_rank"] == 2 * 1 / 2 * 2000 * 8 * 4
+
+
+def test_compaction_in_place_keeps_every_touched_row():
+    from trainwright.sync.sparse import _compact_rows
+
+    for n_rows, chunk in ((1000, 7), (50, 4096), (9, 2)):
+        buf = torch.randn(n_rows, 3)
+        rows = torch.randperm(n_rows)[: n_rows // 3 + 1].sort().values
+        want = buf[rows].clone()
+        _compact_rows(buf, rows, chunk=chunk)
+        torch.testing.assert_close(buf[: rows.numel()], want)

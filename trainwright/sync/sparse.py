@@ -52,6 +52,7 @@ PATHS = ("auto", "allgather", "broadcast", "dense")
 """Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
 
 _ID_BYTES = 8  # row ids travel as int64
+_EXCHANGE_PATHS = ("allgather", "broadcast", "dense")
 
 
 # --------------------------------------------------------------------------- the triple
@@ -336,12 +337,18 @@ class LinkModel:
         return out
 
     def choose(self, counts: list[int], height: int, row_bytes: int, world: int,
-               sparse_input: bool, force: str = "auto") -> PathChoice:
-        """The cheapest path by :meth:`estimates` (or the forced one)."""
+               sparse_input: bool, force: str = "auto",
+               factors: dict | None = None) -> PathChoice:
+        """The cheapest path by :meth:`estimates` (or the forced one).
+
+        ``factors`` (path -> measured / predicted time of earlier steps) scale the
+        estimates, so a path that keeps running slower than the model says loses.
+        """
         counts = [int(c) for c in counts]
         if sum(counts) == 0:
             return PathChoice("none", tuple(counts))
         est = self.estimates(counts, height, row_bytes, world, sparse_input)
+        est = {k: (v[0] * (factors or {}).get(k, 1.0), v[1]) for k, v in est.items()}
         path = force if force != "auto" else min(est, key=lambda k: est[k][0])
         return PathChoice(path, tuple(counts), {k: v[0] for k, v in est.items()},
                           est[path][1], forced=force != "auto")
@@ -426,7 +433,8 @@ def gather_counts(local: list[int], group=None) -> torch.Tensor:
     return out.view(world, len(local))
 
 
-def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None) -> RowSparse:
+def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
+             buffer: torch.Tensor | None = None) -> RowSparse:
     """Sum every rank's triple over ``group`` along ``path`` (not yet divided by the size).
 
     Args:
@@ -435,6 +443,7 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None)
             received rows is sized from them before any transfer starts.
         path: ``"allgather"``, ``"broadcast"`` or ``"dense"``.
         group: the data-parallel group.
+        buffer: a reusable table-sized buffer for the ``dense`` path (see _exchange_dense).
 
     Returns:
         The summed triple, sorted unique rows, on every rank.
@@ -444,7 +453,7 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None)
         raise ValueError(f"rank {me} has {t.count} rows but the gathered count says {counts[me]}")
     local = LocalRows(t) if isinstance(t, RowSparse) else t
     if path == "dense":
-        return _exchange_dense(local, group)
+        return _exchange_dense(local, group, buffer)
     t = local.triple()
     dtype, dev = t.values.dtype, t.values.device
     per_row = math.prod(t.row_shape) + _id_slots(dtype)
@@ -470,24 +479,44 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None)
     return _merge(blocks, t.height, t.row_shape)
 
 
-def _exchange_dense(local: LocalRows, group) -> RowSparse:
-    """All-reduce the full table and a touched-row mark, then keep the touched rows."""
+def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None) -> RowSparse:
+    """All-reduce the full table and a touched-row mark, then keep the touched rows.
+
+    ``buffer`` (a ``(height, width)`` tensor, overwritten) saves allocating the table-sized
+    buffer every step: on CPU a fresh one costs a page fault per 4 KiB. The result's values
+    are a prefix of that buffer (touched rows compacted in place), so the buffer may only
+    be reused once the gradient built from it is gone.
+    """
     width = math.prod(local.row_shape)
-    dense = torch.zeros((local.height, width), dtype=local.dtype, device=local.device)
+    shape = (local.height, width)
+    if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != local.dtype:
+        buffer = torch.zeros(shape, dtype=local.dtype, device=local.device)
+    else:
+        buffer.zero_()
     mark = torch.zeros(local.height, dtype=torch.uint8, device=local.device)
-    local.scatter_into(dense, mark)
-    works = [dist.all_reduce(dense, group=group, async_op=True),
+    local.scatter_into(buffer, mark)
+    works = [dist.all_reduce(buffer, group=group, async_op=True),
              dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group, async_op=True)]
     for w in works:
         w.wait()
-    if bool(mark.all()):  # every row touched: the buffer is the result, no copy
-        rows = torch.arange(local.height, device=local.device)
-        values = dense
-    else:
-        rows = mark.nonzero().squeeze(1)
-        del mark
-        values = dense.index_select(0, rows)
-    return RowSparse(rows, local.height, values.reshape(rows.numel(), *local.row_shape))
+    rows = mark.nonzero().squeeze(1)
+    _compact_rows(buffer, rows)
+    return RowSparse(rows, local.height, buffer[: rows.numel()].view(rows.numel(),
+                                                                     *local.row_shape))
+
+
+def _compact_rows(buf: torch.Tensor, rows: torch.Tensor, chunk: int = 4096) -> None:
+    """Move ``buf[rows]`` to ``buf[:len(rows)]`` in place (``rows`` sorted ascending).
+
+    Safe chunk by chunk: output row ``i`` reads row ``rows[i] >= i``, and a chunk only
+    overwrites rows below every row a later chunk reads.
+    """
+    n = rows.numel()
+    if n == buf.shape[0]:
+        return  # every row touched: already in place
+    for i in range(0, n, chunk):
+        j = min(i + chunk, n)
+        buf[i:j] = buf.index_select(0, rows[i:j])
 
 
 # --------------------------------------------------------------------------- strategy
@@ -522,6 +551,11 @@ class SparseGradSync(GradSync):
         self.last: list[PathChoice] = []
         """The choice for every row-sparse parameter in the last :meth:`sync`."""
         self._watched: dict[int, weakref.ref] = {}
+        self.factors: dict[str, float] = {}
+        """Per path: measured / predicted time, learned from earlier steps (same on all ranks)."""
+        self._observed: dict[str, float] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
+        """Per parameter: the dense path's table buffer and the gradient made from it."""
 
     def watch(self, modules) -> None:
         """Register the embedding tables inside ``modules`` as row-sparse parameters."""
@@ -540,6 +574,22 @@ class SparseGradSync(GradSync):
         super().step(slots)
         self._watched.clear()
         self.watch([s.module for s in slots])
+
+    def _learn(self, slow: torch.Tensor) -> None:
+        """Fold last step's measured/predicted ratios (every rank's, gathered) into factors."""
+        for j, path in enumerate(_EXCHANGE_PATHS):
+            seen = [int(x) for x in slow[:, j].tolist() if x > 0]
+            if seen:  # the slowest rank decides when a collective finishes
+                ratio = max(seen) / 1000
+                self.factors[path] = 0.5 * self.factors.get(path, 1.0) + 0.5 * ratio
+
+    def _free_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The dense path's buffer for ``p`` if no live gradient still uses it."""
+        entry = self._buffers.pop(id(p), None)
+        if entry is None:
+            return None
+        buf, grad_ref = entry
+        return buf if grad_ref is None or grad_ref() is None else None
 
     def model(self) -> LinkModel:
         """The cost model, calibrated on first use (every rank of the group calls sync)."""
@@ -565,11 +615,14 @@ class SparseGradSync(GradSync):
         for i in sparse_idx:
             triples[i] = LocalRows.of(params[i])
             local[i] = triples[i].count
-        # one all-gather: every rank's row count (-1 = dense here) for every parameter
-        counts = gather_counts(local + [int(params[i].grad is not None and params[i].grad.is_sparse)
-                                        for i in range(len(params))], self.group)
+        # one all-gather: every rank's row count (-1 = dense here) for every parameter, its
+        # gradient kind, and how much slower than predicted each path ran last step
+        kinds = [int(p.grad is not None and p.grad.is_sparse) for p in params]
+        slow = [round(self._observed.get(k, 0.0) * 1000) for k in _EXCHANGE_PATHS]
+        counts = gather_counts(local + kinds + slow, self.group)
         n = len(params)
-        dense_params = []
+        self._learn(counts[:, 2 * n:])
+        dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
         for i, p in enumerate(params):
             col = counts[:, i].tolist()
@@ -584,7 +637,8 @@ class SparseGradSync(GradSync):
             t = triples[i]
             row_bytes = math.prod(t.row_shape) * torch.empty(0, dtype=t.dtype).element_size()
             if link is not None:
-                choice = link.choose(col, t.height, row_bytes, self.world, any_sparse)
+                choice = link.choose(col, t.height, row_bytes, self.world, any_sparse,
+                                     factors=self.factors)
             else:
                 choice = PathChoice(self.path if sum(col) else "none", tuple(col), forced=True)
             self.last.append(choice)
@@ -592,13 +646,25 @@ class SparseGradSync(GradSync):
             if choice.path == "dense" and not any_sparse:
                 dense_params.append(p)  # dense gradients everywhere: the plain all-reduce
                 continue
+            started = time.perf_counter()
             if choice.path == "none":
                 summed = t.triple()
+            elif choice.path == "dense":
+                summed = exchange(t, col, "dense", self.group, self._free_buffer(p))
             else:
+                self._buffers.pop(id(p), None)  # sparse again: let the table buffer go
                 summed = exchange(t, col, choice.path, self.group)
             summed.values.div_(self.world)
             _write_grad(p, summed, local_sparse)
+            if choice.path in _EXCHANGE_PATHS and choice.estimates_s:
+                took = (time.perf_counter() - started) / choice.estimates_s[choice.path]
+                seen[choice.path] = max(seen.get(choice.path, 0.0), took * self.factors.get(
+                    choice.path, 1.0))
+            if choice.path == "dense":
+                buf = summed.values._base if summed.values._base is not None else summed.values
+                self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
         self.dense.sync(dense_params)
+        self._observed = seen
         if self.last:
             log.info("sparse sync step %d: %s", self.steps,
                      ", ".join(f"{c.path} {list(c.counts)}" for c in self.last))
