@@ -338,3 +338,22 @@ def test_compaction_in_place_keeps_every_touched_row():
         want = buf[rows].clone()
         _compact_rows(buf, rows, chunk=chunk)
         torch.testing.assert_close(buf[: rows.numel()], want)
+
+
+def test_learned_factors_follow_the_slowest_rank_and_bad_input_is_named():
+    sync = SparseGradSync(None, 4, path="auto", link=LINK)
+    # gathered ratios x1000 per rank for (allgather, broadcast, dense); 0 = path not taken
+    sync._learn(torch.tensor([[3000, 0, 0], [2000, 0, 0], [4000, 0, 0], [1000, 0, 0]]))
+    assert sync.factors == {"allgather": pytest.approx(2.5)}
+    est = LINK.estimates([100] * 4, 1000, 256, 4, True)
+    scaled = LINK.choose([100] * 4, 1000, 256, 4, True, factors=sync.factors).estimates_s
+    assert scaled["allgather"] == pytest.approx(2.5 * est["allgather"][0])
+    assert scaled["dense"] == pytest.approx(est["dense"][0])
+    with pytest.raises(ValueError, match="sparse path 'ring'"):
+        SparseGradSync(None, 2, path="ring")
+    with pytest.raises(TypeError, match="floating-point"):
+        from trainwright.sync.sparse import _pack
+
+        _pack(RowSparse(torch.tensor([0]), 2, torch.tensor([[1]])), 1)
+    with pytest.raises(TypeError, match="one sparse dimension"):
+        RowSparse.from_coo(torch.ones(2, 2))

@@ -424,13 +424,16 @@ def _global_rank(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def gather_counts(local: list[int], group=None) -> torch.Tensor:
-    """All-gather one int64 per parameter from every rank: ``(world, len(local))``."""
+def gather_counts(local: list[int], group=None, device=None) -> torch.Tensor:
+    """All-gather a list of int64 from every rank: ``(world, len(local))`` on the CPU.
+
+    ``device`` is where the collective runs (CUDA for NCCL; default CPU for gloo).
+    """
     world = dist.get_world_size(group)
-    mine = torch.tensor(local, dtype=torch.int64)
-    out = torch.empty(world * len(local), dtype=torch.int64)
+    mine = torch.tensor(local, dtype=torch.int64, device=device)
+    out = torch.empty(world * len(local), dtype=torch.int64, device=device)
     _all_gather(out, mine, group=group)
-    return out.view(world, len(local))
+    return out.view(world, len(local)).cpu()
 
 
 def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
@@ -554,6 +557,7 @@ class SparseGradSync(GradSync):
         self.factors: dict[str, float] = {}
         """Per path: measured / predicted time, learned from earlier steps (same on all ranks)."""
         self._observed: dict[str, float] = {}
+        self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
 
@@ -599,7 +603,7 @@ class SparseGradSync(GradSync):
             if all(base.get(k) for k in keys):
                 self.link = LinkModel(**{k: base[k] for k in keys})
             else:
-                measured = calibrate(self.group)
+                measured = calibrate(self.group, self._device)
                 self.link = LinkModel(**{k: base.get(k) or getattr(measured, k) for k in keys})
             log.info("sparse sync cost model: %s", self.link)
         return self.link
@@ -610,6 +614,7 @@ class SparseGradSync(GradSync):
         self.last = []
         if self.world == 1 or not params:
             return self.last
+        self._device = params[0].device
         sparse_idx = [i for i, p in enumerate(params) if self.is_row_sparse(p)]
         local, triples = [-1] * len(params), {}
         for i in sparse_idx:
@@ -619,7 +624,7 @@ class SparseGradSync(GradSync):
         # gradient kind, and how much slower than predicted each path ran last step
         kinds = [int(p.grad is not None and p.grad.is_sparse) for p in params]
         slow = [round(self._observed.get(k, 0.0) * 1000) for k in _EXCHANGE_PATHS]
-        counts = gather_counts(local + kinds + slow, self.group)
+        counts = gather_counts(local + kinds + slow, self.group, params[0].device)
         n = len(params)
         self._learn(counts[:, 2 * n:])
         dense_params, seen = [], {}
