@@ -15,8 +15,11 @@ exchange over a data-parallel group is:
 3. the gathered rows are summed into the target sparse gradient and divided by the group
    size, exactly like dense DDP averages.
 
-Row ids travel inside the value rows (the int64 id's bytes reinterpreted as 1, 2 or 4
-value elements), so each transfer is one collective.
+Each rank's rows travel as one flat block, value rows then ids (each int64 id's bytes
+reinterpreted as 1, 2 or 4 value elements), so each transfer is one collective and the
+received values stay contiguous for the merge. A per-path correction factor, learned from
+measured / predicted times and agreed through the count all-gather, keeps the model honest
+at sizes the start-up calibration did not see.
 
 :class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
 groups, ``sync.sparse = true``); :class:`SparseDataParallel` is the DDP-like wrapper for
