@@ -27,6 +27,8 @@ from trainwright.sync.sparse import (
 )
 from trainwright.testing import run_workers
 
+# Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
+LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)
 HEIGHT, DIM = 40, 3
 CASES = ("equal", "unequal", "zero_rank", "nobody", "duplicates", "overlap", "all_rows",
          "one_rank")
@@ -181,7 +183,7 @@ def _training_worker(rank: int, world: int) -> None:
     for opt, sparse, path in SETUPS:
         ref = _tiny_model(sparse)
         _train(ref, _optimizer(opt, ref), 5, 0, n, n)
-        model = SparseDataParallel(_tiny_model(sparse), path=path)
+        model = SparseDataParallel(_tiny_model(sparse), path=path, link=LINK)
         _train(model, _optimizer(opt, model.module), 5, rank * 4, rank * 4 + 4, n)
         assert model.last_paths, "the embedding went through the sparse path"
         for (name, a), b in zip(model.module.named_parameters(), ref.parameters(), strict=True):
@@ -269,8 +271,6 @@ def test_triple_sums_duplicates_and_round_trips():
         RowSparse.from_ids(torch.tensor([8]), torch.ones(1, 2), height=8)
 
 
-# Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
-LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)
 
 
 def test_cost_model_picks_the_cheapest_path_at_each_density():
@@ -306,3 +306,54 @@ def test_sparse_config_keys_are_validated(tmp_path):
         load_config(None, ["sync.sparse_bandwidth=-1"])
     with pytest.raises(ConfigError, match="sync.strategy"):
         load_config(None, ["sync.sparse=true", "sync.strategy=tokenring"])
+
+
+@pytest.mark.timeout(180)
+def test_bench_sparse_runs_at_tiny_size():
+    from trainwright.bench import BENCHMARKS
+    from trainwright.bench.sparse import SparseBenchSpec, run
+
+    assert BENCHMARKS["sparse"] == "trainwright.bench.sparse"
+    spec = SparseBenchSpec(rows=2000, dim=8, world=2, densities=[0.01, 0.5], repeats=1)
+    result = run(spec, timeout_s=160)  # the ranks assert that all systems' gradients agree
+    rows = result["rows"]
+    assert {(r["system"], r["density"]) for r in rows} == {
+        (s, d) for s in ("trainwright", "dense_allreduce", "ddp_sparse") for d in (0.01, 0.5)}
+    for r in rows:
+        assert r["sync_s"] >= 0 and r["bytes_sent_per_rank"] > 0
+    for key in ("ratio_vs_dense_at_1pct", "ratio_vs_ddp_sparse_at_1pct",
+                "ratio_vs_best_other_at_50pct"):
+        assert result[key] > 0
+    assert result["paths_are_model_cheapest"]
+    dense = next(r for r in rows if r["system"] == "dense_allreduce")
+    assert dense["bytes_sent_per_rank"] == 2 * 1 / 2 * 2000 * 8 * 4
+
+
+def test_compaction_in_place_keeps_every_touched_row():
+    from trainwright.sync.sparse import _compact_rows
+
+    for n_rows, chunk in ((1000, 7), (50, 4096), (9, 2)):
+        buf = torch.randn(n_rows, 3)
+        rows = torch.randperm(n_rows)[: n_rows // 3 + 1].sort().values
+        want = buf[rows].clone()
+        _compact_rows(buf, rows, chunk=chunk)
+        torch.testing.assert_close(buf[: rows.numel()], want)
+
+
+def test_learned_factors_follow_the_slowest_rank_and_bad_input_is_named():
+    sync = SparseGradSync(None, 4, path="auto", link=LINK)
+    # gathered ratios x1000 per rank for (allgather, broadcast, dense); 0 = path not taken
+    sync._learn(torch.tensor([[3000, 0, 0], [2000, 0, 0], [4000, 0, 0], [1000, 0, 0]]))
+    assert sync.factors == {"allgather": pytest.approx(2.5)}
+    est = LINK.estimates([100] * 4, 1000, 256, 4, True)
+    scaled = LINK.choose([100] * 4, 1000, 256, 4, True, factors=sync.factors).estimates_s
+    assert scaled["allgather"] == pytest.approx(2.5 * est["allgather"][0])
+    assert scaled["dense"] == pytest.approx(est["dense"][0])
+    with pytest.raises(ValueError, match="sparse path 'ring'"):
+        SparseGradSync(None, 2, path="ring")
+    with pytest.raises(TypeError, match="floating-point"):
+        from trainwright.sync.sparse import _pack
+
+        _pack(RowSparse(torch.tensor([0]), 2, torch.tensor([[1]])), 1)
+    with pytest.raises(TypeError, match="one sparse dimension"):
+        RowSparse.from_coo(torch.ones(2, 2))

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "memory": "trainwright.bench.memory",
     "rebalance": "trainwright.bench.rebalance",
     "hierarchical": "trainwright.bench.hierarchical",
+    "sparse": "trainwright.bench.sparse",
 }
 
 

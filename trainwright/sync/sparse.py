@@ -15,8 +15,11 @@ exchange over a data-parallel group is:
 3. the gathered rows are summed into the target sparse gradient and divided by the group
    size, exactly like dense DDP averages.
 
-Row ids travel inside the value rows (the int64 id's bytes reinterpreted as 1, 2 or 4
-value elements), so each transfer is one collective.
+Each rank's rows travel as one flat block, value rows then ids (each int64 id's bytes
+reinterpreted as 1, 2 or 4 value elements), so each transfer is one collective and the
+received values stay contiguous for the merge. A per-path correction factor, learned from
+measured / predicted times and agreed through the count all-gather, keeps the model honest
+at sizes the start-up calibration did not see.
 
 :class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
 groups, ``sync.sparse = true``); :class:`SparseDataParallel` is the DDP-like wrapper for
@@ -29,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -41,7 +43,7 @@ from torch import nn
 from trainwright.sync import GradSync
 from trainwright.sync.dense import BucketedAllReduce
 
-__all__ = ["RowSparse", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
+__all__ = ["RowSparse", "LocalRows", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
            "SparseGradSync", "SparseDataParallel", "sparse_sync_from_config"]
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ PATHS = ("auto", "allgather", "broadcast", "dense")
 """Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
 
 _ID_BYTES = 8  # row ids travel as int64
+_EXCHANGE_PATHS = ("allgather", "broadcast", "dense")
 
 
 # --------------------------------------------------------------------------- the triple
@@ -139,17 +142,27 @@ class RowSparse:
                                        check_invariants=False)
 
 
-def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor,
-                    height: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _unique_rows(ids: torch.Tensor, height: int):
+    """``(count, plan)``: distinct ids, and what :func:`_sum_duplicates` reuses to sum them."""
+    if ids.numel() * 16 < height:  # few ids: sorting them beats a pass over the table
+        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        return rows.numel(), (rows, inverse)
+    mark = torch.zeros(height, dtype=torch.bool, device=ids.device)  # many: a bitmap, no sort
+    mark[ids] = True
+    return int(mark.count_nonzero()), mark
+
+
+def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor, height: int,
+                    plan=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted unique ids and the summed value row of each."""
     if ids.numel() == 0:
         return ids, values
-    if ids.numel() * 16 < height:  # few ids: sorting them beats a pass over the table
-        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    else:  # many ids: mark them in a table-sized bitmap, no sort
-        mark = torch.zeros(height, dtype=torch.bool, device=ids.device)
-        mark[ids] = True
-        rows = mark.nonzero().squeeze(1)
+    if plan is None:
+        _, plan = _unique_rows(ids, height)
+    if isinstance(plan, tuple):
+        rows, inverse = plan
+    else:
+        rows = plan.nonzero().squeeze(1)
         slot = torch.empty(height, dtype=torch.int64, device=ids.device)
         slot[rows] = torch.arange(rows.numel(), device=ids.device)
         inverse = slot[ids]
@@ -162,25 +175,94 @@ def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor,
     return rows, out
 
 
-def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:
-    """``(n_rows, width + k)`` buffer: value row, then the row id's bytes as ``k`` elements.
+class LocalRows:
+    """One rank's rows of one gradient: counted at once, duplicates summed only if needed.
 
-    Rows past ``t.count`` are padding (never read: receivers know every rank's count).
+    The dense path never needs the summed triple: raw ids and values are scattered
+    straight into the all-reduce buffer (``index_add_`` sums duplicates on the way).
     """
-    dtype = t.values.dtype
-    k = _id_slots(dtype)
-    width = math.prod(t.row_shape)
-    buf = torch.empty((n_rows, width + k), dtype=dtype, device=t.values.device)
-    n = t.count
-    buf[:n, :width] = t.values.reshape(n, width)
-    buf[:n, width:] = t.rows.reshape(n, 1).view(dtype)
+
+    def __init__(self, triple: RowSparse | None = None, ids: torch.Tensor | None = None,
+                 values: torch.Tensor | None = None, height: int = 0):
+        self._triple, self._ids, self._values, self._plan = triple, ids, values, None
+        if triple is not None:
+            self.height, self.row_shape, self.count = triple.height, triple.row_shape, triple.count
+            self.dtype, self.device = triple.values.dtype, triple.values.device
+        else:
+            self.height, self.row_shape = height, tuple(values.shape[1:])
+            self.dtype, self.device = values.dtype, values.device
+            self.count, self._plan = _unique_rows(ids, height)
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> LocalRows:
+        """The rows of ``p.grad``: sparse COO, dense (touched rows detected) or None (no rows)."""
+        g = p.grad
+        if g is None:
+            return cls(RowSparse.empty(tuple(p.shape), p.dtype, p.device))
+        if not g.is_sparse:
+            return cls(RowSparse.from_dense(g))
+        if g.is_coalesced() or g.sparse_dim() != 1:
+            return cls(RowSparse.from_coo(g))
+        return cls(ids=g._indices()[0], values=g._values(), height=g.shape[0])
+
+    def triple(self) -> RowSparse:
+        """The triple with duplicates summed."""
+        if self._triple is None:
+            rows, vals = _sum_duplicates(self._ids, self._values, self.height, self._plan)
+            self._triple = RowSparse(rows, self.height, vals)
+            self._ids = self._values = self._plan = None
+        return self._triple
+
+    def scatter_into(self, dense: torch.Tensor, mark: torch.Tensor) -> None:
+        """Add the rows into a ``(height, width)`` buffer and set their ``mark`` entries."""
+        width = dense.shape[1]
+        if self._triple is not None:
+            t = self._triple
+            dense.index_copy_(0, t.rows, t.values.reshape(t.count, width))
+            mark.index_fill_(0, t.rows, 1)
+        else:
+            dense.index_add_(0, self._ids, self._values.reshape(self._ids.numel(), width))
+            mark.index_fill_(0, self._ids, 1)
+
+
+def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:
+    """Flat buffer for ``n_rows`` rows: ``n_rows`` value rows, then ``n_rows`` ids, each id's
+    8 bytes as ``k`` value elements. Slots past ``t.count`` are padding, never read
+    (receivers know every rank's count); each block stays contiguous for the merge."""
+    k, width, n = _id_slots(t.values.dtype), math.prod(t.row_shape), t.count
+    buf = torch.empty(n_rows * (width + k), dtype=t.values.dtype, device=t.values.device)
+    buf[: n * width] = t.values.reshape(-1)
+    buf[n_rows * width : n_rows * width + n * k] = t.rows.view(t.values.dtype)
     return buf
 
 
-def _unpack(buf: torch.Tensor, row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = math.prod(row_shape)
-    rows = buf[:, width:].contiguous().view(torch.int64).reshape(-1)
-    return rows, buf[:, :width].reshape(buf.shape[0], *row_shape)
+def _unpack(buf: torch.Tensor, n_rows: int, count: int,
+            row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the ids and value rows of one :func:`_pack` block holding ``count`` rows."""
+    k, width = _id_slots(buf.dtype), math.prod(row_shape)
+    # cloned: the ids are small, and a block may start at an offset int64 cannot view
+    ids = buf[n_rows * width : n_rows * width + count * k].clone().view(torch.int64)
+    return ids, buf[: count * width].view(count, *row_shape)
+
+
+def _merge(blocks: list[tuple[torch.Tensor, torch.Tensor]], height: int,
+           row_shape: tuple[int, ...]) -> RowSparse:
+    """Sum every rank's (ids, values) block into one triple, block by block (no big copy)."""
+    ids = torch.cat([b[0] for b in blocks])
+    _, plan = _unique_rows(ids, height)
+    if isinstance(plan, tuple):
+        rows, inverse = plan
+    else:
+        rows = plan.nonzero().squeeze(1)
+        slot = torch.empty(height, dtype=torch.int64, device=ids.device)
+        slot[rows] = torch.arange(rows.numel(), device=ids.device)
+        inverse = slot[ids]
+    out = blocks[0][1].new_zeros((rows.numel(), *row_shape))
+    offset = 0
+    for block_ids, values in blocks:
+        out.index_add_(0, inverse[offset : offset + block_ids.numel()], values)
+        offset += block_ids.numel()
+    return RowSparse(rows, height, out)
 
 
 def _id_slots(dtype: torch.dtype) -> int:
@@ -228,7 +310,7 @@ class LinkModel:
     """Bytes/s of local scatter-add (summing gathered rows, filling a dense buffer)."""
 
     def estimates(self, counts: list[int], height: int, row_bytes: int, world: int,
-                  sparse_input: bool, elem_bytes: int = 4) -> dict[str, tuple[float, float]]:
+                  sparse_input: bool) -> dict[str, tuple[float, float]]:
         """``path -> (seconds, bytes sent per rank)`` for every path that applies.
 
         Args:
@@ -237,8 +319,7 @@ class LinkModel:
             row_bytes: bytes of one value row.
             world: ranks in the group.
             sparse_input: the gradient is sparse, so the dense path must first fill a
-                buffer and carries one extra element per row (the touched-row mark).
-            elem_bytes: bytes of one value element.
+                buffer and also all-reduces a one-byte touched-row mark.
         """
         a, w = self.latency_s, world
         total, top = sum(counts), max(counts)
@@ -250,73 +331,89 @@ class LinkModel:
         senders = [c for c in counts if c]
         out["broadcast"] = (len(senders) * a + rounds * total * sent_row / self.bandwidth + merge,
                             (w - 1) * total * sent_row / w)
-        dense_row = row_bytes + elem_bytes if sparse_input else row_bytes
+        # a sparse input also sends a one-byte touched-row mark (second all-reduce)
+        dense_row = row_bytes + 1 if sparse_input else row_bytes
         ar_bytes = 2 * (w - 1) / w * height * dense_row
-        fill = height * dense_row / self.merge_rate if sparse_input else 0.0
-        out["dense"] = (a + ar_bytes / self.allreduce_bandwidth + fill, ar_bytes)
+        fill = height * row_bytes / self.merge_rate if sparse_input else 0.0
+        calls = 2 if sparse_input else 1
+        out["dense"] = (calls * a + ar_bytes / self.allreduce_bandwidth + fill, ar_bytes)
         return out
 
     def choose(self, counts: list[int], height: int, row_bytes: int, world: int,
-               sparse_input: bool, force: str = "auto", elem_bytes: int = 4) -> PathChoice:
-        """The cheapest path by :meth:`estimates` (or the forced one)."""
+               sparse_input: bool, force: str = "auto",
+               factors: dict | None = None) -> PathChoice:
+        """The cheapest path by :meth:`estimates` (or the forced one).
+
+        ``factors`` (path -> measured / predicted time of earlier steps) scale the
+        estimates, so a path that keeps running slower than the model says loses.
+        """
         counts = [int(c) for c in counts]
         if sum(counts) == 0:
             return PathChoice("none", tuple(counts))
-        est = self.estimates(counts, height, row_bytes, world, sparse_input, elem_bytes)
+        est = self.estimates(counts, height, row_bytes, world, sparse_input)
+        est = {k: (v[0] * (factors or {}).get(k, 1.0), v[1]) for k, v in est.items()}
         path = force if force != "auto" else min(est, key=lambda k: est[k][0])
         return PathChoice(path, tuple(counts), {k: v[0] for k, v in est.items()},
                           est[path][1], forced=force != "auto")
 
 
 def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (first-use allocations, connection set-up)
+    """Median of ``repeats`` runs after a warm-up."""
+    fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return sorted(times)[len(times) // 2]
 
 
-def calibrate(group=None, device=None, *, chunk_bytes: int = 1 << 20,
+def calibrate(group=None, device=None, *, chunk_bytes: int = 4 << 20,
               repeats: int = 3) -> LinkModel:
-    """Measure the :class:`LinkModel` constants with a micro-benchmark (a few ms to ~0.1 s).
+    """Measure the :class:`LinkModel` constants with a micro-benchmark (~0.5 s on CPU).
 
-    Every rank of ``group`` must call it; the measurements are averaged over the group so
-    that every rank holds the same model and takes the same path.
+    Latency is the time of a one-element collective; bandwidths are slopes between a
+    one-element and a ``chunk_bytes`` (all-gather) or ``4 * chunk_bytes`` (all-reduce)
+    transfer; the merge rate times a local ``index_add_`` of ``chunk_bytes`` of rows.
+    Sizes are megabytes, not kilobytes, because per-byte costs on CPU grow once buffers
+    leave the caches. Every rank of ``group`` must call it; the results are averaged over
+    the group so every rank holds the same model and takes the same path.
     """
     world = dist.get_world_size(group)
     dev = torch.device(device or "cpu")
-    tiny = torch.zeros(1, device=dev)
     n = chunk_bytes // 4
-    send = torch.ones(n, device=dev)
-    recv = torch.empty(n * world, device=dev)
-    big = torch.ones(4 * n, device=dev)
-
-    def sync_dev():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     def timed(op):
-        return _median_time(lambda: (op(), sync_dev()), repeats)
+        def run():
+            op()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return _median_time(run, repeats)
 
-    lat = timed(lambda: dist.all_reduce(tiny, group=group))
-    t_ag = timed(lambda: _all_gather(recv, send, group=group))
-    t_ar = timed(lambda: dist.all_reduce(big, group=group))
-    ids = torch.randint(0, 16384, (16384,), device=dev)
-    vals = torch.ones(16384, 64, device=dev)
-    acc = torch.zeros(16384, 64, device=dev)
+    def gather(k):
+        send, recv = torch.ones(k, device=dev), torch.empty(k * world, device=dev)
+        return timed(lambda: _all_gather(recv, send, group=group))
+
+    def reduce(k):
+        buf = torch.ones(k, device=dev)
+        return timed(lambda: dist.all_reduce(buf, group=group))
+
+    t_ag0, t_ag = gather(1), gather(n)
+    t_ar0, t_ar = reduce(1), reduce(4 * n)
+    rows = max(chunk_bytes // 256, 1)
+    ids = torch.randint(0, rows, (rows,), device=dev)
+    vals = torch.ones(rows, 64, device=dev)
+    acc = torch.zeros(rows, 64, device=dev)
     t_merge = timed(lambda: acc.index_add_(0, ids, vals))
     eps = 1e-6
     measured = torch.tensor([
-        lat,
-        (world - 1) * chunk_bytes / max(t_ag - lat, eps),
-        2 * (world - 1) / world * big.numel() * 4 / max(t_ar - lat, eps),
+        (t_ag0 + t_ar0) / 2,
+        (world - 1) * chunk_bytes / max(t_ag - t_ag0, eps),
+        2 * (world - 1) / world * 4 * chunk_bytes / max(t_ar - t_ar0, eps),
         vals.numel() * 4 / max(t_merge, eps),
     ], dtype=torch.float64, device=dev)
     dist.all_reduce(measured, group=group)
-    measured = (measured / world).tolist()
-    return LinkModel(*measured)
+    return LinkModel(*(measured / world).tolist())
 
 
 # --------------------------------------------------------------------------- exchange
@@ -330,24 +427,29 @@ def _global_rank(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
-def gather_counts(local: list[int], group=None) -> torch.Tensor:
-    """All-gather one int64 per parameter from every rank: ``(world, len(local))``."""
+def gather_counts(local: list[int], group=None, device=None) -> torch.Tensor:
+    """All-gather a list of int64 from every rank: ``(world, len(local))`` on the CPU.
+
+    ``device`` is where the collective runs (CUDA for NCCL; default CPU for gloo).
+    """
     world = dist.get_world_size(group)
-    mine = torch.tensor(local, dtype=torch.int64)
-    out = torch.empty(world * len(local), dtype=torch.int64)
+    mine = torch.tensor(local, dtype=torch.int64, device=device)
+    out = torch.empty(world * len(local), dtype=torch.int64, device=device)
     _all_gather(out, mine, group=group)
-    return out.view(world, len(local))
+    return out.view(world, len(local)).cpu()
 
 
-def exchange(t: RowSparse, counts: list[int], path: str, group=None) -> RowSparse:
+def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
+             buffer: torch.Tensor | None = None) -> RowSparse:
     """Sum every rank's triple over ``group`` along ``path`` (not yet divided by the size).
 
     Args:
-        t: this rank's triple (duplicates already summed).
+        t: this rank's triple (or :class:`LocalRows`, summed here only if the path needs it).
         counts: every rank's valid rows (from :func:`gather_counts`); storage for the
             received rows is sized from them before any transfer starts.
         path: ``"allgather"``, ``"broadcast"`` or ``"dense"``.
         group: the data-parallel group.
+        buffer: a reusable table-sized buffer for the ``dense`` path (see _exchange_dense).
 
     Returns:
         The summed triple, sorted unique rows, on every rank.
@@ -355,47 +457,72 @@ def exchange(t: RowSparse, counts: list[int], path: str, group=None) -> RowSpars
     world, me = dist.get_world_size(group), _group_rank(group)
     if counts[me] != t.count:
         raise ValueError(f"rank {me} has {t.count} rows but the gathered count says {counts[me]}")
+    local = LocalRows(t) if isinstance(t, RowSparse) else t
     if path == "dense":
-        return _exchange_dense(t, group)
+        return _exchange_dense(local, group, buffer)
+    t = local.triple()
+    dtype, dev = t.values.dtype, t.values.device
+    per_row = math.prod(t.row_shape) + _id_slots(dtype)
     if path == "allgather":
-        top = max(counts)
-        recv = torch.empty((world * top, math.prod(t.row_shape) + _id_slots(t.values.dtype)),
-                           dtype=t.values.dtype, device=t.values.device)
+        top = max(counts)  # equal counts: no padding at all
+        recv = torch.empty(world * top * per_row, dtype=dtype, device=dev)
         _all_gather(recv, _pack(t, top), group=group)
-        if any(c != top for c in counts):  # drop the padding
-            keep = torch.cat([torch.arange(c) + r * top for r, c in enumerate(counts)])
-            recv = recv.index_select(0, keep.to(recv.device))
+        parts = recv.view(world, top * per_row)
+        blocks = [_unpack(parts[r], top, c, t.row_shape) for r, c in enumerate(counts) if c]
     elif path == "broadcast":
-        width = math.prod(t.row_shape) + _id_slots(t.values.dtype)
-        bufs, works = [], []
-        for r, c in enumerate(counts):  # all buffers exist before the first transfer
-            if c:
-                bufs.append(_pack(t, c) if r == me else
-                            torch.empty((c, width), dtype=t.values.dtype, device=t.values.device))
         senders = [r for r, c in enumerate(counts) if c]
-        for r, buf in zip(senders, bufs, strict=True):
-            works.append(dist.broadcast(buf, src=_global_rank(group, r), group=group,
-                                        async_op=True))
+        # every buffer is sized from the gathered counts before the first transfer
+        bufs = [_pack(t, counts[r]) if r == me else
+                torch.empty(counts[r] * per_row, dtype=dtype, device=dev) for r in senders]
+        works = [dist.broadcast(buf, src=_global_rank(group, r), group=group, async_op=True)
+                 for r, buf in zip(senders, bufs, strict=True)]
         for w in works:
             w.wait()
-        recv = torch.cat(bufs)
+        blocks = [_unpack(buf, counts[r], counts[r], t.row_shape)
+                  for r, buf in zip(senders, bufs, strict=True)]
     else:
         raise ValueError(f"unknown sparse sync path {path!r}; choose one of {PATHS[1:]}")
-    rows, values = _unpack(recv, t.row_shape)
-    rows, values = _sum_duplicates(rows, values, t.height)
-    return RowSparse(rows, t.height, values)
+    return _merge(blocks, t.height, t.row_shape)
 
 
-def _exchange_dense(t: RowSparse, group) -> RowSparse:
-    """All-reduce the full table plus a touched-row mark column, then keep touched rows."""
-    width = math.prod(t.row_shape)
-    buf = t.values.new_zeros((t.height, width + 1))
-    buf[:, :width].index_copy_(0, t.rows, t.values.reshape(t.count, width))
-    buf[:, width].index_fill_(0, t.rows, 1)
-    dist.all_reduce(buf, group=group)
-    rows = buf[:, width].nonzero().squeeze(1)
-    values = buf[:, :width].index_select(0, rows).reshape(rows.numel(), *t.row_shape)
-    return RowSparse(rows, t.height, values)
+def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None) -> RowSparse:
+    """All-reduce the full table and a touched-row mark, then keep the touched rows.
+
+    ``buffer`` (a ``(height, width)`` tensor, overwritten) saves allocating the table-sized
+    buffer every step: on CPU a fresh one costs a page fault per 4 KiB. The result's values
+    are a prefix of that buffer (touched rows compacted in place), so the buffer may only
+    be reused once the gradient built from it is gone.
+    """
+    width = math.prod(local.row_shape)
+    shape = (local.height, width)
+    if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != local.dtype:
+        buffer = torch.zeros(shape, dtype=local.dtype, device=local.device)
+    else:
+        buffer.zero_()
+    mark = torch.zeros(local.height, dtype=torch.uint8, device=local.device)
+    local.scatter_into(buffer, mark)
+    works = [dist.all_reduce(buffer, group=group, async_op=True),
+             dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+    for w in works:
+        w.wait()
+    rows = mark.nonzero().squeeze(1)
+    _compact_rows(buffer, rows)
+    return RowSparse(rows, local.height, buffer[: rows.numel()].view(rows.numel(),
+                                                                     *local.row_shape))
+
+
+def _compact_rows(buf: torch.Tensor, rows: torch.Tensor, chunk: int = 4096) -> None:
+    """Move ``buf[rows]`` to ``buf[:len(rows)]`` in place (``rows`` sorted ascending).
+
+    Safe chunk by chunk: output row ``i`` reads row ``rows[i] >= i``, and a chunk only
+    overwrites rows below every row a later chunk reads.
+    """
+    n = rows.numel()
+    if n == buf.shape[0]:
+        return  # every row touched: already in place
+    for i in range(0, n, chunk):
+        j = min(i + chunk, n)
+        buf[i:j] = buf.index_select(0, rows[i:j])
 
 
 # --------------------------------------------------------------------------- strategy
@@ -430,6 +557,12 @@ class SparseGradSync(GradSync):
         self.last: list[PathChoice] = []
         """The choice for every row-sparse parameter in the last :meth:`sync`."""
         self._watched: dict[int, weakref.ref] = {}
+        self.factors: dict[str, float] = {}
+        """Per path: measured / predicted time, learned from earlier steps (same on all ranks)."""
+        self._observed: dict[str, float] = {}
+        self._device = None
+        self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
+        """Per parameter: the dense path's table buffer and the gradient made from it."""
 
     def watch(self, modules) -> None:
         """Register the embedding tables inside ``modules`` as row-sparse parameters."""
@@ -449,6 +582,22 @@ class SparseGradSync(GradSync):
         self._watched.clear()
         self.watch([s.module for s in slots])
 
+    def _learn(self, slow: torch.Tensor) -> None:
+        """Fold last step's measured/predicted ratios (every rank's, gathered) into factors."""
+        for j, path in enumerate(_EXCHANGE_PATHS):
+            seen = [int(x) for x in slow[:, j].tolist() if x > 0]
+            if seen:  # the slowest rank decides when a collective finishes
+                ratio = max(seen) / 1000
+                self.factors[path] = 0.5 * self.factors.get(path, 1.0) + 0.5 * ratio
+
+    def _free_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The dense path's buffer for ``p`` if no live gradient still uses it."""
+        entry = self._buffers.pop(id(p), None)
+        if entry is None:
+            return None
+        buf, grad_ref = entry
+        return buf if grad_ref is None or grad_ref() is None else None
+
     def model(self) -> LinkModel:
         """The cost model, calibrated on first use (every rank of the group calls sync)."""
         if self.link is None:
@@ -457,7 +606,7 @@ class SparseGradSync(GradSync):
             if all(base.get(k) for k in keys):
                 self.link = LinkModel(**{k: base[k] for k in keys})
             else:
-                measured = calibrate(self.group)
+                measured = calibrate(self.group, self._device)
                 self.link = LinkModel(**{k: base.get(k) or getattr(measured, k) for k in keys})
             log.info("sparse sync cost model: %s", self.link)
         return self.link
@@ -468,16 +617,20 @@ class SparseGradSync(GradSync):
         self.last = []
         if self.world == 1 or not params:
             return self.last
+        self._device = params[0].device
         sparse_idx = [i for i, p in enumerate(params) if self.is_row_sparse(p)]
         local, triples = [-1] * len(params), {}
         for i in sparse_idx:
-            triples[i] = _local_triple(params[i])
+            triples[i] = LocalRows.of(params[i])
             local[i] = triples[i].count
-        # one all-gather: every rank's row count (-1 = dense here) for every parameter
-        counts = gather_counts(local + [int(params[i].grad is not None and params[i].grad.is_sparse)
-                                        for i in range(len(params))], self.group)
+        # one all-gather: every rank's row count (-1 = dense here) for every parameter, its
+        # gradient kind, and how much slower than predicted each path ran last step
+        kinds = [int(p.grad is not None and p.grad.is_sparse) for p in params]
+        slow = [round(self._observed.get(k, 0.0) * 1000) for k in _EXCHANGE_PATHS]
+        counts = gather_counts(local + kinds + slow, self.group, params[0].device)
         n = len(params)
-        dense_params = []
+        self._learn(counts[:, 2 * n:])
+        dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
         for i, p in enumerate(params):
             col = counts[:, i].tolist()
@@ -490,10 +643,10 @@ class SparseGradSync(GradSync):
                 continue
             any_sparse = bool(counts[:, n + i].max())
             t = triples[i]
-            row_bytes = math.prod(t.row_shape) * t.values.element_size()
+            row_bytes = math.prod(t.row_shape) * torch.empty(0, dtype=t.dtype).element_size()
             if link is not None:
                 choice = link.choose(col, t.height, row_bytes, self.world, any_sparse,
-                                     elem_bytes=t.values.element_size())
+                                     factors=self.factors)
             else:
                 choice = PathChoice(self.path if sum(col) else "none", tuple(col), forced=True)
             self.last.append(choice)
@@ -501,24 +654,29 @@ class SparseGradSync(GradSync):
             if choice.path == "dense" and not any_sparse:
                 dense_params.append(p)  # dense gradients everywhere: the plain all-reduce
                 continue
+            started = time.perf_counter()
             if choice.path == "none":
-                summed = t
+                summed = t.triple()
+            elif choice.path == "dense":
+                summed = exchange(t, col, "dense", self.group, self._free_buffer(p))
             else:
+                self._buffers.pop(id(p), None)  # sparse again: let the table buffer go
                 summed = exchange(t, col, choice.path, self.group)
             summed.values.div_(self.world)
             _write_grad(p, summed, local_sparse)
+            if choice.path in _EXCHANGE_PATHS and choice.estimates_s:
+                took = (time.perf_counter() - started) / choice.estimates_s[choice.path]
+                seen[choice.path] = max(seen.get(choice.path, 0.0), took * self.factors.get(
+                    choice.path, 1.0))
+            if choice.path == "dense":
+                buf = summed.values._base if summed.values._base is not None else summed.values
+                self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
         self.dense.sync(dense_params)
+        self._observed = seen
         if self.last:
             log.info("sparse sync step %d: %s", self.steps,
                      ", ".join(f"{c.path} {list(c.counts)}" for c in self.last))
         return self.last
-
-
-def _local_triple(p: torch.Tensor) -> RowSparse:
-    g = p.grad
-    if g is None:
-        return RowSparse.empty(tuple(p.shape), p.dtype, p.device)
-    return RowSparse.from_coo(g) if g.is_sparse else RowSparse.from_dense(g)
 
 
 def _write_grad(p: torch.Tensor, t: RowSparse, sparse: bool) -> None:
