@@ -19,10 +19,13 @@ peer ``t``
     ``m < k``, and right after ``PEER_RETURN(m - k)`` for the others, so a peer never holds
     more than ``k`` micro-batches of the owner;
     ``PEER_RETURN(m)`` right after its own ``B(m)``: wait for the chunks of ``m``, send
-    them back.
+    them back and wait until they are delivered.
 
 Why it cannot deadlock: ``PEER_RETURN(m)`` on ``t`` waits for ``F(m)`` on ``s``, which
-precedes ``t``'s own ``F(m)``; ``PEER_WAIT(m)`` on ``s`` waits for ``t``'s ``B(m)``,
+precedes ``t``'s own ``F(m)``, and for ``PEER_FETCH(m)`` on ``s``, which ``s`` reaches
+without waiting on anything ``t`` does after ``PEER_RETURN(m)`` (before it, ``s`` only
+waits for ``PEER_RECV`` of earlier micro-batches); ``PEER_WAIT(m)`` on ``s`` waits for
+``t``'s ``B(m)``,
 which precedes ``s``'s ``RECV_B(m)``; ``PEER_SEND(m + k)`` on ``s`` waits for
 ``PEER_RECV(m + k)``, posted after ``PEER_RETURN(m)``, which precedes ``s``'s ``B(m)``,
 which precedes ``F(m + k)`` (at most ``k`` in flight). The simulator

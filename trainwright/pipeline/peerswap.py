@@ -120,7 +120,6 @@ class PeerSwap:
         self._fetch: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # mb -> buffers
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
         self._held: dict[tuple[int, int], tuple[list, list]] = {}  # (owner, mb) -> works, bufs
-        self._returning: list[tuple[list, int, list]] = []  # (works, bytes, buffers)
         self.sent_bytes = 0
         self.held_bytes = 0
         """Bytes this rank holds for other ranks now."""
@@ -222,18 +221,10 @@ class PeerSwap:
         self._wait(works, f"fetch of micro-batch {a.mb} from rank {self._peer_rank(a)}")
 
     def after(self, a: Action) -> None:
-        """After every action: release fetched buffers after ``B(m)``; account returned chunks."""
+        """After every action: release the buffers fetched back once ``B(m)`` is done."""
         if a.kind == "B" and a.mb in self._fetch:
             self.store.add_bytes(-sum(b.numel() for b in self._fetch.pop(a.mb).values()))
-        done = [r for r in self._returning if all(w.is_completed() for w in r[0])]
-        for r in done:
-            self._returning.remove(r)
-            self._release_held(r[1])
         if a.kind == "SYNC":
-            for works, nbytes, _ in self._returning:
-                self._wait(works, "return of chunks")
-                self._release_held(nbytes)
-            self._returning = []
             self._index.clear()
 
     def peer_recv(self, a: Action) -> None:
@@ -253,14 +244,18 @@ class PeerSwap:
         self._held[(owner, a.mb)] = (works, bufs)
 
     def peer_return(self, a: Action) -> None:
-        """Peer: wait for the owner's chunks of ``a.mb`` and send them back."""
+        """Peer: wait for the owner's chunks of ``a.mb``, send them back, wait for delivery.
+
+        Waiting for delivery (gloo reports a send complete only through ``wait``) keeps the
+        held bytes exact; the owner posts its receive (``PEER_FETCH``) before it waits for
+        anything this rank does after this action, so the wait ends (the simulator checks).
+        """
         owner = self._peer_rank(a)
         works, bufs = self._held.pop((owner, a.mb))
         self._wait(works, f"receive of micro-batch {a.mb} from rank {owner}")
         sends = [dist.isend(b, dst=owner, group=self.group) for b in bufs]
-        self._returning.append((sends, sum(b.numel() for b in bufs), bufs))
-
-    def _release_held(self, nbytes: int) -> None:
+        self._wait(sends, f"return of micro-batch {a.mb} to rank {owner}")
+        nbytes = sum(b.numel() for b in bufs)
         self.held_bytes -= nbytes
         self.store.add_bytes(-nbytes)
 

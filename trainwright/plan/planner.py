@@ -155,8 +155,10 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
         plans = {} if placement is None else {(t.layer, t.index): t
                                               for t in placement.stages[s].tensors}
         recomputed = {k[0] for k, t in plans.items() if t.policy == "recompute"}
-        held = sum(x.input_bytes for x in rows) + rows[-1].output_bytes
+        last_kept = idx[-1] not in recomputed  # a recomputed last layer holds no output
+        held = sum(x.input_bytes for x in rows) + (rows[-1].output_bytes if last_kept else 0)
         per_layer: dict[int, int] = {}
+        kept: dict[int, int] = {}
         host = 0
         peer: dict[int, int] = {}
         for i in idx:
@@ -164,6 +166,7 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
                 p = plans.get((i, t.index))
                 if p is None or p.policy == "keep":
                     held += t.nbytes
+                    kept[i] = kept.get(i, 0) + t.nbytes
                 elif p.policy == "recompute":
                     per_layer[i] = per_layer.get(i, 0) + t.nbytes
                 else:
@@ -174,14 +177,38 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
                         else:
                             t_stage = stage_of_dev[c.target]
                             peer[t_stage] = peer.get(t_stage, 0) + c.nbytes
+        transient = _backward_extra(layers, idx, recomputed, kept, per_layer, last_kept)
         fwd = [x.forward_s for x in rows]
         bwd = [x.backward_s + (x.forward_s if i in recomputed else 0.0)
                for i, x in zip(idx, rows, strict=True)]
         out.append(StageCost(sum(fwd), sum(bwd), send_bytes=rows[-1].output_bytes,
-                             held_bytes=held, transient_bytes=max(per_layer.values(), default=0),
+                             held_bytes=held, transient_bytes=transient,
                              host_bytes=host, peer_bytes=peer, step_s=step_s[s],
                              sync_s=sync_s[s], layer_forward_s=fwd, layer_backward_s=bwd))
     return out
+
+
+def _backward_extra(layers: list, idx: list[int], recomputed: set, kept: dict,
+                    brought_back: dict, last_kept: bool) -> int:
+    """Most bytes above the held ones while ``B(m)`` walks the layers back (the store's rule).
+
+    Layer ``i``'s segment is released before its activations come back (recomputed or from
+    the host): its kept tensors go, and so does the storage it shares with its neighbour
+    once both are released (a layer's output is the next layer's input; a recomputed layer
+    holds no output; the first layer's input is held by it alone).
+    """
+    released, extra = 0, 0
+    for pos in range(len(idx) - 1, -1, -1):
+        i = idx[pos]
+        released += kept.get(i, 0)
+        if pos == len(idx) - 1:
+            released += layers[i].output_bytes if last_kept else 0
+        elif i not in recomputed:  # its output (= next layer's input) is free now
+            released += layers[idx[pos + 1]].input_bytes
+        if pos == 0 or idx[pos - 1] in recomputed:  # nobody else holds this input
+            released += layers[i].input_bytes
+        extra = max(extra, brought_back.get(i, 0) - released)
+    return extra
 
 
 def _partition(req: PlanRequest) -> list[list[int]]:

@@ -20,7 +20,8 @@ Semantics (matching :mod:`trainwright.pipeline.runtime` and gloo):
 * peer swap (:mod:`~trainwright.pipeline.peer_schedule`): ``PEER_RECV`` posts a receive
   (the peer's memory grows by the chunk), ``PEER_SEND`` waits until the owner's chunks
   are delivered (a gloo send needs its receive posted first), ``PEER_RETURN`` waits for
-  them and sends them back, ``PEER_FETCH`` posts the owner's receive, ``PEER_WAIT`` waits.
+  them and for the owner's receive (``PEER_FETCH``), sends them back and waits for the
+  delivery, ``PEER_FETCH`` posts the owner's receive, ``PEER_WAIT`` waits.
 
 Memory per device (bytes the activation store counts, plus chunks held for peers):
 ``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
@@ -170,9 +171,10 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         if k == "PEER_SEND":
             post = posted_recv.get(("out", s, a.peer, mb))
             return None if post is None else now
-        if k == "PEER_RETURN":
+        if k == "PEER_RETURN":  # needs the chunks here and the owner's receive posted
             got = arrived.get(("chunk", a.peer, s, mb))
-            return None if got is None else max(now, got)
+            post = posted_recv.get(("back", a.peer, s, mb))
+            return None if got is None or post is None else max(now, got)
         if k == "PEER_WAIT":
             got = arrived.get(("back", a.peer, s, mb))
             return None if got is None else max(now, got)
@@ -227,13 +229,15 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
             arrived[("chunk", s, a.peer, mb)] = got
             end = got
             add(s, end, -nbytes)
-        elif k == "PEER_RETURN":
+        elif k == "PEER_RETURN":  # blocks until delivered (gloo: a send completes on wait)
             nbytes = costs[a.peer].peer_bytes.get(s, 0)
-            got = transfer((s, a.peer), start, nbytes, links.bw(s, a.peer))
+            got = transfer((s, a.peer), max(start, posted_recv[("back", a.peer, s, mb)]),
+                           nbytes, links.bw(s, a.peer))
             arrived[("back", s, a.peer, mb)] = got
-            pending_sends[s].append(got)
+            end = got
             add(s, got, -nbytes, store=False)
         elif k == "PEER_FETCH":
+            posted_recv[("back", s, a.peer, mb)] = start
             add(s, start, c.peer_bytes.get(a.peer, 0))
         return end
 
