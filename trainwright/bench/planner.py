@@ -6,13 +6,16 @@ Questions:
    limit (stage 0 limited to ``limit_fraction`` of its all-keep peak; the seed 004 plan:
    peer swap, then recompute), train the GPT for real and predict the same run with
    :func:`trainwright.plan.simulate.simulate`. Compute costs come from the run's own
-   per-layer profile (:class:`~trainwright.profile.LayerProfiler`: forward and backward
-   seconds per layer, medians over the steps after warm-up), link costs from a gloo
-   ping-pong measured once at the start; tensor sizes from :mod:`trainwright.tensor_profile`.
-   Errors: ``|predicted - measured| / measured`` of the step time (slowest rank, median over
-   steps) and of each stage's activation peak.
+   measurements: the traced forward/backward action times per stage (split over layers by
+   the per-layer profile, :class:`~trainwright.profile.LayerProfiler`) and the work of
+   receives and peer-swap posts beyond waiting; link latency and bandwidth from a gloo
+   ping-pong; tensor sizes from :mod:`trainwright.tensor_profile`.
+   Each step after warm-up is predicted from that step's own costs (the machine's load
+   changes from step to step); errors are ``|predicted - measured| / measured`` of the
+   mean step time (slowest rank per step) and of each stage's activation peak.
 2. **Policy families alone** (4 stages, 1F1B, same model, same stage-0 limit): peer swap
-   only, host swap only, recompute only; ``repeats`` rounds interleaved; median step time.
+   only, host swap only, recompute only; ``repeats`` rounds interleaved in one process
+   group; median over rounds of the mean step time.
 3. **Planning far past this machine:** a 175B GPT (96 blocks, d_model 12288, context 2048,
    bf16) on 1,024 GPUs (128 nodes of 8, NVSwitch), pp 64 x dp 16, profiled on the meta
    device: wall time of profile + plan, with torch's meta machinery already imported
@@ -52,7 +55,7 @@ class PlannerBenchSpec:
     vocab: int = 256
     micro_batches: int = 8
     micro_batch_size: int = 4
-    steps: int = 5
+    steps: int = 8
     warmup: int = 2
     limit_fraction: float = 0.6
     stage_counts: list = field(default_factory=lambda: [2, 4])
@@ -172,9 +175,10 @@ def _rows_with_times(tensor_rows: list, results: list[dict], warmup: int) -> lis
 
 
 def _measured(results: list[dict], warmup: int) -> tuple[float, list[int]]:
+    """Mean step time after warm-up (slowest rank per step) and each stage's peak."""
     steps = [max(res["step_s"][i] for res in results)
              for i in range(warmup, len(results[0]["step_s"]))]
-    return statistics.median(steps), [max(res["peak_bytes"]) for res in results]
+    return statistics.fmean(steps), [max(res["peak_bytes"]) for res in results]
 
 
 def _action_mean(res: dict, kinds: tuple, step: int) -> float:
@@ -189,13 +193,28 @@ def _action_mean(res: dict, kinds: tuple, step: int) -> float:
     return statistics.fmean(per) if per else 0.0
 
 
+_POSTS = ("PEER_RECV", "PEER_FETCH")  # never wait: their whole duration is work
+_WAITS = ("RECV_F", "RECV_B", "PEER_SEND", "PEER_WAIT", "PEER_RETURN")
+
+
+def _action_overheads(events: list) -> dict[str, float]:
+    """Work per action beyond what the simulator models, from one step's trace: the mean of
+    posting actions, the quickest of waiting ones (one that did not wait)."""
+    by: dict[str, list[float]] = {}
+    for kind, _, d in events:
+        by.setdefault(kind, []).append(d)
+    out = {k: statistics.fmean(v) for k, v in by.items() if k in _POSTS}
+    out.update({k: min(v) for k, v in by.items() if k in _WAITS})
+    return out
+
+
 def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec,
                   schedule: str, placement, latency: float, bandwidth: float):
     """One prediction per measured step after warm-up (each calibrated on its own step);
-    returns the median predicted step time and the last replay (for peaks)."""
+    returns the mean predicted step time and the last replay (for peaks)."""
     sims = [predict(tensor_rows, results, spec, schedule, placement, latency, bandwidth, step=i)
             for i in range(spec.warmup, len(results[0]["step_s"]))]
-    return statistics.median(x.step_s for x in sims), sims[-1]
+    return statistics.fmean(x.step_s for x in sims), sims[-1]
 
 
 def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, schedule: str,
@@ -228,6 +247,7 @@ def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, sche
         c.layer_backward_s = [x * b / max(c.backward_s, 1e-12) for x in c.layer_backward_s]
         c.forward_s, c.backward_s = f, b
         c.step_s = _action_mean(res, ("STEP",), step)
+        c.action_s = _action_overheads(res["events"][step])
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     bw = [[0.0 if i == j else bandwidth for j in range(stages)] for i in range(stages)]
     links = Links(list(range(stages)), bw, host_bandwidth=1e11, latency_s=latency)

@@ -11,7 +11,8 @@ owner receives them into one buffer per tensor before the layer's backward, and
 
 Every transfer is an action of both ranks' schedules
 (:func:`~trainwright.pipeline.peer_schedule.with_peer_swap`: ``PEER_SEND``,
-``PEER_FETCH``, ``PEER_WAIT`` on the owner; ``PEER_RECV``, ``PEER_RETURN`` on the peer),
+``PEER_FETCH``, ``PEER_WAIT`` on the owner; ``PEER_RECV``, ``PEER_RETURN``,
+``PEER_SETTLE`` on the peer),
 which the runtime executes through :meth:`PeerSwap.extensions` and the simulator replays.
 Transfers use their own process group, so they never match a pipeline send by mistake.
 
@@ -120,6 +121,7 @@ class PeerSwap:
         self._fetch: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # mb -> buffers
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
         self._held: dict[tuple[int, int], tuple[list, list]] = {}  # (owner, mb) -> works, bufs
+        self._returning: dict[tuple[int, int], tuple[list, list]] = {}  # sends back, bufs
         self.sent_bytes = 0
         self.held_bytes = 0
         """Bytes this rank holds for other ranks now."""
@@ -244,16 +246,18 @@ class PeerSwap:
         self._held[(owner, a.mb)] = (works, bufs)
 
     def peer_return(self, a: Action) -> None:
-        """Peer: wait for the owner's chunks of ``a.mb``, send them back, wait for delivery.
-
-        Waiting for delivery (gloo reports a send complete only through ``wait``) keeps the
-        held bytes exact; the owner posts its receive (``PEER_FETCH``) before it waits for
-        anything this rank does after this action, so the wait ends (the simulator checks).
-        """
+        """Peer: wait for the owner's chunks of ``a.mb`` and post their sends back."""
         owner = self._peer_rank(a)
         works, bufs = self._held.pop((owner, a.mb))
         self._wait(works, f"receive of micro-batch {a.mb} from rank {owner}")
         sends = [dist.isend(b, dst=owner, group=self.group) for b in bufs]
+        self._returning[(owner, a.mb)] = (sends, bufs)
+
+    def peer_settle(self, a: Action) -> None:
+        """Peer: wait until ``a.mb``'s chunks were delivered back, and free them (gloo
+        reports a send complete only through ``wait``)."""
+        owner = self._peer_rank(a)
+        sends, bufs = self._returning.pop((owner, a.mb))
         self._wait(sends, f"return of micro-batch {a.mb} to rank {owner}")
         nbytes = sum(b.numel() for b in bufs)
         self.held_bytes -= nbytes
@@ -263,7 +267,8 @@ class PeerSwap:
         """Handlers for :class:`~trainwright.pipeline.runtime.PipelineRuntime`."""
         return {"PEER_SEND": self.peer_send, "PEER_FETCH": self.peer_fetch,
                 "PEER_WAIT": self.peer_wait, "PEER_RECV": self.peer_recv,
-                "PEER_RETURN": self.peer_return, "after": self.after}
+                "PEER_RETURN": self.peer_return, "PEER_SETTLE": self.peer_settle,
+                "after": self.after}
 
     def _peer_rank(self, a: Action) -> int:
         return self.rank_of_stage[a.peer]

@@ -93,9 +93,12 @@ class StageMem:
 
     @property
     def peer_slots(self) -> int:
-        """Micro-batches of this stage's chunks a peer holds at once: ``in_flight``, plus one
-        being sent back while the next is received when more micro-batches follow."""
-        return self.in_flight + (self.n_micro > self.in_flight)
+        """Micro-batches of this stage's chunks a peer holds at once: ``in_flight``, and up
+        to as many more being returned when more micro-batches follow (see
+        :mod:`trainwright.pipeline.peer_schedule`)."""
+        if self.n_micro > self.in_flight:
+            return min(2 * self.in_flight, self.n_micro)
+        return self.in_flight
 
 
 @dataclass(frozen=True)
