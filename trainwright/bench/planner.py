@@ -336,24 +336,40 @@ def plan_175b(cold: bool = False) -> dict:
             "max_peak_gib": max(plan.sim.peak_bytes) / 2**30}
 
 
+def _cold_175b() -> dict:
+    """:func:`plan_175b` in a fresh process (torch imported, its meta machinery not yet)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from trainwright.bench.planner import plan_175b; "
+            "print(json.dumps(plan_175b(cold=True)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True, env=os.environ.copy())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def dgx1_table() -> list[dict]:
     """Predicted step time and per-GPU peak of a GPT on one DGX-1, with and without peer swap."""
     from trainwright.devices import preset
     from trainwright.plan.commands import gpt_profile
     from trainwright.plan.planner import PlanRequest, make_plan
 
-    rows = gpt_profile(24, 2048, 16, 2048, 50257, 8, True, "bfloat16", 125e12, 900e9)
+    rows = gpt_profile(24, 2048, 16, 2048, 50257, 12, True, "bfloat16", 125e12, 900e9)
     topo = preset("dgx1", 32 * 2**30)
     out = []
     for peer in (False, True):
         req = PlanRequest(rows, "1f1b", 8, 16, topo, state_factor=8.0, reserve=2 * 2**30,
-                          peer_swap=peer, latency_s=10e-6)
+                          partition=[4, 3, 3, 3, 3, 3, 3, 4], peer_swap=peer,
+                          latency_s=10e-6)
         plan = make_plan(req)
         d = plan.to_dict()
-        out.append({"model": "GPT 1.3B (24 x d2048, ctx 2048, bf16), micro-batch 8 x 16",
+        out.append({"model": "GPT 1.3B (24 x d2048, ctx 2048, bf16), 16 micro-batches of 12, "
+                             "1F1B, 8 stages [embed+3, 3 x6, 3+head], fp32 Adam state",
                     "peer_swap": peer, "mapping": d["mapping"],
                     "predicted_step_s": round(plan.sim.step_s, 4),
                     "all_keep_step_s": round(plan.keep_sim.step_s, 4),
+                    "all_keep_peak_gib_per_gpu": [round(b / 2**30, 2)
+                                                  for b in plan.keep_sim.peak_bytes],
                     "peak_gib_per_gpu": [round(b / 2**30, 2) for b in plan.sim.peak_bytes],
                     "budget_gib_per_gpu": [round(b / 2**30, 2) for b in d["budgets"]],
                     "fits": d["fits"], "policy_counts": d["policy_counts"]})
@@ -451,7 +467,9 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
         "host": {"cpus": os.cpu_count(), "torch": torch.__version__},
     }
     if big:
+        cold = _cold_175b()
         out.update({"plan_175b_1024_s": round(warm["wall_s"], 3),
+                    "plan_175b_1024_cold_s": round(cold["wall_s"], 3),
                     "plan_175b_1024_cpu_s": round(warm["cpu_s"], 3),
                     "plan_175b_1024": {**warm, "note": "meta machinery imported beforehand"},
                     "dgx1_gpt": table})

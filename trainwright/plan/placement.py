@@ -109,6 +109,9 @@ class Rules:
     long_s: float | None = None
     families: tuple = FAMILIES
     """Policy families allowed (benchmarks use one at a time)."""
+    scale: float = 1.0
+    """Multiplies the derived (per-tensor) thresholds; the planner tries larger ones when
+    the simulated host link turns out busier than the per-tensor rule assumes."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,7 @@ def split_by_bandwidth(nbytes: int, bandwidths: list[float]) -> list[int]:
 
 def classify(t: TensorInfo, host_bandwidth: float, rules: Rules) -> str:
     """``"short"`` (peer), ``"long"`` (host) or ``"middle"`` for a tensor's live interval."""
-    round_trip = 2 * t.nbytes / host_bandwidth
+    round_trip = 2 * t.nbytes / host_bandwidth * rules.scale
     short = rules.short_s if rules.short_s is not None else round_trip
     long = rules.long_s if rules.long_s is not None else 2 * round_trip
     if t.interval_s < short:

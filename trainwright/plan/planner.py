@@ -17,8 +17,10 @@ or meta), a schedule, a device topology and memory budgets, and returns a
 5. **placement** (:func:`trainwright.plan.placement.place`) for the best mappings, each
    **simulated** with its peer-swap actions; the best plan is the one where most stages
    fit, then the shortest simulated step;
-6. **iterate** (seed claim 4): re-derive the live intervals from the chosen plan's replay,
-   place again, simulate again; stop when the step time no longer improves.
+6. **iterate** (seed claim 4): with peer swap, also try the interval thresholds scaled by
+   4, 16 and infinity (peers first) and keep the best simulated; then re-derive the live
+   intervals from the chosen plan's replay, place again, simulate again; stop when the
+   step time no longer improves.
 
 Pure: no torch (profiles are plain rows with ``forward_s, backward_s, input_bytes,
 output_bytes, param_bytes, tensors``).
@@ -26,6 +28,7 @@ output_bytes, param_bytes, tensors``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from trainwright.devices import DeviceTopology
@@ -271,11 +274,10 @@ def _candidates(req: PlanRequest, mems: list[StageMem]) -> list[list[int]]:
     return [[d for r in per_node for d in r[min(i, len(r) - 1)]] for i in range(depth)]
 
 
-def _evaluate(req, parts, mems, mapping, steps, syncs, sched) -> tuple:
+def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0) -> tuple:
     xfer, direct = _links(req, mapping)
-    rules = req.rules if req.peer_swap else Rules(req.rules.short_s, req.rules.long_s,
-                                                  tuple(f for f in req.rules.families
-                                                        if f != "peer"))
+    families = tuple(f for f in req.rules.families if req.peer_swap or f != "peer")
+    rules = Rules(req.rules.short_s, req.rules.long_s, families, req.rules.scale * scale)
     local = list(range(req.pp))  # placement over stage indices, links as stage x stage
     placement = place(mems, local, direct, min(req.topology.host_bandwidth), rules)
     placement.mapping = list(mapping)
@@ -328,11 +330,19 @@ def make_plan(req: PlanRequest) -> PlanResult:
                        "score": None})
         if best is None or rank(r) < rank(best):
             best, best_map = r, mapping
+    best_scale = 1.0
+    if req.peer_swap and req.rules.short_s is None:  # a busy host link: prefer the peers
+        for scale in (4.0, 16.0, math.inf):
+            r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, scale)
+            rounds.append({"round": "thresholds", "scale": str(scale), "step_s": r[3].step_s,
+                           "fits": sum(sp.fits for sp in r[0].stages)})
+            if rank(r) < rank(best):
+                best, best_scale = r, scale
     for _ in range(req.max_rounds):  # seed claim 4: simulate, refine, until no better
         placement, costs, _, sim, _ = best
         intervals = liveness(sim, costs, parts)
         mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals)
-        r = _evaluate(req, parts, mems, best_map, steps, syncs, sched)
+        r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, best_scale)
         rounds.append({"round": "refine", "mapping": best_map, "step_s": r[3].step_s,
                        "fits": sum(sp.fits for sp in r[0].stages)})
         if rank(r) < rank(best):
