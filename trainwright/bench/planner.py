@@ -193,6 +193,14 @@ def _action_mean(res: dict, kinds: tuple, step: int) -> float:
     return statistics.fmean(per) if per else 0.0
 
 
+def _per_mb(events: list, kinds: tuple) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for kind, mb, d in events:
+        if kind in kinds:
+            out[mb] = out.get(mb, 0.0) + d
+    return out
+
+
 _POSTS = ("PEER_RECV", "PEER_FETCH")  # never wait: their whole duration is work
 _WAITS = ("RECV_F", "RECV_B", "PEER_SEND", "PEER_WAIT", "PEER_RETURN")
 
@@ -209,17 +217,20 @@ def _action_overheads(events: list) -> dict[str, float]:
 
 
 def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec,
-                  schedule: str, placement, latency: float, bandwidth: float):
+                  schedule: str, placement, latency: float, bandwidth: float,
+                  per_mb: bool = False):
     """One prediction per measured step after warm-up (each calibrated on its own step);
-    returns the mean predicted step time and the last replay (for peaks)."""
-    sims = [predict(tensor_rows, results, spec, schedule, placement, latency, bandwidth, step=i)
+    returns the mean predicted step time and the last replay (for peaks). ``per_mb``
+    replays each micro-batch's own measured compute time (a diagnostic, not a prediction)."""
+    sims = [predict(tensor_rows, results, spec, schedule, placement, latency, bandwidth, step=i,
+                    per_mb=per_mb)
             for i in range(spec.warmup, len(results[0]["step_s"]))]
     return statistics.fmean(x.step_s for x in sims), sims[-1]
 
 
 def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, schedule: str,
             placement, latency: float, bandwidth: float, policies: dict | None = None,
-            step: int = -1):
+            step: int = -1, per_mb: bool = False):
     """Simulator prediction of step ``step`` of a harness run, calibrated from that run.
 
     Compute: each stage's forward and backward action times of that step (with the send
@@ -248,6 +259,9 @@ def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, sche
         c.forward_s, c.backward_s = f, b
         c.step_s = _action_mean(res, ("STEP",), step)
         c.action_s = _action_overheads(res["events"][step])
+        if per_mb:
+            c.mb_forward_s = _per_mb(res["events"][step], ("F", "SEND_F"))
+            c.mb_backward_s = _per_mb(res["events"][step], ("B", "SEND_B"))
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     bw = [[0.0 if i == j else bandwidth for j in range(stages)] for i in range(stages)]
     links = Links(list(range(stages)), bw, host_bandwidth=1e11, latency_s=latency)
@@ -407,7 +421,9 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
             step, peaks = _measured(keep, spec.warmup)
             pred, sim = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
                                       bandwidth)
-            accuracy.append(_row(stages, schedule, "none", step, peaks, sim, pred))
+            replay, _ = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
+                                      bandwidth, per_mb=True)
+            accuracy.append(_row(stages, schedule, "none", step, peaks, sim, pred, replay))
             budgets = res[0]["budgets"]
             limits[(stages, schedule)] = budgets
             plan = _plan(tensor_rows, spec, stages, schedule, budgets, ("peer", "recompute"))
@@ -415,8 +431,10 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
             step, peaks = _measured(limited, spec.warmup)
             pred, sim = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
                                       latency, bandwidth)
+            replay, _ = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
+                                      latency, bandwidth, per_mb=True)
             row = _row(stages, schedule, "stage-0 limit, peer+recompute", step, peaks, sim,
-                       pred)
+                       pred, replay)
             row.update(budgets=budgets, fits=all(p <= b for p, b in zip(peaks, budgets,
                                                                          strict=True)),
                        policy_counts=plan.to_dict()["policy_counts"])
@@ -456,6 +474,7 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
         "link_latency_s": latency, "link_bandwidth_Bps": bandwidth,
         "sim_step_error_max": round(max(r["step_error"] for r in accuracy), 4),
         "sim_peak_error_max": round(max(r["peak_error_max"] for r in accuracy), 4),
+        "replay_step_error_max": round(max(r["replay_step_error"] for r in accuracy), 4),
         "accuracy_runs": accuracy,
         "peer_swap_step_s": round(fam_rows["peer"]["step_s"], 4),
         "host_swap_step_s": round(fam_rows["host"]["step_s"], 4),
@@ -476,11 +495,12 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
     return out
 
 
-def _row(stages, schedule, limit, step, peaks, sim, pred) -> dict:
+def _row(stages, schedule, limit, step, peaks, sim, pred, replay) -> dict:
     peak_errors = [_err(p, m) for p, m in zip(sim.peak_bytes, peaks, strict=True)]
     return {"stages": stages, "schedule": schedule, "limit": limit,
             "measured_step_s": round(step, 5), "predicted_step_s": round(pred, 5),
             "step_error": round(_err(pred, step), 4),
+            "replay_step_s": round(replay, 5), "replay_step_error": round(_err(replay, step), 4),
             "measured_peak_bytes": peaks, "predicted_peak_bytes": sim.peak_bytes,
             "peak_error_max": round(max(peak_errors), 4)}
 

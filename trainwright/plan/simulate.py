@@ -69,6 +69,10 @@ class StageCost:
     """Kind -> seconds of work an action takes once it can proceed, beyond what the model
     times (receive: header decode and payload copy after arrival; peer actions: posting
     every chunk's transfer). Calibrated from a trace; empty by default."""
+    mb_forward_s: dict = field(default_factory=dict)
+    """Micro-batch -> forward seconds, overriding ``forward_s`` (a replay of measured
+    times, for checking the model apart from compute-time variance); optional."""
+    mb_backward_s: dict = field(default_factory=dict)
     layer_forward_s: list = field(default_factory=list)
     """Per-layer forward times (for :func:`liveness`); optional."""
     layer_backward_s: list = field(default_factory=list)
@@ -209,15 +213,17 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         k, mb, c = a.kind, a.mb, costs[s]
         end = start
         if k == "F":
-            end = start + c.forward_s
-            busy[s] += c.forward_s
+            dur = c.mb_forward_s.get(mb, c.forward_s)
+            end = start + dur
+            busy[s] += dur
             add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
             if c.host_bytes:
                 transfer(("host", s), end, c.host_bytes, links.host_bandwidth)
             times[(s, "F", mb)] = (start, end)
         elif k == "B":
-            end = start + c.backward_s
-            busy[s] += c.backward_s
+            dur = c.mb_backward_s.get(mb, c.backward_s)
+            end = start + dur
+            busy[s] += dur
             add(s, start, c.transient_bytes)
             add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
             times[(s, "B", mb)] = (start, end)
