@@ -186,7 +186,7 @@ def _action_mean(res: dict, kinds: tuple, step: int) -> float:
     per: list[float] = []
     for events in res["events"][step : step + 1]:
         by_mb: dict[int, float] = {}
-        for kind, mb, dur in events:
+        for kind, mb, dur, *_ in events:
             if kind in kinds:
                 by_mb[mb] = by_mb.get(mb, 0.0) + dur
         per += list(by_mb.values())
@@ -195,25 +195,43 @@ def _action_mean(res: dict, kinds: tuple, step: int) -> float:
 
 def _per_mb(events: list, kinds: tuple) -> dict[int, float]:
     out: dict[int, float] = {}
-    for kind, mb, d in events:
+    for kind, mb, d, *_ in events:
         if kind in kinds:
             out[mb] = out.get(mb, 0.0) + d
     return out
 
 
-_POSTS = ("PEER_RECV", "PEER_FETCH")  # never wait: their whole duration is work
-_WAITS = ("RECV_F", "RECV_B", "PEER_SEND", "PEER_WAIT", "PEER_RETURN")
+def loaded_latency(results: list[dict], step: int) -> float | None:
+    """Mean delivery time of the step's activation and gradient messages, from the trace:
+    receive end minus the later of the send's post and the receive's start. On a machine
+    with more ranks than cores this is mostly the wait for the sending process to be
+    scheduled (gloo moves the data from the sender's side once the receive is posted)."""
+    posted: dict[tuple, float] = {}
+    for s, res in enumerate(results):
+        for kind, mb, _, start in res["events"][step]:
+            if kind == "SEND_F":
+                posted[("F", s + 1, mb)] = start
+            elif kind == "SEND_B":
+                posted[("B", s - 1, mb)] = start
+    got = []
+    for s, res in enumerate(results):
+        for kind, mb, d, start in res["events"][step]:
+            key = ("F" if kind == "RECV_F" else "B", s, mb)
+            if kind in ("RECV_F", "RECV_B") and key in posted:
+                got.append(start + d - max(start, posted[key]))
+    return statistics.fmean(got) if got else None
+
+
+_POSTS = ("PEER_RECV", "PEER_FETCH", "PEER_RETURN")  # post transfers, never wait long
 
 
 def _action_overheads(events: list) -> dict[str, float]:
-    """Work per action beyond what the simulator models, from one step's trace: the mean of
-    posting actions, the quickest of waiting ones (one that did not wait)."""
+    """Work of actions that only post transfers (mean of the step), which the simulator
+    does not otherwise time; waiting actions are timed by the link model."""
     by: dict[str, list[float]] = {}
-    for kind, _, d in events:
+    for kind, _, d, *_ in events:
         by.setdefault(kind, []).append(d)
-    out = {k: statistics.fmean(v) for k, v in by.items() if k in _POSTS}
-    out.update({k: min(v) for k, v in by.items() if k in _WAITS})
-    return out
+    return {k: statistics.fmean(v) for k, v in by.items() if k in _POSTS}
 
 
 def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec,
@@ -236,7 +254,8 @@ def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, sche
     Compute: each stage's forward and backward action times of that step (with the send
     posted right after them) as the runtime traced them, means over micro-batches; the
     per-layer profile splits them over layers (for liveness). Memory: tensor sizes from
-    the tensor profile. Links: the ping-pong's latency and bandwidth.
+    the tensor profile. Links: the ping-pong's bandwidth and the step's loaded message
+    latency (:func:`loaded_latency`; the ping-pong's latency if it has no messages).
     """
     from trainwright.pipeline.peer_schedule import with_peer_swap
     from trainwright.pipeline.schedule import build_schedule
@@ -264,7 +283,9 @@ def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, sche
             c.mb_backward_s = _per_mb(res["events"][step], ("B", "SEND_B"))
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     bw = [[0.0 if i == j else bandwidth for j in range(stages)] for i in range(stages)]
-    links = Links(list(range(stages)), bw, host_bandwidth=1e11, latency_s=latency)
+    loaded = loaded_latency(results, step if step >= 0 else len(results[0]["events"]) - 1)
+    links = Links(list(range(stages)), bw, host_bandwidth=1e11,
+                  latency_s=loaded if loaded is not None else latency)
     return simulate(with_peer_swap(build_schedule(schedule, stages, spec.micro_batches),
                                    peers), costs, links)
 

@@ -88,7 +88,8 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
     Returns:
         ``params`` (name -> tensor of this stage), ``step_s`` and ``peak_bytes`` per step,
         ``held_peak_bytes`` (chunks held for peers, at most), ``profiles`` (per-layer costs
-        per step), ``events`` (per step: ``(kind, mb, seconds)`` of every action).
+        per step), ``events`` (per step: ``(kind, mb, seconds, start)`` of every action, start
+        in seconds of ``time.time_ns``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     parts = job.parts
@@ -126,7 +127,7 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
         ys = list(y.chunk(job.micro_batches)) if last else None
         dist.barrier()
         stats = runtime.run_step(step, xs, ys, trace=True)
-        events.append([(k, mb, dur / 1e9) for k, mb, _, dur in stats.events])
+        events.append([(k, mb, dur / 1e9, start / 1e9) for k, mb, start, dur in stats.events])
         step_s.append(stats.wall_s)
         peaks.append(stats.activation_peak_bytes)
         profiles.append([c.to_dict() for c in prof.table()])
