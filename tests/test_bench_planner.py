@@ -28,7 +28,6 @@ def test_bench_planner_runs_and_predicts_peaks():
     assert fams["peer"]["peak_bytes_per_stage"][0] < r["accuracy_runs"][0]["measured_peak_bytes"][0]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_175b_on_1024_gpus_plans_and_dgx1_table():
     got = plan_175b()

@@ -104,7 +104,7 @@ class PlanResult:
     micro_batches: int
 
     def to_dict(self) -> dict:
-        """JSON: everything :func:`trainwright.plan.cli.simulate_plan` needs to replay it."""
+        """JSON: the plan, and everything `trainwright simulate` needs to replay it."""
         return {
             "schedule": self.schedule, "pp": len(self.partition),
             "micro_batches": self.micro_batches, "partition": self.partition,
