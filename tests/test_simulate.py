@@ -69,7 +69,7 @@ def test_peer_swap_actions_never_deadlock_and_peers_hold_at_most_k(name, p, m):
     assert r.step_s >= base.step_s
     for t in range(1, p):
         owners = [s for s, ts in peers.items() if t in ts]
-        k = {s: (m if name == "gpipe" else min(p - s + 1, m)) for s in owners}  # + 1 returning
+        k = {s: (m if name == "gpipe" else min(2 * (p - s), m)) for s in owners}  # + returning
         held_for_peers = r.peak_bytes[t]
         assert held_for_peers <= r.own_peak_bytes[t] + sum(k[s] * chunk for s in owners)
         assert held_for_peers >= base.own_peak_bytes[t] + min(chunk, held_for_peers)

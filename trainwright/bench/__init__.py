@@ -14,6 +14,7 @@ BENCHMARKS = {
     "rebalance": "trainwright.bench.rebalance",
     "hierarchical": "trainwright.bench.hierarchical",
     "sparse": "trainwright.bench.sparse",
+    "planner": "trainwright.bench.planner",
 }
 
 

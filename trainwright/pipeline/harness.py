@@ -87,7 +87,9 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
 
     Returns:
         ``params`` (name -> tensor of this stage), ``step_s`` and ``peak_bytes`` per step,
-        ``held_peak_bytes`` (chunks held for peers, at most), ``profile`` (per-layer costs).
+        ``held_peak_bytes`` (chunks held for peers, at most), ``profiles`` (per-layer costs
+        per step), ``events`` (per step: ``(kind, mb, seconds, start)`` of every action, start
+        in seconds of ``time.time_ns``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     parts = job.parts
@@ -118,18 +120,19 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
     runtime = PipelineRuntime(stage, sched[rank], p2p, prev_rank=rank - 1 if rank else None,
                               next_rank=rank + 1 if not last else None, grad_sync=_LocalStep(),
                               extensions=extensions)
-    step_s, peaks, profiles = [], [], []
+    step_s, peaks, profiles, events = [], [], [], []
     for step in range(1, job.steps + 1):
         x, y = job_batch(job, step)
         xs = list(x.chunk(job.micro_batches)) if rank == 0 else None
         ys = list(y.chunk(job.micro_batches)) if last else None
         dist.barrier()
-        stats = runtime.run_step(step, xs, ys)
+        stats = runtime.run_step(step, xs, ys, trace=True)
+        events.append([(k, mb, dur / 1e9, start / 1e9) for k, mb, start, dur in stats.events])
         step_s.append(stats.wall_s)
         peaks.append(stats.activation_peak_bytes)
         profiles.append([c.to_dict() for c in prof.table()])
     return {"params": {f"{i}.{n}": p.detach().clone() for i in idx
                        for n, p in layers[i].named_parameters()},
-            "step_s": step_s, "peak_bytes": peaks, "profiles": profiles,
+            "step_s": step_s, "peak_bytes": peaks, "profiles": profiles, "events": events,
             "held_peak_bytes": peer.peak_held_bytes if peer else 0,
             "sent_bytes": peer.sent_bytes if peer else 0}

@@ -18,11 +18,16 @@ peer ``t``
     ``PEER_RECV(m)`` (post the receive, do not wait) at the start of the step for
     ``m < k``, and right after ``PEER_RETURN(m - k)`` for the others, so a peer never holds
     more than ``k`` micro-batches of the owner;
-    ``PEER_RETURN(m)`` right after its own ``B(m)``: wait for the chunks of ``m``, send
-    them back.
+    ``PEER_RETURN(m)`` right after its own ``B(m)``: wait for the chunks of ``m`` and
+    send them back (without waiting: the owner may still be busy with its forwards);
+    ``PEER_SETTLE(m)`` just before ``PEER_RETURN(m + k)`` (before ``SYNC`` for the last
+    ``k``): wait until ``m``'s chunks were delivered and free them. So a peer holds at
+    most ``2k`` micro-batches of an owner's chunks.
 
 Why it cannot deadlock: ``PEER_RETURN(m)`` on ``t`` waits for ``F(m)`` on ``s``, which
-precedes ``t``'s own ``F(m)``; ``PEER_WAIT(m)`` on ``s`` waits for ``t``'s ``B(m)``,
+precedes ``t``'s own ``F(m)``; ``PEER_SETTLE(m)`` waits for ``PEER_FETCH(m)`` on ``s``,
+which precedes ``s``'s ``F(m + k)`` and so ``t``'s ``B(m + k)``, after which it sits;
+``PEER_WAIT(m)`` on ``s`` waits for ``t``'s ``B(m)``,
 which precedes ``s``'s ``RECV_B(m)``; ``PEER_SEND(m + k)`` on ``s`` waits for
 ``PEER_RECV(m + k)``, posted after ``PEER_RETURN(m)``, which precedes ``s``'s ``B(m)``,
 which precedes ``F(m + k)`` (at most ``k`` in flight). The simulator
@@ -37,7 +42,7 @@ from trainwright.pipeline.schedule import Action, max_in_flight
 
 __all__ = ["PeerAction", "PEER_KINDS", "with_peer_swap"]
 
-PEER_KINDS = ("PEER_SEND", "PEER_FETCH", "PEER_WAIT", "PEER_RECV", "PEER_RETURN")
+PEER_KINDS = ("PEER_SEND", "PEER_FETCH", "PEER_WAIT", "PEER_RECV", "PEER_RETURN", "PEER_SETTLE")
 
 
 @dataclass(frozen=True)
@@ -96,10 +101,17 @@ def with_peer_swap(schedule: list[list[Action]],
                                            for m in range(min(k, n_micro)))
             for i, a in enumerate(schedule[t]):
                 if a.kind == "B":
-                    extra = [PeerAction(t, "PEER_RETURN", a.mb, s)]
+                    extra = []
+                    if a.mb - k >= 0:
+                        extra.append(PeerAction(t, "PEER_SETTLE", a.mb - k, s))
+                    extra.append(PeerAction(t, "PEER_RETURN", a.mb, s))
                     if a.mb + k < n_micro:
                         extra.append(PeerAction(t, "PEER_RECV", a.mb + k, s))
                     after.setdefault((t, i), []).extend(extra)
+                elif a.kind == "SYNC":
+                    before.setdefault((t, i), []).extend(
+                        PeerAction(t, "PEER_SETTLE", m, s)
+                        for m in range(max(0, n_micro - k), n_micro))
     out = []
     for s, acts in enumerate(schedule):
         new = list(start.get(s, []))

@@ -11,7 +11,8 @@ owner receives them into one buffer per tensor before the layer's backward, and
 
 Every transfer is an action of both ranks' schedules
 (:func:`~trainwright.pipeline.peer_schedule.with_peer_swap`: ``PEER_SEND``,
-``PEER_FETCH``, ``PEER_WAIT`` on the owner; ``PEER_RECV``, ``PEER_RETURN`` on the peer),
+``PEER_FETCH``, ``PEER_WAIT`` on the owner; ``PEER_RECV``, ``PEER_RETURN``,
+``PEER_SETTLE`` on the peer),
 which the runtime executes through :meth:`PeerSwap.extensions` and the simulator replays.
 Transfers use their own process group, so they never match a pipeline send by mistake.
 
@@ -120,7 +121,7 @@ class PeerSwap:
         self._fetch: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # mb -> buffers
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
         self._held: dict[tuple[int, int], tuple[list, list]] = {}  # (owner, mb) -> works, bufs
-        self._returning: list[tuple[list, int, list]] = []  # (works, bytes, buffers)
+        self._returning: dict[tuple[int, int], tuple[list, list]] = {}  # sends back, bufs
         self.sent_bytes = 0
         self.held_bytes = 0
         """Bytes this rank holds for other ranks now."""
@@ -222,18 +223,10 @@ class PeerSwap:
         self._wait(works, f"fetch of micro-batch {a.mb} from rank {self._peer_rank(a)}")
 
     def after(self, a: Action) -> None:
-        """After every action: release fetched buffers after ``B(m)``; account returned chunks."""
+        """After every action: release the buffers fetched back once ``B(m)`` is done."""
         if a.kind == "B" and a.mb in self._fetch:
             self.store.add_bytes(-sum(b.numel() for b in self._fetch.pop(a.mb).values()))
-        done = [r for r in self._returning if all(w.is_completed() for w in r[0])]
-        for r in done:
-            self._returning.remove(r)
-            self._release_held(r[1])
         if a.kind == "SYNC":
-            for works, nbytes, _ in self._returning:
-                self._wait(works, "return of chunks")
-                self._release_held(nbytes)
-            self._returning = []
             self._index.clear()
 
     def peer_recv(self, a: Action) -> None:
@@ -253,14 +246,20 @@ class PeerSwap:
         self._held[(owner, a.mb)] = (works, bufs)
 
     def peer_return(self, a: Action) -> None:
-        """Peer: wait for the owner's chunks of ``a.mb`` and send them back."""
+        """Peer: wait for the owner's chunks of ``a.mb`` and post their sends back."""
         owner = self._peer_rank(a)
         works, bufs = self._held.pop((owner, a.mb))
         self._wait(works, f"receive of micro-batch {a.mb} from rank {owner}")
         sends = [dist.isend(b, dst=owner, group=self.group) for b in bufs]
-        self._returning.append((sends, sum(b.numel() for b in bufs), bufs))
+        self._returning[(owner, a.mb)] = (sends, bufs)
 
-    def _release_held(self, nbytes: int) -> None:
+    def peer_settle(self, a: Action) -> None:
+        """Peer: wait until ``a.mb``'s chunks were delivered back, and free them (gloo
+        reports a send complete only through ``wait``)."""
+        owner = self._peer_rank(a)
+        sends, bufs = self._returning.pop((owner, a.mb))
+        self._wait(sends, f"return of micro-batch {a.mb} to rank {owner}")
+        nbytes = sum(b.numel() for b in bufs)
         self.held_bytes -= nbytes
         self.store.add_bytes(-nbytes)
 
@@ -268,7 +267,8 @@ class PeerSwap:
         """Handlers for :class:`~trainwright.pipeline.runtime.PipelineRuntime`."""
         return {"PEER_SEND": self.peer_send, "PEER_FETCH": self.peer_fetch,
                 "PEER_WAIT": self.peer_wait, "PEER_RECV": self.peer_recv,
-                "PEER_RETURN": self.peer_return, "after": self.after}
+                "PEER_RETURN": self.peer_return, "PEER_SETTLE": self.peer_settle,
+                "after": self.after}
 
     def _peer_rank(self, a: Action) -> int:
         return self.rank_of_stage[a.peer]

@@ -93,9 +93,12 @@ class StageMem:
 
     @property
     def peer_slots(self) -> int:
-        """Micro-batches of this stage's chunks a peer holds at once: ``in_flight``, plus one
-        being sent back while the next is received when more micro-batches follow."""
-        return self.in_flight + (self.n_micro > self.in_flight)
+        """Micro-batches of this stage's chunks a peer holds at once: ``in_flight``, and up
+        to as many more being returned when more micro-batches follow (see
+        :mod:`trainwright.pipeline.peer_schedule`)."""
+        if self.n_micro > self.in_flight:
+            return min(2 * self.in_flight, self.n_micro)
+        return self.in_flight
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,9 @@ class Rules:
     long_s: float | None = None
     families: tuple = FAMILIES
     """Policy families allowed (benchmarks use one at a time)."""
+    scale: float = 1.0
+    """Multiplies the derived (per-tensor) thresholds; the planner tries larger ones when
+    the simulated host link turns out busier than the per-tensor rule assumes."""
 
 
 @dataclass(frozen=True)
@@ -190,7 +196,7 @@ def split_by_bandwidth(nbytes: int, bandwidths: list[float]) -> list[int]:
 
 def classify(t: TensorInfo, host_bandwidth: float, rules: Rules) -> str:
     """``"short"`` (peer), ``"long"`` (host) or ``"middle"`` for a tensor's live interval."""
-    round_trip = 2 * t.nbytes / host_bandwidth
+    round_trip = 2 * t.nbytes / host_bandwidth * rules.scale
     short = rules.short_s if rules.short_s is not None else round_trip
     long = rules.long_s if rules.long_s is not None else 2 * round_trip
     if t.interval_s < short:

@@ -17,8 +17,10 @@ or meta), a schedule, a device topology and memory budgets, and returns a
 5. **placement** (:func:`trainwright.plan.placement.place`) for the best mappings, each
    **simulated** with its peer-swap actions; the best plan is the one where most stages
    fit, then the shortest simulated step;
-6. **iterate** (seed claim 4): re-derive the live intervals from the chosen plan's replay,
-   place again, simulate again; stop when the step time no longer improves.
+6. **iterate** (seed claim 4): with peer swap, also try the interval thresholds scaled by
+   4, 16 and infinity (peers first) and keep the best simulated; then re-derive the live
+   intervals from the chosen plan's replay, place again, simulate again; stop when the
+   step time no longer improves.
 
 Pure: no torch (profiles are plain rows with ``forward_s, backward_s, input_bytes,
 output_bytes, param_bytes, tensors``).
@@ -26,6 +28,7 @@ output_bytes, param_bytes, tensors``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 from trainwright.devices import DeviceTopology
@@ -101,7 +104,7 @@ class PlanResult:
     micro_batches: int
 
     def to_dict(self) -> dict:
-        """JSON: everything :func:`trainwright.plan.cli.simulate_plan` needs to replay it."""
+        """JSON: the plan, and everything `trainwright simulate` needs to replay it."""
         return {
             "schedule": self.schedule, "pp": len(self.partition),
             "micro_batches": self.micro_batches, "partition": self.partition,
@@ -155,8 +158,10 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
         plans = {} if placement is None else {(t.layer, t.index): t
                                               for t in placement.stages[s].tensors}
         recomputed = {k[0] for k, t in plans.items() if t.policy == "recompute"}
-        held = sum(x.input_bytes for x in rows) + rows[-1].output_bytes
+        last_kept = idx[-1] not in recomputed  # a recomputed last layer holds no output
+        held = sum(x.input_bytes for x in rows) + (rows[-1].output_bytes if last_kept else 0)
         per_layer: dict[int, int] = {}
+        kept: dict[int, int] = {}
         host = 0
         peer: dict[int, int] = {}
         for i in idx:
@@ -164,6 +169,7 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
                 p = plans.get((i, t.index))
                 if p is None or p.policy == "keep":
                     held += t.nbytes
+                    kept[i] = kept.get(i, 0) + t.nbytes
                 elif p.policy == "recompute":
                     per_layer[i] = per_layer.get(i, 0) + t.nbytes
                 else:
@@ -174,14 +180,38 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
                         else:
                             t_stage = stage_of_dev[c.target]
                             peer[t_stage] = peer.get(t_stage, 0) + c.nbytes
+        transient = _backward_extra(layers, idx, recomputed, kept, per_layer, last_kept)
         fwd = [x.forward_s for x in rows]
         bwd = [x.backward_s + (x.forward_s if i in recomputed else 0.0)
                for i, x in zip(idx, rows, strict=True)]
         out.append(StageCost(sum(fwd), sum(bwd), send_bytes=rows[-1].output_bytes,
-                             held_bytes=held, transient_bytes=max(per_layer.values(), default=0),
+                             held_bytes=held, transient_bytes=transient,
                              host_bytes=host, peer_bytes=peer, step_s=step_s[s],
                              sync_s=sync_s[s], layer_forward_s=fwd, layer_backward_s=bwd))
     return out
+
+
+def _backward_extra(layers: list, idx: list[int], recomputed: set, kept: dict,
+                    brought_back: dict, last_kept: bool) -> int:
+    """Most bytes above the held ones while ``B(m)`` walks the layers back (the store's rule).
+
+    Layer ``i``'s segment is released before its activations come back (recomputed or from
+    the host): its kept tensors go, and so does the storage it shares with its neighbour
+    once both are released (a layer's output is the next layer's input; a recomputed layer
+    holds no output; the first layer's input is held by it alone).
+    """
+    released, extra = 0, 0
+    for pos in range(len(idx) - 1, -1, -1):
+        i = idx[pos]
+        released += kept.get(i, 0)
+        if pos == len(idx) - 1:
+            released += layers[i].output_bytes if last_kept else 0
+        elif i not in recomputed:  # its output (= next layer's input) is free now
+            released += layers[idx[pos + 1]].input_bytes
+        if pos == 0 or idx[pos - 1] in recomputed:  # nobody else holds this input
+            released += layers[i].input_bytes
+        extra = max(extra, brought_back.get(i, 0) - released)
+    return extra
 
 
 def _partition(req: PlanRequest) -> list[list[int]]:
@@ -244,11 +274,10 @@ def _candidates(req: PlanRequest, mems: list[StageMem]) -> list[list[int]]:
     return [[d for r in per_node for d in r[min(i, len(r) - 1)]] for i in range(depth)]
 
 
-def _evaluate(req, parts, mems, mapping, steps, syncs, sched) -> tuple:
+def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0) -> tuple:
     xfer, direct = _links(req, mapping)
-    rules = req.rules if req.peer_swap else Rules(req.rules.short_s, req.rules.long_s,
-                                                  tuple(f for f in req.rules.families
-                                                        if f != "peer"))
+    families = tuple(f for f in req.rules.families if req.peer_swap or f != "peer")
+    rules = Rules(req.rules.short_s, req.rules.long_s, families, req.rules.scale * scale)
     local = list(range(req.pp))  # placement over stage indices, links as stage x stage
     placement = place(mems, local, direct, min(req.topology.host_bandwidth), rules)
     placement.mapping = list(mapping)
@@ -301,11 +330,19 @@ def make_plan(req: PlanRequest) -> PlanResult:
                        "score": None})
         if best is None or rank(r) < rank(best):
             best, best_map = r, mapping
+    best_scale = 1.0
+    if req.peer_swap and req.rules.short_s is None:  # a busy host link: prefer the peers
+        for scale in (4.0, 16.0, math.inf):
+            r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, scale)
+            rounds.append({"round": "thresholds", "scale": str(scale), "step_s": r[3].step_s,
+                           "fits": sum(sp.fits for sp in r[0].stages)})
+            if rank(r) < rank(best):
+                best, best_scale = r, scale
     for _ in range(req.max_rounds):  # seed claim 4: simulate, refine, until no better
         placement, costs, _, sim, _ = best
         intervals = liveness(sim, costs, parts)
         mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals)
-        r = _evaluate(req, parts, mems, best_map, steps, syncs, sched)
+        r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, best_scale)
         rounds.append({"round": "refine", "mapping": best_map, "step_s": r[3].step_s,
                        "fits": sum(sp.fits for sp in r[0].stages)})
         if rank(r) < rank(best):

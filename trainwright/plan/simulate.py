@@ -15,12 +15,15 @@ Semantics (matching :mod:`trainwright.pipeline.runtime` and gloo):
 * ``RECV_F``/``RECV_B`` wait for the matching transfer to arrive; a receive whose send was
   never posted, while no stage can move, is a **deadlock** (:class:`Deadlock`);
 * ``SYNC`` waits for the stage's own sends and adds ``sync_s``; ``STEP`` adds ``step_s``;
+* every action other than ``F``/``B`` then adds ``action_s[kind]`` (work beyond waiting);
 * host swap: after ``F(m)`` the stage's host link carries ``host_bytes`` out; the copy back
   starts when the stage reaches ``B(m)``'s receive and ``B(m)`` waits for it;
 * peer swap (:mod:`~trainwright.pipeline.peer_schedule`): ``PEER_RECV`` posts a receive
   (the peer's memory grows by the chunk), ``PEER_SEND`` waits until the owner's chunks
   are delivered (a gloo send needs its receive posted first), ``PEER_RETURN`` waits for
-  them and sends them back, ``PEER_FETCH`` posts the owner's receive, ``PEER_WAIT`` waits.
+  them and posts the send back (the data moves once the owner's ``PEER_FETCH`` has posted
+  the receive), ``PEER_SETTLE`` waits for that delivery and frees the peer's copy,
+  ``PEER_WAIT`` waits on the owner's side.
 
 Memory per device (bytes the activation store counts, plus chunks held for peers):
 ``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
@@ -62,6 +65,14 @@ class StageCost:
     """Peer stage -> bytes of this stage's chunks it holds per micro-batch."""
     sync_s: float = 0.0
     step_s: float = 0.0
+    action_s: dict = field(default_factory=dict)
+    """Kind -> seconds of work an action takes once it can proceed, beyond what the model
+    times (receive: header decode and payload copy after arrival; peer actions: posting
+    every chunk's transfer). Calibrated from a trace; empty by default."""
+    mb_forward_s: dict = field(default_factory=dict)
+    """Micro-batch -> forward seconds, overriding ``forward_s`` (a replay of measured
+    times, for checking the model apart from compute-time variance); optional."""
+    mb_backward_s: dict = field(default_factory=dict)
     layer_forward_s: list = field(default_factory=list)
     """Per-layer forward times (for :func:`liveness`); optional."""
     layer_backward_s: list = field(default_factory=list)
@@ -151,6 +162,16 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         link_free[key_link] = end
         return end
 
+    returned: dict[tuple, float] = {}
+
+    def back(peer: int, owner: int, mb: int) -> None:
+        """Start a return transfer once both its send and its receive are posted."""
+        sent, post = returned.get((peer, owner, mb)), posted_recv.get(("back", owner, peer, mb))
+        if sent is not None and post is not None:
+            arrived[("back", peer, owner, mb)] = transfer(
+                (peer, owner), max(sent, post), costs[owner].peer_bytes.get(peer, 0),
+                links.bw(peer, owner))
+
     def add(s: int, t: float, d: int, store: bool = True) -> None:
         mem[s].append((t, d))
         if store:
@@ -173,6 +194,9 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         if k == "PEER_RETURN":
             got = arrived.get(("chunk", a.peer, s, mb))
             return None if got is None else max(now, got)
+        if k == "PEER_SETTLE":
+            got = arrived.get(("back", s, a.peer, mb))
+            return None if got is None else max(now, got)
         if k == "PEER_WAIT":
             got = arrived.get(("back", a.peer, s, mb))
             return None if got is None else max(now, got)
@@ -189,15 +213,17 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         k, mb, c = a.kind, a.mb, costs[s]
         end = start
         if k == "F":
-            end = start + c.forward_s
-            busy[s] += c.forward_s
+            dur = c.mb_forward_s.get(mb, c.forward_s)
+            end = start + dur
+            busy[s] += dur
             add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
             if c.host_bytes:
                 transfer(("host", s), end, c.host_bytes, links.host_bandwidth)
             times[(s, "F", mb)] = (start, end)
         elif k == "B":
-            end = start + c.backward_s
-            busy[s] += c.backward_s
+            dur = c.mb_backward_s.get(mb, c.backward_s)
+            end = start + dur
+            busy[s] += dur
             add(s, start, c.transient_bytes)
             add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
             times[(s, "B", mb)] = (start, end)
@@ -209,9 +235,10 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
             got = transfer((s, s - 1), start, costs[s - 1].send_bytes, links.bw(s, s - 1))
             arrived[("grad", s, s - 1, mb)] = got
             pending_sends[s].append(got)
-        elif k == "RECV_B" and c.host_bytes:
-            host_back[(s, mb)] = transfer(("host", s), start, c.host_bytes,
-                                          links.host_bandwidth)
+        elif k in ("RECV_F", "RECV_B"):
+            if k == "RECV_B" and c.host_bytes:
+                host_back[(s, mb)] = transfer(("host", s), start, c.host_bytes,
+                                              links.host_bandwidth)
         elif k == "SYNC":
             end = start + c.sync_s
         elif k == "STEP":
@@ -227,15 +254,16 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
             arrived[("chunk", s, a.peer, mb)] = got
             end = got
             add(s, end, -nbytes)
-        elif k == "PEER_RETURN":
-            nbytes = costs[a.peer].peer_bytes.get(s, 0)
-            got = transfer((s, a.peer), start, nbytes, links.bw(s, a.peer))
-            arrived[("back", s, a.peer, mb)] = got
-            pending_sends[s].append(got)
-            add(s, got, -nbytes, store=False)
+        elif k == "PEER_RETURN":  # the data moves once the owner's receive is posted too
+            returned[(s, a.peer, mb)] = start
+            back(s, a.peer, mb)
+        elif k == "PEER_SETTLE":
+            add(s, start, -costs[a.peer].peer_bytes.get(s, 0), store=False)
         elif k == "PEER_FETCH":
+            posted_recv[("back", s, a.peer, mb)] = start
+            back(a.peer, s, mb)
             add(s, start, c.peer_bytes.get(a.peer, 0))
-        return end
+        return end + c.action_s.get(k, 0.0)
 
     # a stage's next action can only become ready when the stage moves or a message for it
     # is posted, so keep each stage's earliest start in a heap and refresh those two

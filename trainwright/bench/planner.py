@@ -1,0 +1,536 @@
+"""``trainwright bench planner``: is the simulator right, and does peer swap pay?
+
+Questions:
+
+1. **Simulator accuracy.** For 2 and 4 stages, GPipe and 1F1B, without and with a memory
+   limit (stage 0 limited to ``limit_fraction`` of its all-keep peak; the seed 004 plan:
+   peer swap, then recompute), train the GPT for real and predict the same run with
+   :func:`trainwright.plan.simulate.simulate`. Compute costs come from the run's own
+   measurements: the traced forward/backward action times per stage (split over layers by
+   the per-layer profile, :class:`~trainwright.profile.LayerProfiler`) and the work of
+   receives and peer-swap posts beyond waiting; link latency and bandwidth from a gloo
+   ping-pong; tensor sizes from :mod:`trainwright.tensor_profile`.
+   Each step after warm-up is predicted from that step's own costs (the machine's load
+   changes from step to step); errors are ``|predicted - measured| / measured`` of the
+   mean step time (slowest rank per step) and of each stage's activation peak.
+2. **Policy families alone** (4 stages, 1F1B, same model, same stage-0 limit): peer swap
+   only, host swap only, recompute only; ``repeats`` rounds interleaved in one process
+   group; median over rounds of the mean step time.
+3. **Planning far past this machine:** a 175B GPT (96 blocks, d_model 12288, context 2048,
+   bf16) on 1,024 GPUs (128 nodes of 8, NVSwitch), pp 64 x dp 16, profiled on the meta
+   device: wall time of profile + plan, with torch's meta machinery already imported
+   (``plan_175b_1024_s``) and from cold (``plan_175b_1024_cold_s``); CPU seconds too.
+4. **One DGX-1 box** (8 V100 32 GB, NVLink hybrid cube-mesh): predicted step time and
+   per-GPU peak of a GPT with and without peer swap.
+
+All runs here use one thread per rank; the machine is shared, so every figure carries
+other agents' CPU load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+__all__ = ["PlannerBenchSpec", "run", "main"]
+
+
+@dataclass(kw_only=True)
+class PlannerBenchSpec:
+    """GPT (embed, blocks, head) trained by the pipeline harness."""
+
+    n_blocks: int = 6
+    d_model: int = 128
+    n_heads: int = 4
+    context: int = 64
+    vocab: int = 256
+    micro_batches: int = 8
+    micro_batch_size: int = 4
+    steps: int = 8
+    warmup: int = 2
+    limit_fraction: float = 0.6
+    stage_counts: list = field(default_factory=lambda: [2, 4])
+    schedules: list = field(default_factory=lambda: ["gpipe", "1f1b"])
+
+    def parts(self, stages: int) -> list[int]:
+        """Layers per stage: the first stage gets the extra layers (it is the heavy one)."""
+        n = self.n_blocks + 2
+        return [n // stages + (s < n % stages) for s in range(stages)]
+
+    def job(self, stages: int, schedule: str, steps: int | None = None):
+        """The harness job."""
+        from trainwright.pipeline.harness import GPTJob
+
+        return GPTJob(n_blocks=self.n_blocks, d_model=self.d_model, n_heads=self.n_heads,
+                      context=self.context, vocab=self.vocab, parts=self.parts(stages),
+                      schedule=schedule, micro_batches=self.micro_batches,
+                      micro_batch_size=self.micro_batch_size, steps=steps or self.steps,
+                      lr=0.01, timeout_s=120.0)
+
+
+# ---- spawned workers ------------------------------------------------------------------
+
+def _warm_up(spec: PlannerBenchSpec, stages: int) -> None:
+    from trainwright.pipeline.harness import run_gpt_pipeline
+
+    run_gpt_pipeline(spec.job(stages, "1f1b", steps=2))  # allocator, kernels, gloo pairs
+
+
+def _slim(res: dict) -> dict:
+    res = dict(res)
+    res.pop("params")
+    return res
+
+
+def _accuracy_worker(rank: int, world: int, spec: PlannerBenchSpec, schedule: str,
+                     tensor_rows: list, measure_links: bool, out_dir: str) -> None:
+    """All-keep run, then the limited run planned from its measured peaks (rank 0 plans)."""
+    import torch.distributed as dist
+
+    from trainwright.pipeline.harness import run_gpt_pipeline
+
+    torch.set_num_threads(1)
+    out: dict = {}
+    if measure_links:
+        out["links"] = _measure_links()
+    _warm_up(spec, world)
+    keep = run_gpt_pipeline(spec.job(world, schedule))
+    peaks: list = [None] * world
+    dist.all_gather_object(peaks, max(keep["peak_bytes"]))
+    budgets = _budgets(spec, peaks)
+    plan = _plan(tensor_rows, spec, world, schedule, budgets, ("peer", "recompute"))
+    limited = run_gpt_pipeline(spec.job(world, schedule), policies=_layer_policies(plan),
+                               peer_plan=_peer_plan_json(plan))
+    out.update({"keep": _slim(keep), "limited": _slim(limited), "budgets": budgets})
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def _families_worker(rank: int, world: int, spec: PlannerBenchSpec, runs: list,
+                     out_dir: str) -> None:
+    """``runs``: ``(family, policies, peer plan)`` in the interleaved order to measure."""
+    from trainwright.pipeline.harness import run_gpt_pipeline
+
+    torch.set_num_threads(1)
+    _warm_up(spec, world)
+    out = [_slim(run_gpt_pipeline(spec.job(world, "1f1b"), policies=pol, peer_plan=peer))
+           for _, pol, peer in runs]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def _measure_links() -> dict:
+    from trainwright.devices import measure_p2p
+
+    small = measure_p2p(nbytes=64, repeats=20)
+    big = measure_p2p(nbytes=4 * 2**20, repeats=5)
+    return {"small": small.bandwidth[0][1], "big": big.bandwidth[0][1]}
+
+
+def _spawn(fn, world: int, *args) -> list:
+    from trainwright.testing import run_workers
+
+    with tempfile.TemporaryDirectory() as d:
+        run_workers(fn, world, *args, d, timeout_s=1200)
+        return [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _links(got: dict) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) from the ping-pong: one round = message + 4-byte ack."""
+    latency = 64 / got["small"] / 2
+    bandwidth = 1 / max(1 / got["big"] - 2 * latency / (4 * 2**20), 1e-12)
+    return latency, bandwidth
+
+
+def _budgets(spec: PlannerBenchSpec, peaks: list[int]) -> list[int]:
+    """Stage 0 limited to ``limit_fraction`` of its keep peak; the others get room for it."""
+    return [int(spec.limit_fraction * peaks[0])] + [p + peaks[0] for p in peaks[1:]]
+
+
+# ---- prediction -------------------------------------------------------------------------
+
+def _rows_with_times(tensor_rows: list, results: list[dict], warmup: int) -> list:
+    """Tensor-profile rows with the run's own per-layer times (median after warm-up)."""
+    import copy
+
+    times: dict[int, tuple[list, list]] = {}
+    for res in results:
+        for prof in res["profiles"][warmup:]:
+            for c in prof:
+                f, b = times.setdefault(c["layer"], ([], []))
+                f.append(c["forward_s"])
+                b.append(c["backward_s"])
+    out = copy.deepcopy(tensor_rows)
+    for r in out:
+        f, b = times[r.layer]
+        r.forward_s, r.backward_s = statistics.median(f), statistics.median(b)
+    return out
+
+
+def _measured(results: list[dict], warmup: int) -> tuple[float, list[int]]:
+    """Mean step time after warm-up (slowest rank per step) and each stage's peak."""
+    steps = [max(res["step_s"][i] for res in results)
+             for i in range(warmup, len(results[0]["step_s"]))]
+    return statistics.fmean(steps), [max(res["peak_bytes"]) for res in results]
+
+
+def _action_mean(res: dict, kinds: tuple, step: int) -> float:
+    """Mean over the micro-batches of step ``step`` of the summed durations of ``kinds``."""
+    per: list[float] = []
+    for events in res["events"][step : step + 1]:
+        by_mb: dict[int, float] = {}
+        for kind, mb, dur, *_ in events:
+            if kind in kinds:
+                by_mb[mb] = by_mb.get(mb, 0.0) + dur
+        per += list(by_mb.values())
+    return statistics.fmean(per) if per else 0.0
+
+
+def _per_mb(events: list, kinds: tuple) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for kind, mb, d, *_ in events:
+        if kind in kinds:
+            out[mb] = out.get(mb, 0.0) + d
+    return out
+
+
+def loaded_latency(results: list[dict], step: int) -> float | None:
+    """Mean delivery time of the step's activation and gradient messages, from the trace:
+    receive end minus the later of the send's post and the receive's start. On a machine
+    with more ranks than cores this is mostly the wait for the sending process to be
+    scheduled (gloo moves the data from the sender's side once the receive is posted)."""
+    posted: dict[tuple, float] = {}
+    for s, res in enumerate(results):
+        for kind, mb, _, start in res["events"][step]:
+            if kind == "SEND_F":
+                posted[("F", s + 1, mb)] = start
+            elif kind == "SEND_B":
+                posted[("B", s - 1, mb)] = start
+    got = []
+    for s, res in enumerate(results):
+        for kind, mb, d, start in res["events"][step]:
+            key = ("F" if kind == "RECV_F" else "B", s, mb)
+            if kind in ("RECV_F", "RECV_B") and key in posted:
+                got.append(start + d - max(start, posted[key]))
+    return statistics.fmean(got) if got else None
+
+
+_POSTS = ("PEER_RECV", "PEER_FETCH", "PEER_RETURN")  # post transfers, never wait long
+
+
+def _action_overheads(events: list) -> dict[str, float]:
+    """Work of actions that only post transfers (mean of the step), which the simulator
+    does not otherwise time; waiting actions are timed by the link model."""
+    by: dict[str, list[float]] = {}
+    for kind, _, d, *_ in events:
+        by.setdefault(kind, []).append(d)
+    return {k: statistics.fmean(v) for k, v in by.items() if k in _POSTS}
+
+
+def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec,
+                  schedule: str, placement, latency: float, bandwidth: float,
+                  per_mb: bool = False):
+    """One prediction per measured step after warm-up (each calibrated on its own step);
+    returns the mean predicted step time and the last replay (for peaks). ``per_mb``
+    replays each micro-batch's own measured compute time (a diagnostic, not a prediction)."""
+    sims = [predict(tensor_rows, results, spec, schedule, placement, latency, bandwidth, step=i,
+                    per_mb=per_mb)
+            for i in range(spec.warmup, len(results[0]["step_s"]))]
+    return statistics.fmean(x.step_s for x in sims), sims[-1]
+
+
+def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, schedule: str,
+            placement, latency: float, bandwidth: float, policies: dict | None = None,
+            step: int = -1, per_mb: bool = False):
+    """Simulator prediction of step ``step`` of a harness run, calibrated from that run.
+
+    Compute: each stage's forward and backward action times of that step (with the send
+    posted right after them) as the runtime traced them, means over micro-batches; the
+    per-layer profile splits them over layers (for liveness). Memory: tensor sizes from
+    the tensor profile. Links: the ping-pong's bandwidth and the step's loaded message
+    latency (:func:`loaded_latency`; the ping-pong's latency if it has no messages).
+    """
+    from trainwright.pipeline.peer_schedule import with_peer_swap
+    from trainwright.pipeline.schedule import build_schedule
+    from trainwright.plan.planner import stage_costs
+    from trainwright.plan.simulate import Links, simulate
+
+    stages = len(results)
+    rows = _rows_with_times(tensor_rows, results, spec.warmup)
+    parts = spec.parts(stages)
+    idx = [list(range(sum(parts[:s]), sum(parts[: s + 1]))) for s in range(stages)]
+    placement = placement or _layer_policy_placement(rows, idx, policies or {})
+    costs = stage_costs(rows, idx, placement, list(range(stages)), [0.0] * stages,
+                        [0.0] * stages)
+    for c, res in zip(costs, results, strict=True):
+        step = step if step >= 0 else len(res["events"]) - 1
+        f = _action_mean(res, ("F", "SEND_F"), step)
+        b = _action_mean(res, ("B", "SEND_B"), step)
+        c.layer_forward_s = [x * f / max(c.forward_s, 1e-12) for x in c.layer_forward_s]
+        c.layer_backward_s = [x * b / max(c.backward_s, 1e-12) for x in c.layer_backward_s]
+        c.forward_s, c.backward_s = f, b
+        c.step_s = _action_mean(res, ("STEP",), step)
+        c.action_s = _action_overheads(res["events"][step])
+        if per_mb:
+            c.mb_forward_s = _per_mb(res["events"][step], ("F", "SEND_F"))
+            c.mb_backward_s = _per_mb(res["events"][step], ("B", "SEND_B"))
+    peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
+    bw = [[0.0 if i == j else bandwidth for j in range(stages)] for i in range(stages)]
+    loaded = loaded_latency(results, step if step >= 0 else len(results[0]["events"]) - 1)
+    links = Links(list(range(stages)), bw, host_bandwidth=1e11,
+                  latency_s=loaded if loaded is not None else latency)
+    return simulate(with_peer_swap(build_schedule(schedule, stages, spec.micro_batches),
+                                   peers), costs, links)
+
+
+def _layer_policy_placement(rows: list, idx: list[list[int]], policies: dict):
+    """A placement object equivalent to per-layer runtime policies (host swap = every saved
+    tensor of the layer to the host; recompute = the whole layer)."""
+    from trainwright.plan.placement import HOST, Chunk, Placement, StagePlacement, TensorPlan
+
+    stages = []
+    for s, layers in enumerate(idx):
+        tps = []
+        for i in layers:
+            pol = policies.get(i, "keep")
+            for t in rows[i].tensors:
+                if pol == "swap":
+                    tps.append(TensorPlan(i, t.index, t.nbytes, "host",
+                                          [Chunk(HOST, t.nbytes)]))
+                else:
+                    tps.append(TensorPlan(i, t.index, t.nbytes, pol))
+        stages.append(StagePlacement(s, s, tps, 0, 0, 0.0, True))
+    return Placement(list(range(len(idx))), stages, {}, {})
+
+
+def _plan(rows: list, spec: PlannerBenchSpec, stages: int, schedule: str, budgets: list[int],
+          families: tuple):
+    from trainwright.devices import DeviceTopology
+    from trainwright.plan.placement import Rules
+    from trainwright.plan.planner import PlanRequest, make_plan
+
+    bw = [[0.0 if i == j else 1e9 for j in range(stages)] for i in range(stages)]
+    topo = DeviceTopology("loopback", [max(budgets)] * stages, bw, [1e9] * stages)
+    req = PlanRequest(rows, schedule, stages, spec.micro_batches, topo, budget=budgets,
+                      partition=spec.parts(stages),
+                      rules=Rules(short_s=math.inf, long_s=math.inf, families=families))
+    return make_plan(req)
+
+
+def _layer_policies(plan) -> dict[int, str]:
+    """Runtime per-layer policies of a plan without peer swap (host tensor -> swap layer)."""
+    out: dict[int, str] = {}
+    for sp in plan.placement.stages:
+        for t in sp.tensors:
+            if t.policy == "recompute":
+                out[t.layer] = "recompute"
+            elif t.policy == "host" and out.get(t.layer) != "recompute":
+                out[t.layer] = "swap"
+    return out
+
+
+def _peer_plan_json(plan) -> dict:
+    d = plan.to_dict()
+    return {"tensors": d["tensors"], "peers": d["peers"]}
+
+
+def _err(pred: float, meas: float) -> float:
+    return abs(pred - meas) / meas if meas else 0.0
+
+
+# ---- big plans ----------------------------------------------------------------------------
+
+def plan_175b(cold: bool = False) -> dict:
+    """Profile (meta device) and plan GPT-3 175B on 128 x 8 NVSwitch GPUs, pp 64 x dp 16."""
+    from trainwright.devices import cluster, preset
+    from trainwright.plan.commands import gpt_profile
+    from trainwright.plan.planner import PlanRequest, make_plan
+
+    if not cold:  # import torch's meta/decomposition machinery first (a one-off cost)
+        with torch.device("meta"):
+            torch.nn.Linear(2, 2)(torch.zeros(1, 2)).sum()
+    t0, c0 = time.perf_counter(), time.process_time()
+    rows = gpt_profile(96, 12288, 96, 2048, 50257, 1, True, "bfloat16", 125e12, 900e9)
+    topo = cluster(preset("nvswitch8", 80 * 10**9), 128, 25e9)
+    pp, dp = 64, 16
+    m = 1536 // dp
+    grad = sum(x.param_bytes for x in rows) / pp
+    req = PlanRequest(rows, "1f1b", pp, m, topo, state_factor=8.0, reserve=2 * 2**30,
+                      latency_s=10e-6, sync_s=2 * (dp - 1) / dp * grad / 25e9)
+    plan = make_plan(req)
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "pp": pp, "dp": dp, "micro_batches": m, "fits": all(plan.to_dict()["fits"]),
+            "predicted_step_s": plan.sim.step_s,
+            "max_peak_gib": max(plan.sim.peak_bytes) / 2**30}
+
+
+def _cold_175b() -> dict:
+    """:func:`plan_175b` in a fresh process (torch imported, its meta machinery not yet)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from trainwright.bench.planner import plan_175b; "
+            "print(json.dumps(plan_175b(cold=True)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=600, check=True, env=os.environ.copy())
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def dgx1_table() -> list[dict]:
+    """Predicted step time and per-GPU peak of a GPT on one DGX-1, with and without peer swap."""
+    from trainwright.devices import preset
+    from trainwright.plan.commands import gpt_profile
+    from trainwright.plan.planner import PlanRequest, make_plan
+
+    rows = gpt_profile(24, 2048, 16, 2048, 50257, 12, True, "bfloat16", 125e12, 900e9)
+    topo = preset("dgx1", 32 * 2**30)
+    out = []
+    for peer in (False, True):
+        req = PlanRequest(rows, "1f1b", 8, 16, topo, state_factor=8.0, reserve=2 * 2**30,
+                          partition=[4, 3, 3, 3, 3, 3, 3, 4], peer_swap=peer,
+                          latency_s=10e-6)
+        plan = make_plan(req)
+        d = plan.to_dict()
+        out.append({"model": "GPT 1.3B (24 x d2048, ctx 2048, bf16), 16 micro-batches of 12, "
+                             "1F1B, 8 stages [embed+3, 3 x6, 3+head], fp32 Adam state",
+                    "peer_swap": peer, "mapping": d["mapping"],
+                    "predicted_step_s": round(plan.sim.step_s, 4),
+                    "all_keep_step_s": round(plan.keep_sim.step_s, 4),
+                    "all_keep_peak_gib_per_gpu": [round(b / 2**30, 2)
+                                                  for b in plan.keep_sim.peak_bytes],
+                    "peak_gib_per_gpu": [round(b / 2**30, 2) for b in plan.sim.peak_bytes],
+                    "budget_gib_per_gpu": [round(b / 2**30, 2) for b in d["budgets"]],
+                    "fits": d["fits"], "policy_counts": d["policy_counts"]})
+    return out
+
+
+# ---- the benchmark ----------------------------------------------------------------------
+
+def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
+    """Every measurement of the module docstring; returns the JSON."""
+    from rich.progress import Progress
+
+    from trainwright.pipeline.harness import job_batch, job_layers
+    from trainwright.tensor_profile import profile_tensors
+
+    job0 = spec.job(1, "1f1b")
+    layers = job_layers(job0)
+    x, y = job_batch(job0, 0)
+    n = spec.micro_batch_size
+    tensor_rows = profile_tensors([(f"layer{i}", m) for i, m in enumerate(layers)], x[:n],
+                                  y[:n], lambda o, t: torch.nn.functional.cross_entropy(
+                                      o.flatten(0, 1), t.flatten()))
+    accuracy = []
+    cases = [(k, sch) for k in spec.stage_counts for sch in spec.schedules]
+    limits: dict = {}
+    latency = bandwidth = None
+    with Progress(transient=True) as bar:
+        task = bar.add_task("bench planner", total=len(cases) + 1 + (1 if big else 0))
+        for stages, schedule in cases:
+            bar.update(task, description=f"bench planner: {stages} stages {schedule}")
+            res = _spawn(_accuracy_worker, stages, spec, schedule, tensor_rows, latency is None)
+            if latency is None:
+                latency, bandwidth = _links(res[0]["links"])
+            keep = [r["keep"] for r in res]
+            step, peaks = _measured(keep, spec.warmup)
+            pred, sim = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
+                                      bandwidth)
+            replay, _ = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
+                                      bandwidth, per_mb=True)
+            accuracy.append(_row(stages, schedule, "none", step, peaks, sim, pred, replay))
+            budgets = res[0]["budgets"]
+            limits[(stages, schedule)] = budgets
+            plan = _plan(tensor_rows, spec, stages, schedule, budgets, ("peer", "recompute"))
+            limited = [r["limited"] for r in res]
+            step, peaks = _measured(limited, spec.warmup)
+            pred, sim = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
+                                      latency, bandwidth)
+            replay, _ = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
+                                      latency, bandwidth, per_mb=True)
+            row = _row(stages, schedule, "stage-0 limit, peer+recompute", step, peaks, sim,
+                       pred, replay)
+            row.update(budgets=budgets, fits=all(p <= b for p, b in zip(peaks, budgets,
+                                                                         strict=True)),
+                       policy_counts=plan.to_dict()["policy_counts"])
+            accuracy.append(row)
+            bar.advance(task)
+        stages = max(spec.stage_counts)
+        budgets = limits.get((stages, "1f1b")) or next(iter(limits.values()))
+        plans = {f: _plan(tensor_rows, spec, stages, "1f1b", budgets, (f,))
+                 for f in ("peer", "host", "recompute")}
+        order = [(f, _layer_policies(p), _peer_plan_json(p) if f == "peer" else None)
+                 for _ in range(repeats) for f, p in plans.items()]
+        bar.update(task, description="bench planner: peer / host / recompute alone")
+        got = _spawn(_families_worker, stages, spec, order)
+        bar.advance(task)
+        fams: dict[str, list] = {f: [] for f in plans}
+        for j, (fam, _, _) in enumerate(order):
+            step, peaks = _measured([r[j] for r in got], spec.warmup)
+            fams[fam].append({"step_s": step, "peaks": peaks})
+        if big:
+            bar.update(task, description="bench planner: 175B plan, DGX-1 table")
+            warm = plan_175b()
+            table = dgx1_table()
+            bar.advance(task)
+    fam_rows = {}
+    for fam, runs in fams.items():
+        fam_rows[fam] = {
+            "step_s": statistics.median(r["step_s"] for r in runs),
+            "step_s_per_repeat": [round(r["step_s"], 4) for r in runs],
+            "peak_bytes_per_stage": runs[-1]["peaks"],
+            "fits": all(p <= b for p, b in zip(runs[-1]["peaks"], budgets, strict=True)),
+            "policy_counts": plans[fam].to_dict()["policy_counts"]}
+    out = {
+        "benchmark": "planner",
+        "question": "does the simulator predict measured step times and peaks, and is peer "
+                    "swap no slower than the faster of host swap and recompute?",
+        "spec": asdict(spec), "repeats": repeats,
+        "link_latency_s": latency, "link_bandwidth_Bps": bandwidth,
+        "sim_step_error_max": round(max(r["step_error"] for r in accuracy), 4),
+        "sim_peak_error_max": round(max(r["peak_error_max"] for r in accuracy), 4),
+        "replay_step_error_max": round(max(r["replay_step_error"] for r in accuracy), 4),
+        "accuracy_runs": accuracy,
+        "peer_swap_step_s": round(fam_rows["peer"]["step_s"], 4),
+        "host_swap_step_s": round(fam_rows["host"]["step_s"], 4),
+        "recompute_step_s": round(fam_rows["recompute"]["step_s"], 4),
+        "family_limit_bytes": budgets,
+        "families": fam_rows,
+        "peer_vs_best_other": round(fam_rows["peer"]["step_s"] / min(
+            fam_rows["host"]["step_s"], fam_rows["recompute"]["step_s"]), 3),
+        "host": {"cpus": os.cpu_count(), "torch": torch.__version__},
+    }
+    if big:
+        cold = _cold_175b()
+        out.update({"plan_175b_1024_s": round(warm["wall_s"], 3),
+                    "plan_175b_1024_cold_s": round(cold["wall_s"], 3),
+                    "plan_175b_1024_cpu_s": round(warm["cpu_s"], 3),
+                    "plan_175b_1024": {**warm, "note": "meta machinery imported beforehand"},
+                    "dgx1_gpt": table})
+    return out
+
+
+def _row(stages, schedule, limit, step, peaks, sim, pred, replay) -> dict:
+    peak_errors = [_err(p, m) for p, m in zip(sim.peak_bytes, peaks, strict=True)]
+    return {"stages": stages, "schedule": schedule, "limit": limit,
+            "measured_step_s": round(step, 5), "predicted_step_s": round(pred, 5),
+            "step_error": round(_err(pred, step), 4),
+            "replay_step_s": round(replay, 5), "replay_step_error": round(_err(replay, step), 4),
+            "measured_peak_bytes": peaks, "predicted_peak_bytes": sim.peak_bytes,
+            "peak_error_max": round(max(peak_errors), 4)}
+
+
+def main(args: argparse.Namespace) -> dict:
+    """CLI entry: ``trainwright bench planner [--repeats N] [--steps N]``."""
+    spec = PlannerBenchSpec()
+    if args.steps:
+        spec.steps = args.steps
+    if args.stages:
+        spec.stage_counts = [args.stages]
+    return run(spec, repeats=args.repeats)
