@@ -16,7 +16,8 @@ after another in the same run:
 * ``deepspeed_pipeline_parameters``: DeepSpeed's ``PipelineModule`` with
   ``partition_method="parameters"`` (balances parameter counts) on the same layers.
 
-``ratio_to_best`` = after / best static samples per second.
+``ratio_to_best`` = after / best static samples per second. With ``--repeats N`` the
+systems run N interleaved rounds and every figure is the median over the rounds.
 """
 
 from __future__ import annotations
@@ -135,72 +136,100 @@ def _median(times: list[float]) -> float:
     return statistics.median(times) if times else float("nan")
 
 
-def run(spec: RebalanceBenchSpec, deepspeed: bool | None = None) -> dict:
-    """Run the three systems one after another and compare (see the module docstring)."""
-    from rich.progress import Progress
-
-    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
-    with Progress(transient=True) as bar:
-        task = bar.add_task("bench rebalance: trainwright_rebalance", total=2 + use_ds)
-        ours = peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages)[0]
-        bar.advance(task)
-        reps = ours["repartitions"]
-        times = ours["step_times_s"]
-        last_layers = sorted(ours["layers"][-1]["layers"], key=lambda c: c["layer"])
-        layer_times = [c["forward_s"] + c["backward_s"] for c in last_layers]
-        best, _ = best_static_partition(layer_times, spec.stages)
-        bar.update(task, description="bench rebalance: trainwright_best_static")
-        static = peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages,
-                                  worker_kwargs={"partition": best})[0]
-        bar.advance(task)
-        ds = None
-        if use_ds:
-            bar.update(task, description="bench rebalance: deepspeed parameters")
-            ds_spec = RebalanceBenchSpec(**{k: getattr(spec, k) for k in (
-                "n_blocks", "d_model", "n_heads", "context", "micro_batches",
-                "micro_batch_size", "stages", "seed", "threads_per_rank", "lr")},
-                steps=spec.static_steps)
-            ds = peers.spawn_peer(peers.deepspeed_worker, ds_spec, world_size=spec.stages,
-                                  worker_kwargs={"partition_method": "parameters"})
-            bar.advance(task)
+def _ours_figures(ours: dict, spec: RebalanceBenchSpec) -> dict:
+    """Before / after / migration figures of one rebalancing run (step times of rank 0)."""
+    reps, times = ours["repartitions"], ours["step_times_s"]
     first = reps[0]["step"] if reps else len(times) + 1
     last = reps[-1]["step"] if reps else len(times)
     before = times[spec.warmup:first - 1]
     after = times[last + 1:]  # one settling step after the last migration
-    static_med = _median(static["step_times_s"][spec.warmup:])
+    return {"before_s": _median(before) if before else None,
+            "after_s": _median(after) if after else None,
+            "migration_step_s": max(times[r["step"] - 1] for r in reps) if reps else None,
+            "steps_to_rebalance": last if reps else None,
+            "partition_after": reps[-1]["new"] if reps else spec.split}
+
+
+def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = None) -> dict:
+    """Run the systems ``repeats`` rounds, interleaved, and compare (see the module docstring).
+
+    The best static partition comes from the first round's profile and stays fixed.
+    """
+    from rich.progress import Progress
+
+    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
+    ours_runs, static_runs, ds_runs, best, layer_times = [], [], [], None, []
+    with Progress(transient=True) as bar:
+        task = bar.add_task("bench rebalance", total=repeats * (2 + use_ds))
+        for _ in range(repeats):
+            bar.update(task, description="bench rebalance: trainwright_rebalance")
+            ours = peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages)[0]
+            ours_runs.append(ours)
+            bar.advance(task)
+            if best is None:
+                last_layers = sorted(ours["layers"][-1]["layers"], key=lambda c: c["layer"])
+                layer_times = [c["forward_s"] + c["backward_s"] for c in last_layers]
+                best, _ = best_static_partition(layer_times, spec.stages)
+            bar.update(task, description="bench rebalance: trainwright_best_static")
+            static_runs.append(peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages,
+                                                worker_kwargs={"partition": best})[0])
+            bar.advance(task)
+            if use_ds:
+                bar.update(task, description="bench rebalance: deepspeed parameters")
+                ds_spec = RebalanceBenchSpec(**{k: getattr(spec, k) for k in (
+                    "n_blocks", "d_model", "n_heads", "context", "micro_batches",
+                    "micro_batch_size", "stages", "seed", "threads_per_rank", "lr")},
+                    steps=spec.static_steps)
+                ds_runs.append(peers.spawn_peer(peers.deepspeed_worker, ds_spec,
+                                                world_size=spec.stages,
+                                                worker_kwargs={"partition_method": "parameters"}))
+                bar.advance(task)
+    figs = [_ours_figures(o, spec) for o in ours_runs]
     b = spec.batch_size
+
+    def med(key):
+        vals = [f[key] for f in figs if f[key] is not None]
+        return _median(vals) if vals else None
+
+    after_s, before_s = med("after_s"), med("before_s")
+    static_s = _median([_median(r["step_times_s"][spec.warmup:]) for r in static_runs])
     rows = [
         {"system": "trainwright_rebalance", "partition_before": spec.split,
-         "partition_after": reps[-1]["new"] if reps else spec.split,
-         "samples_per_s": round(b / _median(after), 3) if after else None,
-         "step_times_s": [round(t, 4) for t in times]},
+         "partition_after": [f["partition_after"] for f in figs],
+         "samples_per_s": round(b / after_s, 3) if after_s else None,
+         "after_s_per_repeat": [f["after_s"] and round(f["after_s"], 4) for f in figs],
+         "step_times_s": [[round(t, 4) for t in o["step_times_s"]] for o in ours_runs]},
         {"system": "trainwright_best_static", "partition": best,
-         "samples_per_s": round(b / static_med, 3),
-         "step_times_s": [round(t, 4) for t in static["step_times_s"]]},
+         "samples_per_s": round(b / static_s, 3),
+         "step_times_s": [[round(t, 4) for t in r["step_times_s"]] for r in static_runs]},
     ]
     result = {
         "benchmark": "rebalance",
         "question": "throughput after live re-partitioning vs the best static partition, "
                     "and the cost of the migration step",
-        "spec": spec.to_dict(), "rows": rows,
-        "before_samples_per_s": round(b / _median(before), 3) if before else None,
+        "spec": spec.to_dict(), "repeats": repeats, "rows": rows,
+        "before_samples_per_s": round(b / before_s, 3) if before_s else None,
         "after_samples_per_s": rows[0]["samples_per_s"],
         "best_static_samples_per_s": rows[1]["samples_per_s"],
         "ratio_to_best": (round(rows[0]["samples_per_s"] / rows[1]["samples_per_s"], 3)
                           if rows[0]["samples_per_s"] else None),
-        "steps_to_rebalance": last if reps else None,
-        "repartitions": reps, "decisions": ours["decisions"],
-        "migration_step_s": round(max(times[r["step"] - 1] for r in reps), 4) if reps else None,
-        "median_step_s": round(_median(after), 4) if after else None,
+        "steps_to_rebalance": med("steps_to_rebalance"),
+        "repartitions": [o["repartitions"] for o in ours_runs],
+        "decisions": [o["decisions"] for o in ours_runs],
+        "migration_step_s": round(med("migration_step_s"), 4) if med("migration_step_s")
+        else None,
+        "median_step_s": round(after_s, 4) if after_s else None,
         "profiled_layer_times_ms": [round(1e3 * t, 3) for t in layer_times],
         "host": {"cpus": os.cpu_count(), "torch": torch.__version__,
                  "python": platform.python_version()},
     }
-    if ds is not None:
-        ds_med = _median(peers.step_time_s(ds, spec.warmup))
+    if ds_runs:
+        ds_s = _median([_median(peers.step_time_s(r, spec.warmup)) for r in ds_runs])
         rows.append({"system": "deepspeed_pipeline_parameters",
-                     "partition": ds[0].get("partition"), "samples_per_s": round(b / ds_med, 3),
-                     "step_times_s": [round(t, 4) for t in peers.step_time_s(ds, 0)]})
+                     "partition": ds_runs[0][0].get("partition"),
+                     "samples_per_s": round(b / ds_s, 3),
+                     "step_times_s": [[round(t, 4) for t in peers.step_time_s(r, 0)]
+                                      for r in ds_runs]})
         result["deepspeed_parameters_samples_per_s"] = rows[-1]["samples_per_s"]
     if result["migration_step_s"] and result["median_step_s"]:
         result["migration_vs_median"] = round(result["migration_step_s"]
@@ -213,4 +242,4 @@ def main(args: argparse.Namespace) -> dict:
     spec = RebalanceBenchSpec(stages=args.stages or 2)
     if args.steps:
         spec.steps = args.steps
-    return run(spec)
+    return run(spec, repeats=args.repeats)
