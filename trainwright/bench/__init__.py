@@ -11,6 +11,7 @@ import importlib
 BENCHMARKS = {
     "pipeline": "trainwright.bench.pipeline",
     "memory": "trainwright.bench.memory",
+    "straggler": "trainwright.bench.straggler",
 }
 
 

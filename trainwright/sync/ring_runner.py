@@ -19,6 +19,7 @@ import logging
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -80,6 +81,8 @@ class _Node:
         self.ctx = zmq.Context()
         self.index = want
         self.hashes: dict[int, str] = {}
+        self.last_applied = 0
+        self.computes: list[float] = []
         self.joined: list[dict] = []
         self.rings: list[TokenRing] = []
         self.restarted = False
@@ -158,14 +161,18 @@ class _Node:
         cfg, r = self.cfg, self.cfg.tokenring
         while applied < cfg.train.steps:
             step = applied + 1
+            slow = self.index == r.slow_node and r.slow_factor > 1
+            if slow and self.computes:
+                # emulated slowness: idle (factor-1) x the recent compute time first, so the
+                # node uses as little CPU as a slower machine would; a step that closes
+                # meanwhile is abandoned at once (seed: start the next with new weights)
+                ring.wait_closed(step, (r.slow_factor - 1) * statistics.median(self.computes))
             if not ring.closed(step):
                 t0 = time.perf_counter()
                 grads, _ = self._gradient(step)
-                compute = time.perf_counter() - t0
-                if self.index == r.slow_node and r.slow_factor > 1:
-                    # emulated slowness: sleep (factor-1) x the compute, abandoning the step
-                    # as soon as the ring closes it without us
-                    ring.wait_closed(step, (r.slow_factor - 1) * compute)
+                self.computes = [*self.computes[-4:], time.perf_counter() - t0]
+                if slow and len(self.computes) == 1:  # no estimate before the first step
+                    ring.wait_closed(step, (r.slow_factor - 1) * self.computes[0])
                 if (step == r.kill_step and self.index in r.kill_nodes and not self.restarted):
                     os.kill(os.getpid(), signal.SIGKILL)
                 if not ring.closed(step):
@@ -183,7 +190,9 @@ class _Node:
         with torch.no_grad():
             for p, a in zip(self.params, acc, strict=True):
                 p.add_(a.div_(n), alpha=-lr)  # w <- w - lr * sum / n
-        self.hashes[step] = param_hash(self.params)
+        if self.cfg.tokenring.record_hashes:
+            self.hashes[step] = param_hash(self.params)
+        self.last_applied = step
         every = self.cfg.tokenring.batch_steps
         ring.note_applied(step, self.params if ring.wants_weights(step, every) else None, every)
 
@@ -245,7 +254,7 @@ class _Node:
         except RingFailed as exc:
             msg = str(exc)
             if ring is not None and ring.epoch.first() == self.index:
-                msg += f"; model (after step {max(self.hashes, default=0)}) saved to " \
+                msg += f"; model (after step {self.last_applied}) saved to " \
                        f"{self.save_model()}"
             print(f"error: node {self.index}: {msg}", file=sys.stderr)
             self.write_stats("failed", msg)
