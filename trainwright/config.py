@@ -179,6 +179,11 @@ class TokenRingConfig:
     ring closes it meanwhile), so it also takes as little CPU as a slower machine."""
     slow_factor: float = 1.0
     """Fault injection: slowdown of ``slow_node``."""
+    pace_s: float = 0.0
+    """Emulation (benchmarks): pad every node's forward+backward to this many seconds (the
+    slow node's to ``slow_factor`` times it) by idling between forward and backward, as if
+    each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
+    for the others, which hides the straggler; pacing removes that artefact."""
     kill_nodes: list = field(default_factory=list)
     """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
     computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
@@ -330,6 +335,8 @@ class Config:
     def validate_tokenring(self) -> None:
         """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
         r, t = self.tokenring, self.train
+        if r.pace_s < 0:
+            raise ConfigError(f"tokenring.pace_s = {r.pace_s} must be >= 0 (0 = no pacing)")
         if not 0 < r.close_fraction <= 1:
             raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
         if r.min_nodes > r.nodes:

@@ -1,21 +1,26 @@
 """``trainwright bench straggler``: token ring vs torch DDP with one node 3x slower.
 
-Four nodes train the same MLP (64 -> 1024 -> 1024 -> 10, GELU) on scikit-learn's digits
+Four nodes train the same MLP (64 -> 512 -> 512 -> 10, GELU) on scikit-learn's digits
 (1,797 8x8 images shipped inside the package; 360 held out for testing) with plain SGD,
-the same global batches (512 = 4 shards of 128, reshuffled each epoch) and the same number
-of steps. Rows:
+the same global batches (1,436 = 4 shards of 359: the whole training set, reshuffled each
+epoch, so that each node's compute per step is large against messaging and noise) and
+the same number of steps. Rows:
 
 * ``trainwright_tokenring``: ``sync.strategy = "tokenring"``, ``close_fraction = 0.75``;
 * ``torch_ddp``: ``DistributedDataParallel`` over gloo (all-reduce every step);
 
-each with and without a straggler. **How slowness is injected**: the slow node (index 3)
-idles ``(factor - 1)`` times its compute time before each step's forward+backward, so
-that, like a slower machine, it takes no more CPU from the shared cores than the others.
-In the token ring the estimate is the median of its last five measured forward+backward
-times, and the idling ends early when the ring closes the step without it (the seed
-abandons a closed step). In DDP the slow rank idles for ``(factor - 1)`` times the median
-forward+backward time it measured on the unwrapped model before training, under the same
-four-process load. Every rank runs one intra-op thread.
+each with and without a straggler. **How slowness is injected (pacing)**: four nodes
+share two (busy) cores here, so a straggler emulated by sleeping frees CPU for the others
+and hides itself (measured: a 3x sleeping rank slowed DDP only ~1.3x). Each node is
+therefore paced like a node with its own device: its forward+backward is padded to
+``pace_s`` (250 ms; the real forward+backward takes well under that) by idling between
+forward and backward, and the slow node (index 3) is padded to ``slow_factor * pace_s``.
+The padding is ``target - forward_time * r``, with ``r`` the (forward+backward)/forward
+ratio (token ring: median of its last steps; DDP, whose backward contains the
+all-reduce: measured on the plain model before training). In the token ring the idling
+ends early when the ring closes the step without the node (the seed abandons a closed
+step). With ``pace_s = 0`` the slow node instead idles ``(slow_factor - 1)`` times its
+compute. Every rank runs one intra-op thread.
 
 ``samples_per_s`` counts committed samples (those whose gradients entered an update) over
 the steps after one warm-up epoch; ``test_accuracy`` is measured on the held-out images
@@ -42,12 +47,14 @@ class StragglerSpec:
     """Sizes of the benchmark (defaults: the published figures)."""
 
     nodes: int = 4
-    hidden: int = 1024
-    batch_size: int = 512
-    epochs: int = 50
-    lr: float = 0.5
+    hidden: int = 512
+    batch_size: int = 1436
+    epochs: int = 100
+    lr: float = 1.0
     slow_factor: float = 3.0
     close_fraction: float = 0.75
+    pace_s: float = 0.25
+    """Forward+backward of every node padded to this (the slow node's to 3x); 0 = off."""
     seed: int = 0
 
 
@@ -101,6 +108,7 @@ def _config(spec: StragglerSpec, steps: int, straggler: bool, run_dir: Path):
         "tokenring.close_fraction": spec.close_fraction, "tokenring.record_hashes": "false",
         "tokenring.slow_node": spec.nodes - 1 if straggler else -1,
         "tokenring.slow_factor": spec.slow_factor, "tokenring.formation_quiet_s": 30.0,
+        "tokenring.pace_s": spec.pace_s,
         "tokenring.close_timeout_s": 60.0,
     }
     return load_config(None, [f"{k}={v}" for k, v in sets.items()])
@@ -146,25 +154,31 @@ def _ddp_worker(rank: int, world: int, spec_d: dict, steps: int, warmup: int,
     cfg = _config(spec, steps, straggler, Path(out).parent)
     model, data = _model(cfg), DigitsData(spec.seed)
     lossf = nn.functional.cross_entropy
-    calib = []
-    dist.barrier()  # every rank calibrates at once: the same CPU contention as in training
-    for s in range(1, 8):
+    ratios = []  # (forward + backward) / forward of the plain model, robust to CPU load
+    for s in range(1, 6):
         x, y = shard(data.batch(s, spec.batch_size), rank, world)
         t0 = time.perf_counter()
-        torch.autograd.grad(lossf(model(x), y), list(model.parameters()))
-        calib.append(time.perf_counter() - t0)
-    compute = statistics.median(calib[2:])
+        loss = lossf(model(x), y)
+        t1 = time.perf_counter()
+        torch.autograd.grad(loss, list(model.parameters()))
+        ratios.append((time.perf_counter() - t0) / (t1 - t0))
+    fwd_bwd_per_fwd = statistics.median(ratios)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr)
     dist.barrier()
     times = []
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
-        if straggler and rank == world - 1:
-            time.sleep((spec.slow_factor - 1) * compute)
         x, y = shard(data.batch(step, spec.batch_size), rank, world)
         opt.zero_grad(set_to_none=True)
-        lossf(ddp(x), y).backward()
+        loss = lossf(ddp(x), y)
+        slow = straggler and rank == world - 1
+        compute = (time.perf_counter() - t0) * fwd_bwd_per_fwd  # estimated from the forward
+        if spec.pace_s:  # pad forward+backward to the device time (3x on the slow rank)
+            time.sleep(max(0.0, spec.pace_s * (spec.slow_factor if slow else 1) - compute))
+        elif slow:
+            time.sleep((spec.slow_factor - 1) * compute)
+        loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     if rank == 0:
@@ -218,7 +232,8 @@ def run(spec: StragglerSpec, repeats: int = 3, steps: int | None = None) -> dict
         "benchmark": "straggler",
         "spec": {**asdict(spec), "steps": steps, "warmup_steps": warmup, "repeats": repeats,
                  "slow_node": spec.nodes - 1,
-                 "slowness": "slow node idles (factor-1) x its compute time before each step"},
+                 "slowness": "forward+backward padded to pace_s per node, slow_factor x pace_s on "
+                              "the slow node (idling between forward and backward)"},
         "rows": rows,
         "ratio_vs_ddp_with_straggler": tr["samples_per_s"] / ddp["samples_per_s"],
         "ratio_ddp_straggler_vs_no_straggler": ddp["samples_per_s"]
