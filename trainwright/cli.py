@@ -38,6 +38,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resume_dir = None
         cfg = load_config(args.config, args.set)
 
+    if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
+        from trainwright.sync.ring_runner import run_ring_command
+        if resume_dir is not None:
+            raise ConfigError("--resume is not supported with sync.strategy = 'tokenring'; "
+                              "start a new run")
+        return run_ring_command(cfg)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.worker import run_worker

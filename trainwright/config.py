@@ -190,9 +190,10 @@ class TokenRingConfig:
     succession_s: float = 1.0
     """T: the k-th successor of a silent holder declares it lost after
     ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""
-    idle_hold_s: float = 0.005
+    idle_hold_s: float = 0.02
     """A holder keeps a token that went a full round without news this long, waiting for
-    its own gradient, instead of spinning the token around an idle ring."""
+    its own gradient, instead of spinning the token around an idle ring; a node whose
+    gradient is ready sends a small *want* notice, and nobody keeps the token then."""
     close_timeout_s: float = 120.0
     """Deadline for a step to close and for the gradients of a closed step to arrive."""
     batch_steps: int = 10
@@ -200,10 +201,16 @@ class TokenRingConfig:
     standby_timeout_s: float = 120.0
     """How long a standby node waits to be admitted before giving up."""
     slow_node: int = -1
-    """Fault injection: this node index is slowed by ``slow_factor`` (it sleeps
-    ``(slow_factor - 1)`` times its measured compute time each step)."""
+    """Fault injection: this node index is slowed by ``slow_factor``: before each step it
+    idles ``(slow_factor - 1)`` times its recent compute time (abandoning the step if the
+    ring closes it meanwhile), so it also takes as little CPU as a slower machine."""
     slow_factor: float = 1.0
     """Fault injection: slowdown of ``slow_node``."""
+    pace_s: float = 0.0
+    """Emulation (benchmarks): pad every node's forward+backward to this many seconds (the
+    slow node's to ``slow_factor`` times it) by idling between forward and backward, as if
+    each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
+    for the others, which hides the straggler; pacing removes that artefact."""
     kill_nodes: list = field(default_factory=list)
     """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
     computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
@@ -212,6 +219,9 @@ class TokenRingConfig:
     restart_killed: bool = False
     """Fault injection: the local launcher restarts killed nodes once, as standby nodes
     that rejoin at the next batch boundary."""
+    record_hashes: bool = True
+    """Record a SHA-256 of the parameters after every step in ``node<i>.json`` (to check
+    that replicas are bit-identical; costs a pass over the weights per step)."""
 
 
 @dataclass(kw_only=True)
@@ -444,6 +454,8 @@ class Config:
     def validate_tokenring(self) -> None:
         """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
         r, t = self.tokenring, self.train
+        if r.pace_s < 0:
+            raise ConfigError(f"tokenring.pace_s = {r.pace_s} must be >= 0 (0 = no pacing)")
         if not 0 < r.close_fraction <= 1:
             raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
         if r.min_nodes > r.nodes:

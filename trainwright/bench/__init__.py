@@ -15,6 +15,7 @@ BENCHMARKS = {
     "hierarchical": "trainwright.bench.hierarchical",
     "sparse": "trainwright.bench.sparse",
     "planner": "trainwright.bench.planner",
+    "straggler": "trainwright.bench.straggler",
 }
 
 

@@ -19,6 +19,7 @@ import logging
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -80,6 +81,9 @@ class _Node:
         self.ctx = zmq.Context()
         self.index = want
         self.hashes: dict[int, str] = {}
+        self.last_applied = 0
+        self.computes: list[float] = []
+        self.fwd_bwd_per_fwd: list[float] = []
         self.joined: list[dict] = []
         self.rings: list[TokenRing] = []
         self.restarted = False
@@ -146,29 +150,45 @@ class _Node:
         return self._welcomed(pull, standby=True)
 
     # ------------------------------------------------------------ training
-    def _gradient(self, step: int) -> tuple[list[torch.Tensor], float]:
-        t = self.cfg.train
-        x, y = shard(self.data.batch(step, t.batch_size), self.index, self.cfg.tokenring.nodes)
+    def _gradient(self, step: int, ring: TokenRing | None = None
+                  ) -> list[torch.Tensor] | None:
+        """This node's gradient of ``step``; with pacing, None if the step closed meanwhile."""
+        t, r = self.cfg.train, self.cfg.tokenring
+        x, y = shard(self.data.batch(step, t.batch_size), self.index, r.nodes)
+        t0 = time.perf_counter()
         loss = self.loss(self.model(x), y)
+        t1 = time.perf_counter()
+        if ring is not None:  # pacing: idle so that forward+backward lasts the target time
+            target = r.pace_s * (r.slow_factor if self.index == r.slow_node else 1.0)
+            ratio = statistics.median(self.fwd_bwd_per_fwd) if self.fwd_bwd_per_fwd else 3.0
+            if ring.wait_closed(step, target - (t1 - t0) * ratio):
+                return None  # closed without us: abandon it
+        t2 = time.perf_counter()
         grads = torch.autograd.grad(loss, self.params)
-        return list(grads), float(loss.detach())
+        t3 = time.perf_counter()
+        self.fwd_bwd_per_fwd = [*self.fwd_bwd_per_fwd[-4:], (t1 - t0 + t3 - t2) / (t1 - t0)]
+        return list(grads)
 
     def train(self, ring: TokenRing, applied: int) -> int:
         """Run steps ``applied+1 .. train.steps``; returns the last applied step."""
         cfg, r = self.cfg, self.cfg.tokenring
         while applied < cfg.train.steps:
             step = applied + 1
+            slow = self.index == r.slow_node and r.slow_factor > 1 and not r.pace_s
+            if slow and self.computes:
+                # emulated slowness: idle (factor-1) x the recent compute time first, so the
+                # node uses as little CPU as a slower machine would; a step that closes
+                # meanwhile is abandoned at once (seed: start the next with new weights)
+                ring.wait_closed(step, (r.slow_factor - 1) * statistics.median(self.computes))
             if not ring.closed(step):
                 t0 = time.perf_counter()
-                grads, _ = self._gradient(step)
-                compute = time.perf_counter() - t0
-                if self.index == r.slow_node and r.slow_factor > 1:
-                    # emulated slowness: sleep (factor-1) x the compute, abandoning the step
-                    # as soon as the ring closes it without us
-                    ring.wait_closed(step, (r.slow_factor - 1) * compute)
+                grads = self._gradient(step, ring if r.pace_s else None)
+                self.computes = [*self.computes[-4:], time.perf_counter() - t0]
+                if slow and len(self.computes) == 1:  # no estimate before the first step
+                    ring.wait_closed(step, (r.slow_factor - 1) * self.computes[0])
                 if (step == r.kill_step and self.index in r.kill_nodes and not self.restarted):
                     os.kill(os.getpid(), signal.SIGKILL)
-                if not ring.closed(step):
+                if grads is not None and not ring.closed(step):
                     ring.offer(step, grads)
             ring.wait_close(step)
             for s in range(step, ring.closed_through() + 1):
@@ -183,7 +203,9 @@ class _Node:
         with torch.no_grad():
             for p, a in zip(self.params, acc, strict=True):
                 p.add_(a.div_(n), alpha=-lr)  # w <- w - lr * sum / n
-        self.hashes[step] = param_hash(self.params)
+        if self.cfg.tokenring.record_hashes:
+            self.hashes[step] = param_hash(self.params)
+        self.last_applied = step
         every = self.cfg.tokenring.batch_steps
         ring.note_applied(step, self.params if ring.wants_weights(step, every) else None, every)
 
@@ -245,7 +267,7 @@ class _Node:
         except RingFailed as exc:
             msg = str(exc)
             if ring is not None and ring.epoch.first() == self.index:
-                msg += f"; model (after step {max(self.hashes, default=0)}) saved to " \
+                msg += f"; model (after step {self.last_applied}) saved to " \
                        f"{self.save_model()}"
             print(f"error: node {self.index}: {msg}", file=sys.stderr)
             self.write_stats("failed", msg)

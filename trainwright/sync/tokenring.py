@@ -59,7 +59,7 @@ class RingTimes:
 
     token_timeout_s: float = 2.0
     succession_s: float = 1.0
-    idle_hold_s: float = 0.005
+    idle_hold_s: float = 0.02
     close_timeout_s: float = 120.0
     fetch_after_s: float = 0.3
 
@@ -173,6 +173,8 @@ class TokenRing:
         self._admit: tuple[list[torch.Tensor], int] | None = None
         self._fetch: list[tuple[int, int]] = []
         self._done: set[int] = set()
+        self._wants: dict[int, int] = {}
+        self._wanted_sent = 0
         self._finishing = self._done_sent = False
         self.close_time: dict[int, float] = {}
         self._early = list(early or [])
@@ -391,7 +393,13 @@ class TokenRing:
             self._broadcast({"t": "done"})
         if self.status != "running":
             return
-        if self.tok is not None and self.tok.holder == self.index:
+        offer, t = self._offer, self.tok
+        if (offer is not None and t is not None and offer[0] > self._wanted_sent
+                and t.holder != self.index and offer[0] == t.step):
+            # tell the ring a gradient waits, so that holders stop keeping an idle token
+            self._wanted_sent = offer[0]
+            self._broadcast({"t": "want", "step": offer[0]})
+        if t is not None and t.holder == self.index:
             self._act()
         self._check_silence()
 
@@ -416,6 +424,8 @@ class TokenRing:
                 if have is not None and addr is not None:
                     self._send(src, addr, {"t": "grad", "step": header["step"],
                                            "node": header["node"]}, have)
+            elif kind == "want":
+                self._wants[src] = header["step"]
             elif kind == "done":
                 self._done.add(src)
             elif kind == "fail":
@@ -505,9 +515,9 @@ class TokenRing:
             t.contribs.append(self.index)
             t.idle = 0
             self.stats.contributed.append(step)
-        elif (t.idle >= len(self.epoch.members)
+        elif (t.idle >= len(self.epoch.members) and not self._wanted(t)
               and time.monotonic() - self._hold_since < self.times.idle_hold_s):
-            return  # an idle ring: keep the token a moment rather than spin it
+            return  # an idle ring that nobody waits for: keep the token rather than spin it
         else:
             t.idle += 1
         if len(t.contribs) >= contributors_needed(self.close_fraction, len(self.epoch.members)):
@@ -520,6 +530,11 @@ class TokenRing:
         t.holder = self.epoch.successor(self.index)
         t.hop += 1
         self._send_token()
+
+    def _wanted(self, t: Token) -> bool:
+        """Whether a member said its gradient for the token's step is ready."""
+        return any(step == t.step and node not in t.contribs and node in self.epoch.members
+                   for node, step in self._wants.items())
 
     def _admit_standby(self) -> None:
         weights, step = self._admit
