@@ -16,7 +16,7 @@ def docs() -> dict[tuple[str, str], str]:
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
             body = node.body
-            for a, b in zip(body, body[1:]):
+            for a, b in zip(body, body[1:], strict=False):
                 if (isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
                         and isinstance(b.value, ast.Constant)):
                     out[(node.name, a.target.id)] = " ".join(b.value.value.split())
