@@ -39,11 +39,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
 
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
-        from trainwright.sync.ring_runner import run_ring_command
         if resume_dir is not None:
             raise ConfigError("--resume is not supported with sync.strategy = 'tokenring'; "
                               "start a new run")
-        return run_ring_command(cfg)
+        return _run_tokenring(cfg)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.worker import run_worker
@@ -131,6 +130,43 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from trainwright.plan.commands import cmd_plan, format_plan
+
+    print(format_plan(cmd_plan(args)))
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from trainwright.plan.commands import cmd_simulate
+
+    print(json.dumps(cmd_simulate(args)))
+    if args.png:
+        print(f"wrote {args.png}")
+    return 0
+
+
+def _run_tokenring(cfg) -> int:
+    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher."""
+    from trainwright.launch import create_run_dir
+    from trainwright.sync.ring_runner import launch_ring
+
+    run_dir = create_run_dir(cfg)
+    r = cfg.tokenring
+    print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
+          f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
+    result = launch_ring(cfg, run_dir)
+    if not result.ok:
+        print(f"error: token ring run failed: {result.message()}. Outputs are in {run_dir}",
+              file=sys.stderr)
+        return 1
+    print(f"model: {run_dir / 'model.pt'}")
+    print(f"run directory: {run_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``trainwright`` command."""
     p = argparse.ArgumentParser(prog="trainwright", description=__doc__.splitlines()[0])
@@ -166,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.set_defaults(func=_cmd_bench)
 
     from trainwright.plan.commands import add_parsers as add_plan_parsers
-    add_plan_parsers(sub)  # `plan` and `simulate` (seed 004)
+    add_plan_parsers(sub, _cmd_plan, _cmd_simulate)  # `plan` and `simulate` (seed 004)
     return p
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainwright.errors import ConfigError
 
-__all__ = ["add_parsers", "cmd_plan", "cmd_simulate", "gpt_profile", "PRESET_MODELS"]
+__all__ = ["add_parsers", "cmd_plan", "cmd_simulate", "format_plan", "gpt_profile", "PRESET_MODELS"]
 
 PRESET_MODELS = {
     # name: (n_blocks, d_model, n_heads, context, vocab)
@@ -110,8 +110,8 @@ def _pp_options(args, n_devices: int, n_layers: int, node: int) -> list[int]:
     return out[-4:] or [1]
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Handler of ``trainwright plan``."""
+def cmd_plan(args: argparse.Namespace) -> dict:
+    """``trainwright plan``: the plan as data (also written to ``args.json`` when given)."""
     from trainwright.plan.placement import Rules
     from trainwright.plan.planner import PlanRequest, make_plan
     from trainwright.telemetry import atomic_write_text
@@ -158,11 +158,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = plan.to_dict()
     out.update({"model": args.model, "meta": meta, "topology": topo.name, "dp": dp,
                 "devices": n_dev, "plan_s": wall, "profile_s": t_prof, "depths_tried": tried})
-    _print_plan(out)
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(out, indent=1) + "\n")
-        print(f"wrote {args.json}")
-    return 0
+    return out
 
 
 def _fmt(n: float) -> str:
@@ -173,23 +171,25 @@ def _fmt(n: float) -> str:
     return f"{n:.1f} PiB"
 
 
-def _print_plan(out: dict) -> None:
-    print(f"model {out['model']} on {out['devices']} devices ({out['topology']}): "
-          f"pp={out['pp']} x dp={out['dp']}, {out['schedule']}, {out['micro_batches']} "
-          f"micro-batches; planned in {out['plan_s']:.2f} s")
-    print(f"predicted step {out['predicted']['step_s']:.3f} s "
-          f"(all keep {out['all_keep']['step_s']:.3f} s)")
-    print("stage  layers      device  budget       peak         fits  policies")
+def format_plan(out: dict) -> str:
+    """The plan as the table ``trainwright plan`` prints."""
+    lines = [f"model {out['model']} on {out['devices']} devices ({out['topology']}): "
+             f"pp={out['pp']} x dp={out['dp']}, {out['schedule']}, {out['micro_batches']} "
+             f"micro-batches; planned in {out['plan_s']:.2f} s",
+             f"predicted step {out['predicted']['step_s']:.3f} s "
+             f"(all keep {out['all_keep']['step_s']:.3f} s)",
+             "stage  layers      device  budget       peak         fits  policies"]
     for s, layers in enumerate(out["partition"]):
         b = out["budgets"][s]
-        print(f"{s:<6} {layers[0]:>3}-{layers[-1]:<6} {out['mapping'][s]:<7} "
-              f"{_fmt(b) if b is not None else '-':<12} "
-              f"{_fmt(out['predicted']['peak_bytes'][s]):<12} {str(out['fits'][s]):<5} "
-              f"{out['policy_counts'][s]}")
+        lines.append(f"{s:<6} {layers[0]:>3}-{layers[-1]:<6} {out['mapping'][s]:<7} "
+                     f"{_fmt(b) if b is not None else '-':<12} "
+                     f"{_fmt(out['predicted']['peak_bytes'][s]):<12} {str(out['fits'][s]):<5} "
+                     f"{out['policy_counts'][s]}")
+    return "\n".join(lines)
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    """Handler of ``trainwright simulate``."""
+def cmd_simulate(args: argparse.Namespace) -> dict:
+    """``trainwright simulate``: the plan's figures (timeline PNG to ``args.png`` when given)."""
     from trainwright.pipeline.peer_schedule import with_peer_swap
     from trainwright.pipeline.schedule import build_schedule
     from trainwright.plan.simulate import Links, StageCost, simulate
@@ -214,11 +214,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     r = simulate(sched, costs, links)
     figures = {"step_s": r.step_s, "bubble": [round(b, 4) for b in r.bubble],
                "peak_bytes": r.peak_bytes, "activation_peak_bytes": r.own_peak_bytes}
-    print(json.dumps(figures))
     if args.png:
         draw_timeline(r, Path(args.png), title=f"{path.name}: step {r.step_s:.3f} s")
-        print(f"wrote {args.png}")
-    return 0
+    return figures
 
 
 def draw_timeline(r, path: Path, title: str = "") -> None:
@@ -255,8 +253,9 @@ def draw_timeline(r, path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def add_parsers(sub) -> None:
-    """Add the ``plan`` and ``simulate`` subcommands to the ``trainwright`` parser."""
+def add_parsers(sub, on_plan, on_simulate) -> None:
+    """Add the ``plan`` and ``simulate`` subcommands (handled by ``on_plan`` / ``on_simulate``,
+    which print what :func:`cmd_plan` / :func:`cmd_simulate` return)."""
     p = sub.add_parser("plan", help="plan partition, device mapping and per-tensor memory "
                        "policies (seed 004) and predict step time and peaks")
     p.add_argument("--model", default="gpt-small", help=f"one of {sorted(PRESET_MODELS)}")
@@ -283,14 +282,14 @@ def add_parsers(sub) -> None:
     p.add_argument("--mem-gbps", type=float, default=900.0, help="device memory GB/s")
     p.add_argument("--latency-us", type=float, default=10.0)
     p.add_argument("--json", metavar="PATH", help="write the plan here")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=on_plan)
 
     s = sub.add_parser("simulate", help="replay a plan written by `trainwright plan --json`: "
                        "timeline image and figures")
     s.add_argument("plan")
     s.add_argument("--png", metavar="PATH", help="write the timeline here")
     s.add_argument("--latency-us", type=float, default=10.0)
-    s.set_defaults(func=cmd_simulate)
+    s.set_defaults(func=on_simulate)
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - via trainwright.cli

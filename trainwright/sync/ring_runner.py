@@ -46,7 +46,7 @@ from trainwright.sync.tokenring import (
 )
 from trainwright.telemetry import atomic_write_text
 
-__all__ = ["launch_ring", "RingResult", "run_ring_command", "param_hash", "node_main"]
+__all__ = ["launch_ring", "RingResult", "param_hash", "node_main"]
 
 log = logging.getLogger(__name__)
 EXIT_RING_FAILED = 3
@@ -269,11 +269,11 @@ class _Node:
             if ring is not None and ring.epoch.first() == self.index:
                 msg += f"; model (after step {self.last_applied}) saved to " \
                        f"{self.save_model()}"
-            print(f"error: node {self.index}: {msg}", file=sys.stderr)
+            log.error("node %d: %s", self.index, msg)
             self.write_stats("failed", msg)
             return EXIT_RING_FAILED
         except CommError as exc:
-            print(f"error: node {self.index}: {exc}", file=sys.stderr)
+            log.error("node %d: %s", self.index, exc)
             self.write_stats("error", str(exc))
             return EXIT_NODE_ERROR
         finally:
@@ -296,6 +296,12 @@ def node_main(argv: list[str]) -> int:
 
 def _exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _tell_launcher(line: str) -> None:
+    """One protocol line on stdout, the pipe the launcher reads (not output for people)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def zygote_main(argv: list[str]) -> int:
@@ -336,7 +342,7 @@ def zygote_main(argv: list[str]) -> int:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            print(f"exit {children.pop(pid)} {_exit_code(status)}", flush=True)
+            _tell_launcher(f"exit {children.pop(pid)} {_exit_code(status)}")
     return 0
 
 
@@ -445,24 +451,6 @@ def launch_ring(cfg: Config, run_dir: Path, timeout_s: float | None = None) -> R
         key = path.stem.removeprefix("node").replace("-restart", "r")
         reports[key] = json.loads(path.read_text())
     return RingResult(run_dir, codes, reports)
-
-
-def run_ring_command(cfg: Config) -> int:
-    """``trainwright run`` for ``sync.strategy = "tokenring"``; returns the exit code."""
-    from trainwright.launch import create_run_dir
-
-    run_dir = create_run_dir(cfg)
-    r = cfg.tokenring
-    print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
-          f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
-    result = launch_ring(cfg, run_dir)
-    if not result.ok:
-        print(f"error: token ring run failed: {result.message()}. Outputs are in {run_dir}",
-              file=sys.stderr)
-        return 1
-    print(f"model: {run_dir / 'model.pt'}")
-    print(f"run directory: {run_dir}")
-    return 0
 
 
 if __name__ == "__main__":
