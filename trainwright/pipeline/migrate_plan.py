@@ -138,10 +138,6 @@ def _index(actions: list[Action], kind: str, mb: int) -> int:
     raise PlanError(f"stage {actions[0].stage} has no {kind}{mb} in its schedule")
 
 
-def _position_of_b(actions: list[Action], mb: int) -> int:
-    return _index(actions, "B", mb)
-
-
 def migration_schedule(schedules: list[list[Action]], moves: list[Move],
                        switch_mb: int) -> MigrationSchedule:
     """Insert the migration actions of ``moves`` into a step's action lists.
@@ -172,8 +168,8 @@ def migration_schedule(schedules: list[list[Action]], moves: list[Move],
         r_pos = _index(r, "F", switch_mb + 1)  # MIG_RECV goes right before this
         ship, keep = [], []
         for j in range(switch_mb + 1):
-            g_done = _position_of_b(g, j) < g_pos
-            r_done = _position_of_b(r, j) < r_pos
+            g_done = _index(g, "B", j) < g_pos
+            r_done = _index(r, "B", j) < r_pos
             if not g_done and not r_done:
                 ship.append(j)
             elif not g_done:
@@ -189,7 +185,7 @@ def migration_schedule(schedules: list[list[Action]], moves: list[Move],
         rl.insert(_index(rl, "F", switch_mb + 1), Action(mv.receiver, "MIG_RECV", i))
         rl.insert(_index(rl, "SYNC", -1), Action(mv.receiver, "MIG_ADOPT", i))
     plan = MigrationSchedule(new, list(moves), switch_mb, shipped, kept)
-    check_schedule(new, moves)
+    check_schedule(new)
     return plan
 
 
@@ -201,7 +197,7 @@ def _prepares(actions: list[Action]) -> int:
     return i
 
 
-def _messages(a: Action, moves: list[Move]) -> tuple[list, list]:
+def _messages(a: Action) -> tuple[list, list]:
     """``(waits_for, sends)`` message keys of one action."""
     s, k, mb = a.stage, a.kind, a.mb
     if k == "SEND_F":
@@ -227,13 +223,12 @@ def _messages(a: Action, moves: list[Move]) -> tuple[list, list]:
     return [], []
 
 
-def check_schedule(schedules: list[list[Action]], moves: list[Move] | None = None) -> None:
+def check_schedule(schedules: list[list[Action]]) -> None:
     """Dry-run the action lists as the runtime executes them; raise PlanError on a deadlock.
 
     Sends never block; a receive waits for its message; ``SYNC`` waits until every earlier
     send of its stage has been received (the runtime drains its sends there).
     """
-    moves = moves or []
     pos = [0] * len(schedules)
     sent: dict = {}  # key -> stage that sent it
     received: set = set()
@@ -243,7 +238,7 @@ def check_schedule(schedules: list[list[Action]], moves: list[Move] | None = Non
         for s, acts in enumerate(schedules):
             while pos[s] < len(acts):
                 a = acts[pos[s]]
-                waits, sends = _messages(a, moves)
+                waits, sends = _messages(a)
                 if any(w not in sent for w in waits):
                     break
                 if a.kind == "SYNC" and pending_sends[s] - received:
