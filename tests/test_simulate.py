@@ -44,6 +44,31 @@ def test_contention_on_a_shared_link_serialises_transfers():
     assert arrivals == pytest.approx([2.0, 4.0])
 
 
+def test_point_to_point_is_a_rendezvous():
+    # stage 1 is busy with F(0) until 6.5 s; the activation of micro-batch 1, sent at 2 s,
+    # only moves once RECV_F(1) is posted (gloo and NCCL), so it arrives at 6.5 + 0.5
+    costs = [StageCost(1.0, 1.0), StageCost(5.0, 1.0)]
+    r = simulate(build_schedule("gpipe", 2, 2), costs, _links(2, latency=0.5))
+    ends = {(s, k, mb): (st, e) for s, k, mb, st, e in r.timeline}
+    assert ends[(0, "SEND_F", 1)][0] == pytest.approx(2.0)
+    assert ends[(1, "RECV_F", 1)] == pytest.approx((6.5, 7.0))
+    # SYNC drains the stage's sends: it waits until they arrived
+    assert ends[(1, "SYNC", -1)][0] >= ends[(0, "RECV_B", 0)][1]
+
+
+@pytest.mark.parametrize("seconds", [1.0, 3.0])
+def test_peer_chunks_move_while_their_forward_runs(seconds):
+    """The pack hook posts each chunk during F(m): PEER_SEND waits only for what is left."""
+    sched = with_peer_swap(build_schedule("1f1b", 2, 2), {0: [1]})
+    costs = [StageCost(2.0, 2.0, peer_bytes={1: int(seconds * 1e9)}), StageCost(1.0, 1.0)]
+    r = simulate(sched, costs, _links(2, bw=1e9))
+    ends = {(s, k, mb): (st, e) for s, k, mb, st, e in r.timeline}
+    for mb in range(2):
+        f0, f1 = ends[(0, "F", mb)]
+        posted = max(f0, ends[(1, "PEER_RECV", mb)][0])
+        assert ends[(0, "PEER_SEND", mb)][1] == pytest.approx(max(f1, posted + seconds))
+
+
 def test_deadlock_in_a_broken_hand_made_list_is_found():
     good = build_schedule("gpipe", 2, 1)
     assert simulate(good, [StageCost(1, 1), StageCost(1, 1)], _links(2)).step_s > 0

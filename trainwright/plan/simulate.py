@@ -9,21 +9,24 @@ time order). Pure: no torch.
 Semantics (matching :mod:`trainwright.pipeline.runtime` and gloo):
 
 * ``F``/``B`` take the stage's compute time (``B`` includes recomputation);
-* ``SEND_F``/``SEND_B`` post a transfer and go on; it occupies the directed link between
-  the two stages' devices from ``max(post, link free)`` for ``latency + bytes / bandwidth``
-  (transfers on one link queue: contention);
-* ``RECV_F``/``RECV_B`` wait for the matching transfer to arrive; a receive whose send was
+* ``SEND_F``/``SEND_B`` post a transfer and go on. Point-to-point is a rendezvous (gloo
+  and NCCL move the data once both sides are posted): the transfer occupies the directed
+  link between the two stages' devices from ``max(send post, receive post, link free)``
+  for ``latency + bytes / bandwidth`` (transfers on one link queue: contention);
+* ``RECV_F``/``RECV_B`` wait for that transfer to arrive; a receive whose send was
   never posted, while no stage can move, is a **deadlock** (:class:`Deadlock`);
-* ``SYNC`` waits for the stage's own sends and adds ``sync_s``; ``STEP`` adds ``step_s``;
+* ``SYNC`` waits for the stage's own sends to arrive and adds ``sync_s``; ``STEP`` adds
+  ``step_s``;
 * every action other than ``F``/``B`` then adds ``action_s[kind]`` (work beyond waiting);
 * host swap: after ``F(m)`` the stage's host link carries ``host_bytes`` out; the copy back
   starts when the stage reaches ``B(m)``'s receive and ``B(m)`` waits for it;
 * peer swap (:mod:`~trainwright.pipeline.peer_schedule`): ``PEER_RECV`` posts a receive
   (the peer's memory grows by the chunk), ``PEER_SEND`` waits until the owner's chunks
-  are delivered (a gloo send needs its receive posted first), ``PEER_RETURN`` waits for
-  them and posts the send back (the data moves once the owner's ``PEER_FETCH`` has posted
-  the receive), ``PEER_SETTLE`` waits for that delivery and frees the peer's copy,
-  ``PEER_WAIT`` waits on the owner's side.
+  are delivered (posted by the pack hook during ``F(m)``, they move from
+  ``max(F(m) start, receive post)``: a gloo send needs its receive posted first),
+  ``PEER_RETURN`` waits for them and posts the send back (the data moves once the
+  owner's ``PEER_FETCH`` has posted the receive), ``PEER_SETTLE`` waits for that
+  delivery and frees the peer's copy, ``PEER_WAIT`` waits on the owner's side.
 
 Memory per device (bytes the activation store counts, plus chunks held for peers):
 ``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
@@ -148,7 +151,8 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
     link_free: dict[tuple, float] = {}
     arrived: dict[tuple, float] = {}  # message key -> arrival time
     posted_recv: dict[tuple, float] = {}  # peer-swap receive key -> post time
-    pending_sends: list[list[float]] = [[] for _ in range(n)]
+    sent: dict[tuple, float] = {}  # pipeline message key -> send post time
+    pending_sends: list[list[tuple]] = [[] for _ in range(n)]  # message keys
     busy = [0.0] * n
     mem: list[list[tuple[float, int]]] = [[] for _ in range(n)]
     own: list[list[tuple[float, int]]] = [[] for _ in range(n)]
@@ -180,14 +184,12 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
     def ready(s: int, a) -> float | None:
         """Earliest start of action ``a`` on stage ``s``, or None while it must wait."""
         k, mb, now = a.kind, a.mb, clock[s]
-        if k == "RECV_F":
-            got = arrived.get(("act", s - 1, s, mb))
-            return None if got is None else max(now, got)
-        if k == "RECV_B":
-            got = arrived.get(("grad", s + 1, s, mb))
-            return None if got is None else max(now, got)
+        if k in ("RECV_F", "RECV_B"):  # posted once the send is: the data moves then
+            got = sent.get(("act", s - 1, s, mb) if k == "RECV_F" else ("grad", s + 1, s, mb))
+            return None if got is None else now
         if k == "SYNC":
-            return max([now, *pending_sends[s]])
+            done = [arrived.get(key) for key in pending_sends[s]]
+            return None if None in done else max([now, *done])
         if k == "PEER_SEND":
             post = posted_recv.get(("out", s, a.peer, mb))
             return None if post is None else now
@@ -227,15 +229,15 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
             add(s, start, c.transient_bytes)
             add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
             times[(s, "B", mb)] = (start, end)
-        elif k == "SEND_F":
-            got = transfer((s, s + 1), start, c.send_bytes, links.bw(s, s + 1))
-            arrived[("act", s, s + 1, mb)] = got
-            pending_sends[s].append(got)
-        elif k == "SEND_B":
-            got = transfer((s, s - 1), start, costs[s - 1].send_bytes, links.bw(s, s - 1))
-            arrived[("grad", s, s - 1, mb)] = got
-            pending_sends[s].append(got)
+        elif k in ("SEND_F", "SEND_B"):
+            key = ("act", s, s + 1, mb) if k == "SEND_F" else ("grad", s, s - 1, mb)
+            sent[key] = start
+            pending_sends[s].append(key)
         elif k in ("RECV_F", "RECV_B"):
+            key = ("act", s - 1, s, mb) if k == "RECV_F" else ("grad", s + 1, s, mb)
+            src = key[1]
+            end = arrived[key] = transfer((src, s), max(start, sent[key]),
+                                          costs[min(src, s)].send_bytes, links.bw(src, s))
             if k == "RECV_B" and c.host_bytes:
                 host_back[(s, mb)] = transfer(("host", s), start, c.host_bytes,
                                               links.host_bandwidth)
@@ -249,10 +251,12 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
             add(s, start, nbytes, store=False)
         elif k == "PEER_SEND":
             nbytes = c.peer_bytes.get(a.peer, 0)
-            got = transfer((s, a.peer), max(start, posted_recv[("out", s, a.peer, mb)]),
+            # the pack hook posted the chunks as F(m) saved them: they move during F(m)
+            posted = times.get((s, "F", mb), (start,))[0]
+            got = transfer((s, a.peer), max(posted, posted_recv[("out", s, a.peer, mb)]),
                            nbytes, links.bw(s, a.peer))
             arrived[("chunk", s, a.peer, mb)] = got
-            end = got
+            end = max(start, got)
             add(s, end, -nbytes)
         elif k == "PEER_RETURN":  # the data moves once the owner's receive is posted too
             returned[(s, a.peer, mb)] = start
@@ -289,7 +293,8 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         clock[s] = end
         pos[s] += 1
         refresh(s)
-        other = {"SEND_F": s + 1, "SEND_B": s - 1}.get(a.kind, getattr(a, "peer", -1))
+        other = {"SEND_F": s + 1, "SEND_B": s - 1, "RECV_F": s - 1,
+                 "RECV_B": s + 1}.get(a.kind, getattr(a, "peer", -1))
         if 0 <= other < n and other != s:
             refresh(other)
     if any(pos[s] < len(schedule[s]) for s in range(n)):
