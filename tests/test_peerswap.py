@@ -76,3 +76,50 @@ def test_metadata_table_rows():
     with pytest.raises(ValueError, match="do not add up"):
         metadata_table([{"layer": 0, "index": 0, "bytes": 10, "policy": "peer",
                          "chunks": [[1, 6], [-1, 4]]}], {1: 1})
+
+
+@pytest.mark.timeout(300)
+def test_peer_swap_from_the_config_trains_like_the_reference_within_limits(tiny):
+    """``memory.peer_swap = true`` through ``train``: planned at start, parameters and losses
+    equal the single-process reference, every stage under its limit, stage 0 lends to peers."""
+    import json
+
+    from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
+    from trainwright.launch import create_run_dir
+
+    base = {"parallel.pp": 4, "train.schedule": '"1f1b"', "train.micro_batches": 4,
+            "model.n_blocks": 4, "model.d_model": 64, "model.context": 32}
+    keep = tiny(**base)
+    keep_dir = create_run_dir(keep)
+    run_workers(_train_jobs, 4, [(keep, str(keep_dir))], timeout_s=200)
+    peaks = [st["activation_peak_bytes"] for st in _steps(keep_dir)[-1]["stages"]]
+    limits = [int(0.6 * peaks[0])] + [p + peaks[0] for p in peaks[1:]]
+    # fast peer links and a slow host link: the planner must prefer peers (as on NVLink)
+    cfg = tiny(**base, **{"memory.peer_swap": "true", "memory.limit": json.dumps(limits),
+                          "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e8})
+    run_dir = create_run_dir(cfg)
+    run_workers(_train_jobs, 4, [(cfg, str(run_dir))], timeout_s=200)
+    _check_against_reference(cfg, run_dir)
+    plan = json.loads((run_dir / "peer_plan.json").read_text())
+    assert plan["policy_counts"][0].get("peer"), plan["policy_counts"]
+    assert plan["peers"].get("0"), plan["peers"]
+    for row in _steps(run_dir):
+        for s, st in enumerate(row["stages"]):
+            assert st["activation_peak_bytes"] <= limits[s], (row["step"], s, st, limits)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("extra,needle", [
+    ([], "set a limit"),
+    (["memory.limit=\"8MB\"", "memory.policies=[\"keep\"]"], "remove memory.policies"),
+    (["memory.limit=\"8MB\"", "rebalance.enabled=true"], "rebalance.enabled = false"),
+])
+def test_peer_swap_config_errors_name_the_fix(extra, needle, tmp_path, capsys):
+    from trainwright.cli import main
+
+    args = ["run", "--set", f'run.dir="{tmp_path}"', "--set", "memory.peer_swap=true"]
+    for item in extra:
+        args += ["--set", item]
+    assert main(args) == 2
+    assert needle in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "nothing may be written for a rejected config"

@@ -125,6 +125,12 @@ class MemoryConfig:
     reserve: str = "2GiB"
     """With ``limit = "auto"`` on CUDA: device memory left for parameters, optimizer state
     and workspace."""
+    peer_swap: bool = False
+    """Seed 004: plan every saved tensor at start (``trainwright plan``'s planner) and move
+    those of stages over their ``limit`` to the spare memory of other stages, in chunks over
+    point-to-point links, before recomputing or swapping to the host. Needs a ``limit``."""
+    peer_bandwidth: float = 0.0
+    """With ``peer_swap``: bytes/s between stages for the planner; 0 = measure at start."""
 
 
 @dataclass(kw_only=True)
@@ -371,6 +377,7 @@ class Config:
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
+        self._validate_peer_swap()
         bad = [x for x in self.memory.policies if x not in POLICIES]
         if bad:
             raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")
@@ -401,6 +408,21 @@ class Config:
             raise ConfigError(f"train.micro_batches = {t.micro_batches} does not divide the "
                               f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
                               f"; allowed: {divisors}")
+
+    def _validate_peer_swap(self) -> None:
+        mem = self.memory
+        if not mem.peer_swap:
+            return
+        if all(v is None for v in self.stage_limits()):
+            raise ConfigError("memory.peer_swap = true plans against memory.limit; set a limit "
+                              "(e.g. memory.limit = \"64MB\", or one per stage)")
+        if mem.policies:
+            raise ConfigError("memory.peer_swap = true plans the policies itself; remove "
+                              "memory.policies")
+        if self.rebalance.enabled or self.rebalance.at_step or self.rebalance.edits:
+            raise ConfigError("memory.peer_swap = true fixes which stage holds which tensor "
+                              "at start, so layers cannot migrate; set rebalance.enabled = "
+                              "false (and no rebalance.at_step / edits)")
 
     def _validate_rebalance(self) -> None:
         rb, m = self.rebalance, self.train.micro_batches

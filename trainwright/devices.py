@@ -257,6 +257,7 @@ def measure_p2p(nbytes: int = 4 * 2**20, repeats: int = 3, memory_bytes: int = 0
         dist.get_backend(group) == "nccl" else torch.device("cpu")
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
     row = torch.zeros(world, dtype=torch.float64)
+    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
     for src in range(world):
         for dst in range(world):
             if src == dst:
@@ -268,11 +269,11 @@ def measure_p2p(nbytes: int = 4 * 2**20, repeats: int = 3, memory_bytes: int = 0
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 if rank == src:
-                    dist.send(buf, dst, group=group)
-                    dist.recv(buf[:1], dst, group=group)  # ack: the payload has landed
+                    dist.send(buf, glob(dst), group=group)
+                    dist.recv(buf[:1], glob(dst), group=group)  # ack: the payload has landed
                 else:
-                    dist.recv(buf, src, group=group)
-                    dist.send(buf[:1], src, group=group)
+                    dist.recv(buf, glob(src), group=group)
+                    dist.send(buf[:1], glob(src), group=group)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 best = min(best, time.perf_counter() - t0)

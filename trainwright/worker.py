@@ -7,6 +7,7 @@ environment variables) and under ``torchrun`` / SLURM directly.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import threading
@@ -30,6 +31,8 @@ from trainwright.pipeline.budget import (
     stage_in_flight,
 )
 from trainwright.pipeline.edit import apply_edits, load_edit_hook
+from trainwright.pipeline.peer_setup import agree_plan, runtime_policies
+from trainwright.pipeline.peer_setup import attach as attach_peer_swap
 from trainwright.pipeline.rebalance import LayerCatalog, Migration
 from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
@@ -38,7 +41,7 @@ from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.profile import LayerProfiler
 from trainwright.sync import make_grad_sync
-from trainwright.telemetry import RunRecorder, setup_logging
+from trainwright.telemetry import RunRecorder, atomic_write_text, setup_logging
 from trainwright.topology import Topology
 
 __all__ = ["DistEnv", "run_worker", "train", "resume_hint", "EXIT_PEER_LOST", "EXIT_FAILED"]
@@ -214,6 +217,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     edit_hook = load_edit_hook(cfg.rebalance.edits) if cfg.rebalance.edits else None
     catalog = LayerCatalog(named) if rebalancing else None
     clusters = _clusters(named) if rebalancing and s == topo.pp - 1 else []
+    peer_plan = _peer_plan(cfg, named, parts, topo, device, run_dir) if cfg.memory.peer_swap \
+        else None
     slots = []
     for i in range(first, first + parts[s]):
         name, module = named[i]
@@ -232,7 +237,10 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
                   loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
                   loss_scale=1.0 / t.micro_batches)
     schedules = build_schedule(t.schedule, topo.pp, t.micro_batches)
-    actions = schedules[s]
+    actions, extensions = schedules[s], None
+    if peer_plan is not None:
+        actions, extensions = attach_peer_swap(peer_plan, topo, store, schedules,
+                                               cfg.runtime.p2p_timeout_s)
     p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
               on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
     rebalancer = None
@@ -250,8 +258,9 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
         stage, actions, p2p,
         prev_rank=topo.rank_of(s - 1) if s > 0 else None,
         next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
-        grad_sync=sync, replica=topo.replica, fault=fault)
-    budget = _memory_budget(cfg, stage, s, device, len(layer_names))
+        grad_sync=sync, replica=topo.replica, fault=fault, extensions=extensions)
+    budget = _memory_budget(cfg, stage, s, device, len(layer_names),
+                            runtime_policies(peer_plan) if peer_plan is not None else None)
     data = build_data(cfg)
     per_replica = t.batch_size // topo.dp
     lo = topo.replica * per_replica
@@ -334,10 +343,13 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
 
 
 def _memory_budget(cfg: Config, stage: Stage, s: int, device: torch.device,
-                   n_layers: int) -> MemoryBudget:
-    """The stage's budget, planned before step 1 when a limit is set."""
+                   n_layers: int, planned: dict[int, str] | None = None) -> MemoryBudget:
+    """The stage's budget, planned before step 1 when a limit is set (``planned``: the
+    per-layer policies of a peer-swap plan, fixed)."""
     limit = resolve_limit(cfg.stage_limits()[s], cfg, device)
     fixed = cfg.layer_policies(n_layers)
+    if planned is not None:
+        fixed = {i: planned.get(i, "keep") for i in range(n_layers)}
     bandwidth = cfg.memory.host_bandwidth
     if not bandwidth and limit is not None and fixed is None:
         bandwidth = measure_host_bandwidth(device)
@@ -346,6 +358,21 @@ def _memory_budget(cfg: Config, stage: Stage, s: int, device: torch.device,
     if limit is not None and fixed is None:
         budget.replan(costs=profile_model(cfg, build_layers(cfg)), why="before step 1")
     return budget
+
+
+def _peer_plan(cfg: Config, named: list, parts: list[int], topo: Topology,
+               device: torch.device, run_dir: Path) -> dict:
+    """The job's seed-004 plan, the same on every rank; rank 0 writes it to the run dir."""
+    t = cfg.train
+    per_replica = t.batch_size // topo.dp
+    x, y = build_data(cfg).batch(1, t.batch_size)
+    sample = (split_microbatches(x[:per_replica], t.micro_batches)[0],
+              split_microbatches(y[:per_replica], t.micro_batches)[0])
+    limits = [resolve_limit(v, cfg, device) for v in cfg.stage_limits()]
+    plan = agree_plan(cfg, named, parts, limits, topo, device, sample)
+    if topo.rank == 0:
+        atomic_write_text(run_dir / "peer_plan.json", json.dumps(plan, indent=1) + "\n")
+    return plan
 
 
 def _clusters(named: list) -> list[list[int]]:

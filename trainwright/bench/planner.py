@@ -325,20 +325,16 @@ def _plan(rows: list, spec: PlannerBenchSpec, stages: int, schedule: str, budget
 
 
 def _layer_policies(plan) -> dict[int, str]:
-    """Runtime per-layer policies of a plan without peer swap (host tensor -> swap layer)."""
-    out: dict[int, str] = {}
-    for sp in plan.placement.stages:
-        for t in sp.tensors:
-            if t.policy == "recompute":
-                out[t.layer] = "recompute"
-            elif t.policy == "host" and out.get(t.layer) != "recompute":
-                out[t.layer] = "swap"
-    return out
+    """Runtime per-layer policies of a plan (host tensor -> swap layer)."""
+    from trainwright.pipeline.peer_setup import runtime_policies
+
+    return runtime_policies(plan.to_dict())
 
 
 def _peer_plan_json(plan) -> dict:
-    d = plan.to_dict()
-    return {"tensors": d["tensors"], "peers": d["peers"]}
+    from trainwright.pipeline.peer_setup import peer_plan_json
+
+    return peer_plan_json(plan.to_dict())
 
 
 def _err(pred: float, meas: float) -> float:
