@@ -239,8 +239,9 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     schedules = build_schedule(t.schedule, topo.pp, t.micro_batches)
     actions, extensions = schedules[s], None
     if peer_plan is not None:
-        actions, extensions = attach_peer_swap(peer_plan, topo, store, schedules,
-                                               cfg.runtime.p2p_timeout_s)
+        actions, extensions = attach_peer_swap(
+            peer_plan, topo.rank, s, {k: topo.rank_of(k) for k in range(topo.pp)}, store,
+            schedules, cfg.runtime.p2p_timeout_s)
     p2p = P2P(topo.pp_group, topo.rank, cfg.runtime.p2p_timeout_s, device, topo.describe,
               on_failure=_peer_lost(watchdog, cfg.runtime.peer_timeout_s * 2))
     rebalancer = None

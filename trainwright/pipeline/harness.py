@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from trainwright.comm import P2P
 from trainwright.models.gpt import GPTConfig, gpt_layers
-from trainwright.pipeline.peer_schedule import with_peer_swap
-from trainwright.pipeline.peerswap import PeerSwap, metadata_table
+from trainwright.pipeline.peer_setup import attach
 from trainwright.pipeline.runtime import PipelineRuntime
 from trainwright.pipeline.schedule import build_schedule
 from trainwright.pipeline.stage import LayerSlot, Stage
@@ -106,18 +105,13 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
     stage = Stage(slots, store, prof, is_first=rank == 0, loss_fn=_loss if last else None,
                   loss_scale=1.0 / job.micro_batches)
     sched = build_schedule(job.schedule, world, job.micro_batches)
-    extensions, peer = None, None
+    actions, extensions = sched[rank], None
     if peer_plan is not None:
-        peers = {int(k): v for k, v in peer_plan["peers"].items()}
-        sched = with_peer_swap(sched, peers)
-        stage_rank = {s: s for s in range(world)}
-        tables = {s: metadata_table(peer_plan["tensors"][s], stage_rank) for s in range(world)}
-        group = peer_group if peer_group is not None else PeerSwap.new_group()
-        peer = PeerSwap(rank, tables[rank], tables, store, group, stage_rank, job.timeout_s)
-        store.peer = peer
-        extensions = peer.extensions()
+        actions, extensions = attach(peer_plan, rank, rank, {k: k for k in range(world)}, store,
+                                     sched, job.timeout_s, group=peer_group)
+    peer = store.peer
     p2p = P2P(dist.group.WORLD, rank, job.timeout_s, torch.device("cpu"))
-    runtime = PipelineRuntime(stage, sched[rank], p2p, prev_rank=rank - 1 if rank else None,
+    runtime = PipelineRuntime(stage, actions, p2p, prev_rank=rank - 1 if rank else None,
                               next_rank=rank + 1 if not last else None, grad_sync=_LocalStep(),
                               extensions=extensions)
     step_s, peaks, profiles, events = [], [], [], []

@@ -103,12 +103,12 @@ def agree_plan(cfg, named: list, parts: list[int], limits: list[int | None], top
     if bw:
         matrix = [[0.0 if i == j else bw for j in range(pp)] for i in range(pp)]
     else:
-        matrix = measure_p2p(group=topo.pp_group).bandwidth
-    host = cfg.memory.host_bandwidth or measure_host_bandwidth(device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
-    free = [_free_bytes(device, local)] * pp
+        matrix = measure_p2p(group=topo.pp_group).bandwidth  # collective on every replica
     box: list = [None]
     if topo.rank == 0:
+        host = cfg.memory.host_bandwidth or measure_host_bandwidth(device)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+        free = [_free_bytes(device, local)] * pp
         try:
             box[0] = plan_job(cfg, named, parts, limits,
                               DeviceTopology("measured", free, matrix, [host] * pp), sample)
@@ -125,18 +125,18 @@ def agree_plan(cfg, named: list, parts: list[int], limits: list[int | None], top
     return plan
 
 
-def attach(plan: dict, topo, store, schedules: list, timeout_s: float) -> tuple[list, dict]:
-    """Wire ``plan`` into this rank: returns its action list (with the peer-swap actions)
-    and the runtime extensions; the store gets a :class:`PeerSwap`. Collective (every rank
-    creates the transfer group)."""
+def attach(plan: dict, rank: int, stage: int, stage_rank: dict[int, int], store,
+           schedules: list, timeout_s: float, group=None) -> tuple[list, dict]:
+    """Wire ``plan`` into this rank (stage ``stage``; ``stage_rank``: stage -> rank of this
+    pipeline): returns its action list (with the peer-swap actions) and the runtime
+    extensions; the store gets a :class:`PeerSwap`. ``group`` is the transfer group; None
+    creates one (collective: every rank calls)."""
     from trainwright.pipeline.peer_schedule import with_peer_swap
     from trainwright.pipeline.peerswap import PeerSwap, metadata_table
 
     peers = {int(k): v for k, v in plan["peers"].items()}
-    stage_rank = {k: topo.rank_of(k) for k in range(topo.pp)}
-    tables = {stage_rank[k]: metadata_table(plan["tensors"][k], stage_rank)
-              for k in range(topo.pp)}
-    group = PeerSwap.new_group()
-    peer = PeerSwap(topo.rank, tables[topo.rank], tables, store, group, stage_rank, timeout_s)
+    tables = {r: metadata_table(plan["tensors"][k], stage_rank) for k, r in stage_rank.items()}
+    group = group if group is not None else PeerSwap.new_group()
+    peer = PeerSwap(rank, tables[rank], tables, store, group, stage_rank, timeout_s)
     store.peer = peer
-    return with_peer_swap(schedules, peers)[topo.stage], peer.extensions()
+    return with_peer_swap(schedules, peers)[stage], peer.extensions()
