@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from trainwright.bench.planner_predict import measured, predict_steps
+
 __all__ = ["PlannerBenchSpec", "run", "main"]
 
 
@@ -152,162 +154,6 @@ def _links(got: dict) -> tuple[float, float]:
 def _budgets(spec: PlannerBenchSpec, peaks: list[int]) -> list[int]:
     """Stage 0 limited to ``limit_fraction`` of its keep peak; the others get room for it."""
     return [int(spec.limit_fraction * peaks[0])] + [p + peaks[0] for p in peaks[1:]]
-
-
-# ---- prediction -------------------------------------------------------------------------
-
-def _rows_with_times(tensor_rows: list, results: list[dict], warmup: int) -> list:
-    """Tensor-profile rows with the run's own per-layer times (median after warm-up)."""
-    import copy
-
-    times: dict[int, tuple[list, list]] = {}
-    for res in results:
-        for prof in res["profiles"][warmup:]:
-            for c in prof:
-                f, b = times.setdefault(c["layer"], ([], []))
-                f.append(c["forward_s"])
-                b.append(c["backward_s"])
-    out = copy.deepcopy(tensor_rows)
-    for r in out:
-        f, b = times[r.layer]
-        r.forward_s, r.backward_s = statistics.median(f), statistics.median(b)
-    return out
-
-
-def _measured(results: list[dict], warmup: int) -> tuple[float, list[int]]:
-    """Mean step time after warm-up (slowest rank per step) and each stage's peak."""
-    steps = [max(res["step_s"][i] for res in results)
-             for i in range(warmup, len(results[0]["step_s"]))]
-    return statistics.fmean(steps), [max(res["peak_bytes"]) for res in results]
-
-
-def _action_mean(res: dict, kinds: tuple, step: int) -> float:
-    """Mean over the micro-batches of step ``step`` of the summed durations of ``kinds``."""
-    per: list[float] = []
-    for events in res["events"][step : step + 1]:
-        by_mb: dict[int, float] = {}
-        for kind, mb, dur, *_ in events:
-            if kind in kinds:
-                by_mb[mb] = by_mb.get(mb, 0.0) + dur
-        per += list(by_mb.values())
-    return statistics.fmean(per) if per else 0.0
-
-
-def _per_mb(events: list, kinds: tuple) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for kind, mb, d, *_ in events:
-        if kind in kinds:
-            out[mb] = out.get(mb, 0.0) + d
-    return out
-
-
-def loaded_latency(results: list[dict], step: int) -> float | None:
-    """Mean delivery time of the step's activation and gradient messages, from the trace:
-    receive end minus the later of the send's post and the receive's start. On a machine
-    with more ranks than cores this is mostly the wait for the sending process to be
-    scheduled (gloo moves the data from the sender's side once the receive is posted)."""
-    posted: dict[tuple, float] = {}
-    for s, res in enumerate(results):
-        for kind, mb, _, start in res["events"][step]:
-            if kind == "SEND_F":
-                posted[("F", s + 1, mb)] = start
-            elif kind == "SEND_B":
-                posted[("B", s - 1, mb)] = start
-    got = []
-    for s, res in enumerate(results):
-        for kind, mb, d, start in res["events"][step]:
-            key = ("F" if kind == "RECV_F" else "B", s, mb)
-            if kind in ("RECV_F", "RECV_B") and key in posted:
-                got.append(start + d - max(start, posted[key]))
-    return statistics.fmean(got) if got else None
-
-
-_POSTS = ("PEER_RECV", "PEER_FETCH", "PEER_RETURN")  # post transfers, never wait long
-
-
-def _action_overheads(events: list) -> dict[str, float]:
-    """Work of actions that only post transfers (mean of the step), which the simulator
-    does not otherwise time; waiting actions are timed by the link model."""
-    by: dict[str, list[float]] = {}
-    for kind, _, d, *_ in events:
-        by.setdefault(kind, []).append(d)
-    return {k: statistics.fmean(v) for k, v in by.items() if k in _POSTS}
-
-
-def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec,
-                  schedule: str, placement, latency: float, bandwidth: float,
-                  per_mb: bool = False):
-    """One prediction per measured step after warm-up (each calibrated on its own step);
-    returns the mean predicted step time and the last replay (for peaks). ``per_mb``
-    replays each micro-batch's own measured compute time (a diagnostic, not a prediction)."""
-    sims = [predict(tensor_rows, results, spec, schedule, placement, latency, bandwidth, step=i,
-                    per_mb=per_mb)
-            for i in range(spec.warmup, len(results[0]["step_s"]))]
-    return statistics.fmean(x.step_s for x in sims), sims[-1]
-
-
-def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, schedule: str,
-            placement, latency: float, bandwidth: float, policies: dict | None = None,
-            step: int = -1, per_mb: bool = False):
-    """Simulator prediction of step ``step`` of a harness run, calibrated from that run.
-
-    Compute: each stage's forward and backward action times of that step (with the send
-    posted right after them) as the runtime traced them, means over micro-batches; the
-    per-layer profile splits them over layers (for liveness). Memory: tensor sizes from
-    the tensor profile. Links: the ping-pong's bandwidth and the step's loaded message
-    latency (:func:`loaded_latency`; the ping-pong's latency if it has no messages).
-    """
-    from trainwright.pipeline.peer_schedule import with_peer_swap
-    from trainwright.pipeline.schedule import build_schedule
-    from trainwright.plan.planner import stage_costs
-    from trainwright.plan.simulate import Links, simulate
-
-    stages = len(results)
-    rows = _rows_with_times(tensor_rows, results, spec.warmup)
-    parts = spec.parts(stages)
-    idx = [list(range(sum(parts[:s]), sum(parts[: s + 1]))) for s in range(stages)]
-    placement = placement or _layer_policy_placement(rows, idx, policies or {})
-    costs = stage_costs(rows, idx, placement, list(range(stages)), [0.0] * stages,
-                        [0.0] * stages)
-    for c, res in zip(costs, results, strict=True):
-        step = step if step >= 0 else len(res["events"]) - 1
-        f = _action_mean(res, ("F", "SEND_F"), step)
-        b = _action_mean(res, ("B", "SEND_B"), step)
-        c.layer_forward_s = [x * f / max(c.forward_s, 1e-12) for x in c.layer_forward_s]
-        c.layer_backward_s = [x * b / max(c.backward_s, 1e-12) for x in c.layer_backward_s]
-        c.forward_s, c.backward_s = f, b
-        c.step_s = _action_mean(res, ("STEP",), step)
-        c.action_s = _action_overheads(res["events"][step])
-        if per_mb:
-            c.mb_forward_s = _per_mb(res["events"][step], ("F", "SEND_F"))
-            c.mb_backward_s = _per_mb(res["events"][step], ("B", "SEND_B"))
-    peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
-    bw = [[0.0 if i == j else bandwidth for j in range(stages)] for i in range(stages)]
-    loaded = loaded_latency(results, step if step >= 0 else len(results[0]["events"]) - 1)
-    links = Links(list(range(stages)), bw, host_bandwidth=1e11,
-                  latency_s=loaded if loaded is not None else latency)
-    return simulate(with_peer_swap(build_schedule(schedule, stages, spec.micro_batches),
-                                   peers), costs, links)
-
-
-def _layer_policy_placement(rows: list, idx: list[list[int]], policies: dict):
-    """A placement object equivalent to per-layer runtime policies (host swap = every saved
-    tensor of the layer to the host; recompute = the whole layer)."""
-    from trainwright.plan.placement import HOST, Chunk, Placement, StagePlacement, TensorPlan
-
-    stages = []
-    for s, layers in enumerate(idx):
-        tps = []
-        for i in layers:
-            pol = policies.get(i, "keep")
-            for t in rows[i].tensors:
-                if pol == "swap":
-                    tps.append(TensorPlan(i, t.index, t.nbytes, "host",
-                                          [Chunk(HOST, t.nbytes)]))
-                else:
-                    tps.append(TensorPlan(i, t.index, t.nbytes, pol))
-        stages.append(StagePlacement(s, s, tps, 0, 0, 0.0, True))
-    return Placement(list(range(len(idx))), stages, {}, {})
 
 
 def _plan(rows: list, spec: PlannerBenchSpec, stages: int, schedule: str, budgets: list[int],
@@ -435,7 +281,7 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
             if latency is None:
                 latency, bandwidth = _links(res[0]["links"])
             keep = [r["keep"] for r in res]
-            step, peaks = _measured(keep, spec.warmup)
+            step, peaks = measured(keep, spec.warmup)
             pred, sim = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
                                       bandwidth)
             replay, _ = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
@@ -445,7 +291,7 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
             limits[(stages, schedule)] = budgets
             plan = _plan(tensor_rows, spec, stages, schedule, budgets, ("peer", "recompute"))
             limited = [r["limited"] for r in res]
-            step, peaks = _measured(limited, spec.warmup)
+            step, peaks = measured(limited, spec.warmup)
             pred, sim = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
                                       latency, bandwidth)
             replay, _ = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
@@ -468,7 +314,7 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
         bar.advance(task)
         fams: dict[str, list] = {f: [] for f in plans}
         for j, (fam, _, _) in enumerate(order):
-            step, peaks = _measured([r[j] for r in got], spec.warmup)
+            step, peaks = measured([r[j] for r in got], spec.warmup)
             fams[fam].append({"step_s": step, "peaks": peaks})
         if big:
             bar.update(task, description="bench planner: 175B plan, DGX-1 table")
