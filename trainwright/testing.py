@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainwright.comm import exit_now
 from trainwright.launch import free_port
 
 __all__ = ["free_port", "run_workers"]
@@ -30,6 +31,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, backend: str, errors,
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    exit_now(0)  # finished and torn down: skip the interpreter shutdown (see exit_now)
 
 
 def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo",

@@ -410,4 +410,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())  # the rank is torn down; skip the interpreter shutdown (see exit_now)
