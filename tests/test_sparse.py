@@ -25,6 +25,7 @@ from trainwright.sync.sparse import (
     SparseGradSync,
     calibrate,
 )
+from trainwright.sync.sparse_cost import size_band
 from trainwright.testing import run_workers
 
 # Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
@@ -124,6 +125,29 @@ def _exchange_worker(rank: int, world: int) -> None:
                         assert c.path == min(c.estimates_s, key=c.estimates_s.get), label
                     else:
                         assert c.path == path, label
+    _dense_block_reuse(rank, world, link)
+
+
+def _dense_block_reuse(rank: int, world: int, link) -> None:
+    """The dense path's block is reused once the gradient made from it is gone, never before."""
+    sync = SparseGradSync(None, world, path="dense", link=link)
+    emb = nn.Embedding(HEIGHT, DIM, sparse=True)
+    sync.watch([emb])
+    held, ptrs = [], []
+    for step, case in enumerate(("overlap", "unequal", "all_rows", "one_rank")):
+        coo = _case_grad(case, rank, world, torch.int64)[0]
+        want = _dense_oracle(coo.to_dense(), world)
+        emb.weight.grad = coo
+        sync.sync([emb.weight])
+        got = emb.weight.grad
+        torch.testing.assert_close(got.to_dense(), want)
+        ptrs.append(got.values().data_ptr())
+        if step == 0:
+            held.append((got, want))  # still alive during step 1
+        emb.weight.grad = got = None
+    old, old_want = held[0]
+    torch.testing.assert_close(old.to_dense(), old_want)  # untouched by the later steps
+    assert ptrs[1] != ptrs[0] and ptrs[2] == ptrs[1] == ptrs[3], ptrs
 
 
 @pytest.mark.timeout(240)
@@ -297,6 +321,30 @@ def test_cost_model_picks_the_cheapest_path_at_each_density():
     assert math.isclose(LINK.estimates([1] * 4, 10, 4, 4, False)["dense"][1], 2 * 3 / 4 * 40)
 
 
+def test_a_path_never_measured_at_this_size_is_tried_once_when_close():
+    counts, height, row_bytes, world = [100_000] * 4, 1_000_000, 256, 4
+    first = LINK.choose(counts, height, row_bytes, world, True, explore=2.0)
+    est = first.estimates_s
+    assert first.path == min(est, key=est.get) and not first.explored
+    close = sorted(k for k in est if k != first.path and est[k] <= 2.0 * est[first.path])
+    assert close, est  # the scenario needs a runner-up within 2x
+    # the cheapest is measured (as predicted) at its size: the closest other one is tried
+    factors = {(first.path, first.band): 1.0}
+    second = LINK.choose(counts, height, row_bytes, world, True, factors=factors, explore=2.0)
+    assert second.explored and second.path == min(close, key=est.get)
+    # ... and once measured (here: 3x slower than predicted) the cheapest is taken again
+    factors[second.path, second.band] = 3.0
+    third = LINK.choose(counts, height, row_bytes, world, True, factors=factors, explore=2.0)
+    left = [k for k in close if k != second.path]
+    assert third.explored == bool(left)
+    factors.update({(k, size_band(LINK.estimates(counts, height, row_bytes, world, True)[k][1])):
+                    1.0 for k in left})
+    last = LINK.choose(counts, height, row_bytes, world, True, factors=factors, explore=2.0)
+    assert not last.explored and last.path == min(last.estimates_s, key=last.estimates_s.get)
+    assert not LINK.choose(counts, height, row_bytes, world, True, factors={
+        (first.path, first.band): 1.0}, explore=0.0).explored
+
+
 def test_sparse_config_keys_are_validated(tmp_path):
     cfg = load_config(None, ["sync.sparse=true", "sync.sparse_path=broadcast"])
     assert cfg.sync.sparse and cfg.sync.sparse_path == "broadcast"
@@ -304,6 +352,8 @@ def test_sparse_config_keys_are_validated(tmp_path):
         load_config(None, ["sync.sparse_path=ring"])
     with pytest.raises(ConfigError, match="sync.sparse_bandwidth"):
         load_config(None, ["sync.sparse_bandwidth=-1"])
+    with pytest.raises(ConfigError, match="sync.sparse_explore"):
+        load_config(None, ["sync.sparse_explore=-0.5"])
     with pytest.raises(ConfigError, match="sync.strategy"):
         load_config(None, ["sync.sparse=true", "sync.strategy=tokenring"])
 
@@ -329,26 +379,26 @@ def test_bench_sparse_runs_at_tiny_size():
     assert dense["bytes_sent_per_rank"] == 2 * 1 / 2 * 2000 * 8 * 4
 
 
-def test_compaction_in_place_keeps_every_touched_row():
-    from trainwright.sync.sparse import _compact_rows
-
-    for n_rows, chunk in ((1000, 7), (50, 4096), (9, 2)):
-        buf = torch.randn(n_rows, 3)
-        rows = torch.randperm(n_rows)[: n_rows // 3 + 1].sort().values
-        want = buf[rows].clone()
-        _compact_rows(buf, rows, chunk=chunk)
-        torch.testing.assert_close(buf[: rows.numel()], want)
-
-
 def test_learned_factors_follow_the_slowest_rank_and_bad_input_is_named():
     sync = SparseGradSync(None, 4, path="auto", link=LINK)
-    # gathered ratios x1000 per rank for (allgather, broadcast, dense); 0 = path not taken
-    sync._learn(torch.tensor([[3000, 0, 0], [2000, 0, 0], [4000, 0, 0], [1000, 0, 0]]))
-    assert sync.factors == {"allgather": pytest.approx(2.5)}
     est = LINK.estimates([100] * 4, 1000, 256, 4, True)
+    band = size_band(est["allgather"][1])
+    # gathered ratios x1000 per rank for last step's (path, band) pairs
+    keys = [("allgather", band), ("dense", 30)]
+    sync._learn(keys, torch.tensor([[3000, 0], [2000, 0], [4000, 0], [1000, 0]]))
+    assert sync.factors == {("allgather", band): pytest.approx(4.0)}  # first: the slowest
+    sync._learn(keys[:1], torch.tensor([[2000], [1000], [1000], [1000]]))
+    assert sync.factors == {("allgather", band): pytest.approx(3.0)}  # then averaged in
     scaled = LINK.choose([100] * 4, 1000, 256, 4, True, factors=sync.factors).estimates_s
-    assert scaled["allgather"] == pytest.approx(2.5 * est["allgather"][0])
+    assert scaled["allgather"] == pytest.approx(3.0 * est["allgather"][0])
     assert scaled["dense"] == pytest.approx(est["dense"][0])
+    # a band never measured borrows a neighbouring band's factor of the same path, if any
+    near = LINK.choose([400] * 4, 10**6, 256, 4, True, factors=sync.factors)
+    assert size_band(near.bytes_sent_per_rank) == band + 1 and near.factors["allgather"] == 3.0
+    far = LINK.choose([100_000] * 4, 10**6, 256, 4, True, factors=sync.factors)
+    assert size_band(far.bytes_sent_per_rank) > band + 1 and far.factors["allgather"] == 1.0
+    with pytest.raises(ValueError, match="explore"):
+        SparseGradSync(None, 2, explore=-1)
     with pytest.raises(ValueError, match="sparse path 'ring'"):
         SparseGradSync(None, 2, path="ring")
     with pytest.raises(TypeError, match="floating-point"):

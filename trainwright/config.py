@@ -153,6 +153,9 @@ class SyncConfig:
     """Cost model: bytes/s of ring all-reduce traffic per rank; 0 = measure at start."""
     sparse_merge_rate: float = 0.0
     """Cost model: bytes/s of local scatter-add of gathered rows; 0 = measure at start."""
+    sparse_explore: float = 2.0
+    """Take a path never measured at the current transfer size once, when its estimate is
+    within this factor of the cheapest, so the model learns its real cost; 0 = never."""
 
 
 @dataclass(kw_only=True)
@@ -391,6 +394,9 @@ class Config:
             if getattr(self.sync, key) < 0:
                 raise ConfigError(f"sync.{key} = {getattr(self.sync, key)!r} must be >= 0 "
                                   f"(0 = measure at start)")
+        if self.sync.sparse_explore < 0:
+            raise ConfigError(f"sync.sparse_explore = {self.sync.sparse_explore!r} must be >= 0 "
+                              f"(0 = never try a path the cost model did not pick)")
         if self.sync.sparse and self.sync.strategy != "dense":
             raise ConfigError(f"sync.sparse = true works with sync.strategy = \"dense\", not "
                               f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")

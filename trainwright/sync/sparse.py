@@ -17,9 +17,11 @@ exchange over a data-parallel group is:
 
 Each rank's rows travel as one flat block, value rows then ids (each int64 id's bytes
 reinterpreted as 1, 2 or 4 value elements), so each transfer is one collective and the
-received values stay contiguous for the merge. A per-path correction factor, learned from
-measured / predicted times and agreed through the count all-gather, keeps the model honest
-at sizes the start-up calibration did not see.
+received values stay contiguous for the merge. Per-path, per-size correction factors,
+learned from measured / predicted times and agreed through the count all-gather, keep the
+model honest at sizes the start-up calibration did not see; a path never measured at the
+current size is tried once when its estimate is close to the cheapest. The triple itself
+lives in :mod:`trainwright.sync.rowsparse`.
 
 :class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
 groups, ``sync.sparse = true``); :class:`SparseDataParallel` is the DDP-like wrapper for
@@ -34,7 +36,6 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,231 +43,18 @@ from torch import nn
 
 from trainwright.sync import GradSync
 from trainwright.sync.dense import BucketedAllReduce
-from trainwright.sync.sparse_cost import ID_BYTES, LinkModel, PathChoice, all_gather_into, calibrate
+from trainwright.sync.rowsparse import LocalRows, RowSparse, _id_slots, _merge, _pack, _unpack
+from trainwright.sync.sparse_cost import LinkModel, PathChoice, all_gather_into, calibrate
 
 __all__ = ["RowSparse", "LocalRows", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
            "SparseGradSync", "SparseDataParallel", "sparse_sync_from_config"]
 
 log = logging.getLogger(__name__)
 
-# torch 2.13 renamed all_gather_into_tensor (the old name warns); same collective
-
 PATHS = ("auto", "allgather", "broadcast", "dense")
 """Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
 
 _EXCHANGE_PATHS = ("allgather", "broadcast", "dense")
-
-
-# --------------------------------------------------------------------------- the triple
-
-
-@dataclass
-class RowSparse:
-    """A row-sparse tensor: ``values[i]`` is row ``rows[i]`` of a ``height``-row tensor.
-
-    ``rows`` is int64, sorted and unique (duplicates are summed when the triple is built);
-    ``values`` has shape ``(len(rows), *row_shape)``.
-    """
-
-    rows: torch.Tensor
-    height: int
-    values: torch.Tensor
-
-    @property
-    def count(self) -> int:
-        """Number of valid rows."""
-        return int(self.rows.numel())
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        """Shape of one row."""
-        return tuple(self.values.shape[1:])
-
-    @classmethod
-    def from_ids(cls, ids: torch.Tensor, values: torch.Tensor, height: int) -> RowSparse:
-        """Build from possibly repeated row ids (int32 or int64), summing duplicate rows.
-
-        Raises:
-            ValueError: an id outside ``[0, height)`` or a length mismatch.
-        """
-        ids = ids.reshape(-1)
-        if ids.numel() != values.shape[0]:
-            raise ValueError(f"{ids.numel()} row ids but {values.shape[0]} value rows")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= height):
-            raise ValueError(f"row ids must lie in [0, {height}); got "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
-        rows, vals = _sum_duplicates(ids.to(torch.int64), values, height)
-        return cls(rows, height, vals)
-
-    @classmethod
-    def from_coo(cls, grad: torch.Tensor) -> RowSparse:
-        """Build from a sparse COO gradient with one sparse dimension (``Embedding(sparse=True)``).
-
-        Raises:
-            TypeError: not a COO tensor with ``sparse_dim() == 1``.
-        """
-        if grad.layout != torch.sparse_coo or grad.sparse_dim() != 1:
-            raise TypeError(f"expected a sparse COO tensor with one sparse dimension, got "
-                            f"layout {grad.layout}" + (f" with sparse_dim {grad.sparse_dim()}"
-                                                       if grad.is_sparse else ""))
-        height = grad.shape[0]
-        if grad.is_coalesced():
-            return cls(grad.indices()[0], height, grad.values())
-        # uncoalesced internals: our duplicate sum is cheaper than coalesce() (no full sort)
-        return cls.from_ids(grad._indices()[0], grad._values(), height)
-
-    @classmethod
-    def from_dense(cls, grad: torch.Tensor) -> RowSparse:
-        """Build from a dense gradient of an embedding-like parameter: rows with any non-zero."""
-        flat = grad.reshape(grad.shape[0], -1)
-        rows = flat.ne(0).any(dim=1).nonzero().squeeze(1)
-        return cls(rows, grad.shape[0], grad.index_select(0, rows))
-
-    @classmethod
-    def empty(cls, shape: tuple[int, ...], dtype: torch.dtype, device=None) -> RowSparse:
-        """No rows (a rank whose batch did not touch the table)."""
-        return cls(torch.empty(0, dtype=torch.int64, device=device), shape[0],
-                   torch.empty((0, *shape[1:]), dtype=dtype, device=device))
-
-    def to_dense(self) -> torch.Tensor:
-        """The full ``(height, *row_shape)`` tensor."""
-        out = self.values.new_zeros((self.height, *self.row_shape))
-        out.index_copy_(0, self.rows, self.values)
-        return out
-
-    def to_coo(self) -> torch.Tensor:
-        """A coalesced sparse COO tensor (what ``nn.Embedding(sparse=True)`` gradients are)."""
-        return torch.sparse_coo_tensor(self.rows.unsqueeze(0), self.values,
-                                       (self.height, *self.row_shape), is_coalesced=True,
-                                       check_invariants=False)
-
-
-def _unique_rows(ids: torch.Tensor, height: int):
-    """``(count, plan)``: distinct ids, and what :func:`_sum_duplicates` reuses to sum them."""
-    if ids.numel() * 16 < height:  # few ids: sorting them beats a pass over the table
-        rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        return rows.numel(), (rows, inverse)
-    mark = torch.zeros(height, dtype=torch.bool, device=ids.device)  # many: a bitmap, no sort
-    mark[ids] = True
-    return int(mark.count_nonzero()), mark
-
-
-def _rows_and_inverse(ids: torch.Tensor, height: int, plan) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique rows and each id's position among them, from a ``_unique_rows`` plan."""
-    if isinstance(plan, tuple):
-        return plan
-    rows = plan.nonzero().squeeze(1)
-    slot = torch.empty(height, dtype=torch.int64, device=ids.device)
-    slot[rows] = torch.arange(rows.numel(), device=ids.device)
-    return rows, slot[ids]
-
-
-def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor, height: int,
-                    plan=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sorted unique ids and the summed value row of each."""
-    if ids.numel() == 0:
-        return ids, values
-    if plan is None:
-        _, plan = _unique_rows(ids, height)
-    rows, inverse = _rows_and_inverse(ids, height, plan)
-    if rows.numel() == ids.numel():  # no duplicates: a permutation
-        out = torch.empty_like(values)
-        out[inverse] = values
-        return rows, out
-    out = values.new_zeros((rows.numel(), *values.shape[1:]))
-    out.index_add_(0, inverse, values)
-    return rows, out
-
-
-class LocalRows:
-    """One rank's rows of one gradient: counted at once, duplicates summed only if needed.
-
-    The dense path never needs the summed triple: raw ids and values are scattered
-    straight into the all-reduce buffer (``index_add_`` sums duplicates on the way).
-    """
-
-    def __init__(self, triple: RowSparse | None = None, ids: torch.Tensor | None = None,
-                 values: torch.Tensor | None = None, height: int = 0):
-        self._triple, self._ids, self._values, self._plan = triple, ids, values, None
-        if triple is not None:
-            self.height, self.row_shape, self.count = triple.height, triple.row_shape, triple.count
-            self.dtype, self.device = triple.values.dtype, triple.values.device
-        else:
-            self.height, self.row_shape = height, tuple(values.shape[1:])
-            self.dtype, self.device = values.dtype, values.device
-            self.count, self._plan = _unique_rows(ids, height)
-
-    @classmethod
-    def of(cls, p: torch.Tensor) -> LocalRows:
-        """The rows of ``p.grad``: sparse COO, dense (touched rows detected) or None (no rows)."""
-        g = p.grad
-        if g is None:
-            return cls(RowSparse.empty(tuple(p.shape), p.dtype, p.device))
-        if not g.is_sparse:
-            return cls(RowSparse.from_dense(g))
-        if g.is_coalesced() or g.sparse_dim() != 1:
-            return cls(RowSparse.from_coo(g))
-        return cls(ids=g._indices()[0], values=g._values(), height=g.shape[0])
-
-    def triple(self) -> RowSparse:
-        """The triple with duplicates summed."""
-        if self._triple is None:
-            rows, vals = _sum_duplicates(self._ids, self._values, self.height, self._plan)
-            self._triple = RowSparse(rows, self.height, vals)
-            self._ids = self._values = self._plan = None
-        return self._triple
-
-    def scatter_into(self, dense: torch.Tensor, mark: torch.Tensor) -> None:
-        """Add the rows into a ``(height, width)`` buffer and set their ``mark`` entries."""
-        width = dense.shape[1]
-        if self._triple is not None:
-            t = self._triple
-            dense.index_copy_(0, t.rows, t.values.reshape(t.count, width))
-            mark.index_fill_(0, t.rows, 1)
-        else:
-            dense.index_add_(0, self._ids, self._values.reshape(self._ids.numel(), width))
-            mark.index_fill_(0, self._ids, 1)
-
-
-def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:
-    """Flat buffer for ``n_rows`` rows: ``n_rows`` value rows, then ``n_rows`` ids, each id's
-    8 bytes as ``k`` value elements. Slots past ``t.count`` are padding, never read
-    (receivers know every rank's count); each block stays contiguous for the merge."""
-    k, width, n = _id_slots(t.values.dtype), math.prod(t.row_shape), t.count
-    buf = torch.empty(n_rows * (width + k), dtype=t.values.dtype, device=t.values.device)
-    buf[: n * width] = t.values.reshape(-1)
-    buf[n_rows * width : n_rows * width + n * k] = t.rows.view(t.values.dtype)
-    return buf
-
-
-def _unpack(buf: torch.Tensor, n_rows: int, count: int,
-            row_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the ids and value rows of one :func:`_pack` block holding ``count`` rows."""
-    k, width = _id_slots(buf.dtype), math.prod(row_shape)
-    # cloned: the ids are small, and a block may start at an offset int64 cannot view
-    ids = buf[n_rows * width : n_rows * width + count * k].clone().view(torch.int64)
-    return ids, buf[: count * width].view(count, *row_shape)
-
-
-def _merge(blocks: list[tuple[torch.Tensor, torch.Tensor]], height: int,
-           row_shape: tuple[int, ...]) -> RowSparse:
-    """Sum every rank's (ids, values) block into one triple, block by block (no big copy)."""
-    ids = torch.cat([b[0] for b in blocks])
-    _, plan = _unique_rows(ids, height)
-    rows, inverse = _rows_and_inverse(ids, height, plan)
-    out = blocks[0][1].new_zeros((rows.numel(), *row_shape))
-    offset = 0
-    for block_ids, values in blocks:
-        out.index_add_(0, inverse[offset : offset + block_ids.numel()], values)
-        offset += block_ids.numel()
-    return RowSparse(rows, height, out)
-
-
-def _id_slots(dtype: torch.dtype) -> int:
-    size = torch.empty(0, dtype=dtype).element_size()
-    if not (dtype.is_floating_point or dtype.is_complex) or ID_BYTES % size:
-        raise TypeError(f"sparse sync needs floating-point values of 2, 4 or 8 bytes, got {dtype}")
-    return ID_BYTES // size
 
 
 # --------------------------------------------------------------------------- exchange
@@ -339,43 +127,34 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
 
 
 def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None) -> RowSparse:
-    """All-reduce the full table and a touched-row mark, then keep the touched rows.
+    """All-reduce a touched-row mark, then the union of touched rows as one dense block.
 
-    ``buffer`` (a ``(height, width)`` tensor, overwritten) saves allocating the table-sized
-    buffer every step: on CPU a fresh one costs a page fault per 4 KiB. The result's values
-    are a prefix of that buffer (touched rows compacted in place), so the buffer may only
-    be reused once the gradient built from it is gone.
+    The mark (one byte per table row) goes first, so every rank knows the union of touched
+    rows before filling anything: each rank adds its rows at their positions in the union
+    and the all-reduced block already *is* the result's values (no compaction afterwards,
+    and untouched rows are never sent).
+
+    ``buffer`` (a flat tensor, overwritten) saves allocating the table-sized block every
+    step: on CPU a fresh one costs a page fault per 4 KiB. The result's values are a prefix
+    of it, so it may only be reused once the gradient built from it is gone.
     """
     width = math.prod(local.row_shape)
-    shape = (local.height, width)
-    if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != local.dtype:
-        buffer = torch.zeros(shape, dtype=local.dtype, device=local.device)
-    else:
-        buffer.zero_()
     mark = torch.zeros(local.height, dtype=torch.uint8, device=local.device)
-    local.scatter_into(buffer, mark)
-    works = [dist.all_reduce(buffer, group=group, async_op=True),
-             dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group, async_op=True)]
-    for w in works:
-        w.wait()
+    local.mark(mark)
+    dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
     rows = mark.nonzero().squeeze(1)
-    _compact_rows(buffer, rows)
-    return RowSparse(rows, local.height, buffer[: rows.numel()].view(rows.numel(),
-                                                                     *local.row_shape))
-
-
-def _compact_rows(buf: torch.Tensor, rows: torch.Tensor, chunk: int = 4096) -> None:
-    """Move ``buf[rows]`` to ``buf[:len(rows)]`` in place (``rows`` sorted ascending).
-
-    Safe chunk by chunk: output row ``i`` reads row ``rows[i] >= i``, and a chunk only
-    overwrites rows below every row a later chunk reads.
-    """
     n = rows.numel()
-    if n == buf.shape[0]:
-        return  # every row touched: already in place
-    for i in range(0, n, chunk):
-        j = min(i + chunk, n)
-        buf[i:j] = buf.index_select(0, rows[i:j])
+    # position of every touched row within the union (a running count of the mark; an
+    # index_put_ of arange is ~7x slower here)
+    slot = mark.cumsum(0, dtype=torch.int64).sub_(1) if n < local.height else None
+    need = local.height * width
+    if buffer is None or buffer.numel() < need or buffer.dtype != local.dtype:
+        buffer = torch.empty(need, dtype=local.dtype, device=local.device)
+    block = buffer[: n * width].view(n, width)
+    block.zero_()
+    local.scatter_into(block, slot)
+    dist.all_reduce(block, group=group)
+    return RowSparse(rows, local.height, block.view(n, *local.row_shape))
 
 
 # --------------------------------------------------------------------------- strategy
@@ -396,13 +175,18 @@ class SparseGradSync(GradSync):
         path: ``"auto"`` (cost model) or a forced path from :data:`PATHS`.
         link: the cost model; None = :func:`calibrate` at the first sync.
         link_overrides: constants that replace measured ones (``latency_s``, ...; 0 = measure).
+        explore: try a path not yet measured at this transfer size when its estimate is
+            within this factor of the cheapest (0 = never); see :meth:`LinkModel.choose`.
     """
 
     def __init__(self, group, world: int, bucket_bytes: int = 25 * 2**20, *, path: str = "auto",
-                 link: LinkModel | None = None, link_overrides: dict | None = None):
+                 link: LinkModel | None = None, link_overrides: dict | None = None,
+                 explore: float = 2.0):
         if path not in PATHS:
             raise ValueError(f"sparse path {path!r} is not one of {PATHS}")
-        self.group, self.world, self.path = group, world, path
+        if explore < 0:
+            raise ValueError(f"explore must be >= 0, got {explore}")
+        self.group, self.world, self.path, self.explore = group, world, path, explore
         self.dense = BucketedAllReduce(group, world, bucket_bytes)
         self.link = link
         self.link_overrides = {k: v for k, v in (link_overrides or {}).items() if v}
@@ -410,9 +194,10 @@ class SparseGradSync(GradSync):
         self.last: list[PathChoice] = []
         """The choice for every row-sparse parameter in the last :meth:`sync`."""
         self._watched: dict[int, weakref.ref] = {}
-        self.factors: dict[str, float] = {}
-        """Per path: measured / predicted time, learned from earlier steps (same on all ranks)."""
-        self._observed: dict[str, float] = {}
+        self.factors: dict[tuple[str, int], float] = {}
+        """Per (path, size band): measured / predicted time, learned from earlier steps
+        (the same on every rank)."""
+        self._observed: dict[tuple[str, int], float] = {}
         self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
@@ -435,13 +220,19 @@ class SparseGradSync(GradSync):
         self._watched.clear()
         self.watch([s.module for s in slots])
 
-    def _learn(self, slow: torch.Tensor) -> None:
-        """Fold last step's measured/predicted ratios (every rank's, gathered) into factors."""
-        for j, path in enumerate(_EXCHANGE_PATHS):
-            seen = [int(x) for x in slow[:, j].tolist() if x > 0]
-            if seen:  # the slowest rank decides when a collective finishes
-                ratio = max(seen) / 1000
-                self.factors[path] = 0.5 * self.factors.get(path, 1.0) + 0.5 * ratio
+    def _learn(self, keys: list[tuple[str, int]], slow: torch.Tensor) -> None:
+        """Fold last step's measured / predicted ratios into the factors.
+
+        ``slow[r, j]`` is rank r's ratio x 1000 for ``keys[j]`` (the (path, band) pairs last
+        step took, the same list on every rank since every rank took the same choices).
+        The slowest rank counts, since it decides when a collective ends. A band's first
+        measurement replaces the prior; later ones are averaged in.
+        """
+        for j, key in enumerate(keys):
+            ratio = int(slow[:, j].max()) / 1000
+            if ratio > 0:
+                old = self.factors.get(key)
+                self.factors[key] = ratio if old is None else 0.5 * (old + ratio)
 
     def _free_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """The dense path's buffer for ``p`` if no live gradient still uses it."""
@@ -479,10 +270,11 @@ class SparseGradSync(GradSync):
         # one all-gather: every rank's row count (-1 = dense here) for every parameter, its
         # gradient kind, and how much slower than predicted each path ran last step
         kinds = [int(p.grad is not None and p.grad.is_sparse) for p in params]
-        slow = [round(self._observed.get(k, 0.0) * 1000) for k in _EXCHANGE_PATHS]
+        keys = sorted(self._observed)
+        slow = [round(self._observed[k] * 1000) for k in keys]
         counts = gather_counts(local + kinds + slow, self.group, params[0].device)
         n = len(params)
-        self._learn(counts[:, 2 * n:])
+        self._learn(keys, counts[:, 2 * n:])
         dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
         for i, p in enumerate(params):
@@ -499,7 +291,7 @@ class SparseGradSync(GradSync):
             row_bytes = math.prod(t.row_shape) * torch.empty(0, dtype=t.dtype).element_size()
             if link is not None:
                 choice = link.choose(col, t.height, row_bytes, self.world, any_sparse,
-                                     factors=self.factors)
+                                     factors=self.factors, explore=self.explore)
             else:
                 choice = PathChoice(self.path if sum(col) else "none", tuple(col), forced=True)
             self.last.append(choice)
@@ -518,9 +310,10 @@ class SparseGradSync(GradSync):
             summed.values.div_(self.world)
             _write_grad(p, summed, local_sparse)
             if choice.path in _EXCHANGE_PATHS and choice.estimates_s:
+                # measured / the model's own (uncorrected) estimate
                 took = (time.perf_counter() - started) / choice.estimates_s[choice.path]
-                seen[choice.path] = max(seen.get(choice.path, 0.0), took * self.factors.get(
-                    choice.path, 1.0))
+                key = (choice.path, choice.band)
+                seen[key] = max(seen.get(key, 0.0), took * choice.factors[choice.path])
             if choice.path == "dense":
                 buf = summed.values._base if summed.values._base is not None else summed.values
                 self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
@@ -528,7 +321,8 @@ class SparseGradSync(GradSync):
         self._observed = seen
         if self.last:
             log.info("sparse sync step %d: %s", self.steps,
-                     ", ".join(f"{c.path} {list(c.counts)}" for c in self.last))
+                     ", ".join(f"{c.path}{' (measuring it)' if c.explored else ''} "
+                               f"{list(c.counts)}" for c in self.last))
         return self.last
 
 
@@ -550,7 +344,8 @@ def sparse_sync_from_config(cfg, group, world: int) -> SparseGradSync:
                           link_overrides=dict(latency_s=s.sparse_latency_s,
                                               bandwidth=s.sparse_bandwidth,
                                               allreduce_bandwidth=s.sparse_allreduce_bandwidth,
-                                              merge_rate=s.sparse_merge_rate))
+                                              merge_rate=s.sparse_merge_rate),
+                          explore=s.sparse_explore)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -572,16 +367,18 @@ class SparseDataParallel(nn.Module):
         link: a cost model (None: calibrated at the first sync).
         bucket_mb: dense bucket size in MiB.
         auto_sync: synchronise at the end of every backward.
+        explore: see :class:`SparseGradSync` (0: always the cheapest estimate).
     """
 
     def __init__(self, module: nn.Module, process_group=None, *, path: str = "auto",
-                 link: LinkModel | None = None, bucket_mb: float = 25.0, auto_sync: bool = True):
+                 link: LinkModel | None = None, bucket_mb: float = 25.0, auto_sync: bool = True,
+                 explore: float = 2.0):
         super().__init__()
         self.module = module
         self.process_group = process_group
         world = dist.get_world_size(process_group)
         self.grad_sync = SparseGradSync(process_group, world, int(bucket_mb * 2**20), path=path,
-                                        link=link)
+                                        link=link, explore=explore)
         self.grad_sync.watch([module])
         src = _global_rank(process_group, 0)
         with torch.no_grad():

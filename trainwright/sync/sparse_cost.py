@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["ID_BYTES", "LinkModel", "PathChoice", "calibrate", "all_gather_into"]
+__all__ = ["ID_BYTES", "LinkModel", "PathChoice", "calibrate", "all_gather_into",
+           "size_band"]
 
 ID_BYTES = 8
 """Row ids travel as int64."""
@@ -38,6 +39,36 @@ class PathChoice:
     """Bytes the chosen collective makes an average rank send (by its algorithm)."""
     forced: bool = False
     """True when ``sync.sparse_path`` named the path instead of ``auto``."""
+    explored: bool = False
+    """True when the path was taken to measure it (see :meth:`LinkModel.choose`), not
+    because it had the lowest estimate."""
+    factors: dict = field(default_factory=dict)
+    """Per candidate path: the learned correction its estimate was multiplied by."""
+
+    @property
+    def band(self) -> int:
+        """Size class of the chosen transfer (see :func:`size_band`)."""
+        return size_band(self.bytes_sent_per_rank)
+
+
+def size_band(nbytes: float) -> int:
+    """Factor-4 size class of a transfer; a learned correction applies within one class.
+
+    Per-byte costs on CPU change with the size (caches, page faults, gloo's chunking), so
+    a correction measured at 8 MB says little about 100 MB.
+    """
+    return int(math.log2(max(float(nbytes), 1.0)) // 2)
+
+
+def _factor(factors: dict, path: str, band: int) -> tuple[float, bool]:
+    """``(factor, measured)`` for ``path`` at ``band``: the band's own learned correction,
+    else one learned at a neighbouring band of the same path (4x smaller or larger),
+    else 1. Farther bands say nothing: a latency-bound small transfer's correction would
+    mislead at hundreds of MB."""
+    if (path, band) in factors:
+        return factors[path, band], True
+    near = [(abs(b - band), b) for p, b in factors if p == path and abs(b - band) <= 1]
+    return (factors[path, min(near)[1]], False) if near else (1.0, False)
 
 
 @dataclass(frozen=True)
@@ -67,8 +98,8 @@ class LinkModel:
             height: rows of the full table.
             row_bytes: bytes of one value row.
             world: ranks in the group.
-            sparse_input: the gradient is sparse, so the dense path must first fill a
-                buffer and also all-reduces a one-byte touched-row mark.
+            sparse_input: the gradient is sparse, so the dense path first all-reduces a
+                one-byte touched-row mark, then fills and all-reduces the union's rows.
         """
         a, w = self.latency_s, world
         total, top = sum(counts), max(counts)
@@ -80,30 +111,49 @@ class LinkModel:
         senders = [c for c in counts if c]
         out["broadcast"] = (len(senders) * a + rounds * total * sent_row / self.bandwidth + merge,
                             (w - 1) * total * sent_row / w)
-        # a sparse input also sends a one-byte touched-row mark (second all-reduce)
-        dense_row = row_bytes + 1 if sparse_input else row_bytes
-        ar_bytes = 2 * (w - 1) / w * height * dense_row
-        fill = height * row_bytes / self.merge_rate if sparse_input else 0.0
-        calls = 2 if sparse_input else 1
-        out["dense"] = (calls * a + ar_bytes / self.allreduce_bandwidth + fill, ar_bytes)
+        if sparse_input:
+            # a one-byte touched-row mark first, then only the union of touched rows (at
+            # most min(height, total) of them) is filled and all-reduced
+            union = min(height, total)
+            ar_bytes = 2 * (w - 1) / w * (height + union * row_bytes)
+            cost = 2 * a + ar_bytes / self.allreduce_bandwidth + union * row_bytes / self.merge_rate
+        else:
+            ar_bytes = 2 * (w - 1) / w * height * row_bytes
+            cost = a + ar_bytes / self.allreduce_bandwidth
+        out["dense"] = (cost, ar_bytes)
         return out
 
     def choose(self, counts: list[int], height: int, row_bytes: int, world: int,
-               sparse_input: bool, force: str = "auto",
-               factors: dict | None = None) -> PathChoice:
+               sparse_input: bool, force: str = "auto", factors: dict | None = None,
+               explore: float = 0.0) -> PathChoice:
         """The cheapest path by :meth:`estimates` (or the forced one).
 
-        ``factors`` (path -> measured / predicted time of earlier steps) scale the
-        estimates, so a path that keeps running slower than the model says loses.
+        Args:
+            factors: ``(path, size band) -> measured / predicted time`` of earlier steps;
+                each estimate is multiplied by its path's factor at that band (or at the
+                nearest band measured), so a path that keeps running slower than the
+                model says loses.
+            explore: when > 0 and the cheapest path has been measured at its band, a path
+                never measured at its band whose estimate is within ``explore`` times the
+                cheapest is taken instead, once, so that its factor is learned too
+                (otherwise a path the model over-estimates is never tried again).
         """
         counts = [int(c) for c in counts]
         if sum(counts) == 0:
             return PathChoice("none", tuple(counts))
-        est = self.estimates(counts, height, row_bytes, world, sparse_input)
-        est = {k: (v[0] * (factors or {}).get(k, 1.0), v[1]) for k, v in est.items()}
-        path = force if force != "auto" else min(est, key=lambda k: est[k][0])
-        return PathChoice(path, tuple(counts), {k: v[0] for k, v in est.items()},
-                          est[path][1], forced=force != "auto")
+        raw = self.estimates(counts, height, row_bytes, world, sparse_input)
+        fac = {k: _factor(factors or {}, k, size_band(v[1])) for k, v in raw.items()}
+        est = {k: v[0] * fac[k][0] for k, v in raw.items()}
+        explored = False
+        if force != "auto":
+            path = force
+        else:
+            path = min(est, key=est.get)
+            unmeasured = [k for k in est if not fac[k][1] and est[k] <= explore * est[path]]
+            if explore > 0 and fac[path][1] and unmeasured:
+                path, explored = min(unmeasured, key=est.get), True
+        return PathChoice(path, tuple(counts), est, raw[path][1], forced=force != "auto",
+                          explored=explored, factors={k: v[0] for k, v in fac.items()})
 
 
 def _median_time(fn, repeats: int) -> float:
