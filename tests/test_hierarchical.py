@@ -257,3 +257,6 @@ def test_netns_needs_root_message(monkeypatch, capsys):
         netns.TwoTierNetwork(2, 2).create()
     assert main(["bench", "hierarchical"]) == 2  # one line, no traceback, nothing written
     assert "needs root" in capsys.readouterr().err
+    assert main(["bench", "sparse", "--link", "1gbit"]) == 2
+    err = capsys.readouterr().err
+    assert "needs root" in err and "leave out --link" in err

@@ -28,9 +28,7 @@ import datetime
 import gc
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, inter_node_bytes
+from trainwright.bench.netns import (
+    NetnsUnavailable,
+    TwoTierNetwork,
+    emulated,
+    inter_node_bytes,
+    run_ranks,
+)
 from trainwright.errors import ConfigError
 
 __all__ = ["HierBenchSpec", "run", "main", "SYSTEMS"]
@@ -255,85 +259,21 @@ def summarise(rows: list[dict], spec: HierBenchSpec) -> dict:
     return table
 
 
-def _spawn(spec: HierBenchSpec, tmp: str, net: TwoTierNetwork | None) -> list:
-    procs = []
-    port = 29511
-    if net is None:
-        from trainwright.launch import free_port
-        port = free_port()
-    for rank in range(spec.world):
-        env = {**os.environ, "MASTER_ADDR": net.addr(0) if net else "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "GLOO_SOCKET_IFNAME": "eth0" if net else "lo",
-               "TRAINWRIGHT_HOST": f"node{rank // spec.ranks_per_node}"}
-        cmd = [sys.executable, "-m", "trainwright.bench.hierarchical", "--worker", tmp, str(rank)]
-        log = open(Path(tmp) / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append((subprocess.Popen((net.exec_prefix(rank) if net else []) + cmd, env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    return procs
-
-
-def _wait(procs: list, spec: HierBenchSpec, tmp: str) -> None:
-    from rich.progress import Progress
-
-    deadline = time.monotonic() + spec.timeout_s
-    with Progress(transient=True) as bar:
-        task = bar.add_task("bench hierarchical", total=spec.repeats * len(SYSTEMS))
-        while any(p.poll() is None for p, _ in procs):
-            bad = [(r, p.returncode) for r, (p, _) in enumerate(procs)
-                   if p.poll() not in (None, 0)]
-            if bad:
-                rank, code = bad[0]
-                tail = (Path(tmp) / f"rank{rank}.log").read_text()[-3000:]
-                raise RuntimeError(f"benchmark rank {rank} exited with code {code}:\n{tail}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"benchmark ranks still running after {spec.timeout_s} s")
-            prog = Path(tmp) / "progress"
-            if prog.exists():
-                bar.update(task, completed=int(prog.read_text().split()[0]))
-            time.sleep(0.5)
-    for rank, (p, _) in enumerate(procs):
-        if p.returncode:
-            tail = (Path(tmp) / f"rank{rank}.log").read_text()[-3000:]
-            raise RuntimeError(f"benchmark rank {rank} exited with code {p.returncode}:\n{tail}")
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run(spec: HierBenchSpec) -> dict:
     """Build the network (unless ``spec.network == "loopback"``), run every system, and
     remove the network again, also on failure or Ctrl-C / SIGTERM."""
     if spec.network not in ("netns", "loopback"):
         raise ConfigError(f"network = {spec.network!r}; choose 'netns' or 'loopback'")
-    net = None
-    procs: list = []
-    handlers = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            handlers[sig] = signal.signal(sig, _raise_interrupt)
-        except ValueError:  # not the main thread: the caller handles signals
-            pass
+    net = (TwoTierNetwork(spec.nodes, spec.ranks_per_node, spec.inter_rate, spec.mtu)
+           if spec.network == "netns" else None)
     with tempfile.TemporaryDirectory(prefix="tw-bench-hier-") as tmp:
-        try:
-            (Path(tmp) / "spec.json").write_text(json.dumps(asdict(spec)))
-            if spec.network == "netns":
-                net = TwoTierNetwork(spec.nodes, spec.ranks_per_node, spec.inter_rate, spec.mtu)
-                net.create()
-            procs = _spawn(spec, tmp, net)
-            _wait(procs, spec, tmp)
-            rows = json.loads((Path(tmp) / "result.json").read_text())
-        finally:
-            for p, log in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-                log.close()
-            if net is not None:
-                net.destroy()
-            for sig, old in handlers.items():
-                signal.signal(sig, old)
+        (Path(tmp) / "spec.json").write_text(json.dumps(asdict(spec)))
+        with emulated(net):
+            run_ranks("trainwright.bench.hierarchical", tmp, spec.world, net,
+                      timeout_s=spec.timeout_s, total=spec.repeats * len(SYSTEMS),
+                      label="bench hierarchical",
+                      env_for=lambda r: {"TRAINWRIGHT_HOST": f"node{r // spec.ranks_per_node}"})
+        rows = json.loads((Path(tmp) / "result.json").read_text())
     return _report(rows, spec)
 
 

@@ -13,15 +13,20 @@ Needs root (CAP_NET_ADMIN) and iproute2; :class:`NetnsUnavailable` says so plain
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from trainwright.errors import TrainwrightError
 
-__all__ = ["NetnsUnavailable", "TwoTierNetwork", "inter_node_bytes"]
+__all__ = ["NetnsUnavailable", "TwoTierNetwork", "inter_node_bytes", "emulated", "run_ranks"]
 
 SUBNET = "10.77"
 INTER_CLASS = "1:10"
@@ -169,3 +174,84 @@ def inter_node_bytes(dev: str = "eth0") -> int | None:
     # text form (this tc ignores -j for classes): "class htb 1:10 ...\n Sent N bytes M pkt"
     m = re.search(rf"class htb {INTER_CLASS} .*?\n\s*Sent (\d+) bytes", out.stdout)
     return int(m.group(1)) if m else None
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def emulated(net: TwoTierNetwork | None):
+    """Build ``net`` (None: nothing to build) for the block and remove it afterwards, also
+    on failure, Ctrl-C or SIGTERM / SIGHUP (turned into KeyboardInterrupt meanwhile)."""
+    handlers = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            handlers[sig] = signal.signal(sig, _raise_interrupt)
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
+    try:
+        if net is not None:
+            net.create()
+        yield net
+    finally:
+        if net is not None:
+            net.destroy()
+        for sig, old in handlers.items():
+            signal.signal(sig, old)
+
+
+def run_ranks(module: str, tmp: str, world: int, net: TwoTierNetwork | None, *,
+              timeout_s: float, total: int, label: str, env_for=None) -> None:
+    """Run ``python -m MODULE --worker TMP RANK`` for every rank and wait for all of them.
+
+    With ``net`` each rank runs inside its namespace and gloo binds to ``eth0``; without,
+    on 127.0.0.1. Rank 0 may write ``"done total"`` to ``TMP/progress`` for the progress
+    bar. Each rank's output goes to ``TMP/rankR.log``; a rank that fails, or the deadline
+    passing, stops every rank and raises with that rank's last lines.
+
+    Args:
+        env_for: ``rank -> dict`` of extra environment variables.
+    """
+    from rich.progress import Progress
+
+    from trainwright.launch import free_port
+
+    port = 29511 if net is not None else free_port()  # inside the namespaces: nothing else
+    procs = []
+    try:
+        for rank in range(world):
+            env = {**os.environ, "MASTER_ADDR": net.addr(0) if net else "127.0.0.1",
+                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                   "GLOO_SOCKET_IFNAME": "eth0" if net else "lo",
+                   **(env_for(rank) if env_for else {})}
+            cmd = [sys.executable, "-m", module, "--worker", tmp, str(rank)]
+            log = open(Path(tmp) / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+            procs.append((subprocess.Popen((net.exec_prefix(rank) if net else []) + cmd,
+                                           env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        deadline = time.monotonic() + timeout_s
+        with Progress(transient=True) as bar:
+            task = bar.add_task(label, total=total)
+            while any(p.poll() is None for p, _ in procs):
+                _raise_if_failed(procs, tmp)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{label}: ranks still running after {timeout_s} s")
+                prog = Path(tmp) / "progress"
+                if prog.exists():
+                    with contextlib.suppress(ValueError, IndexError):
+                        bar.update(task, completed=int(prog.read_text().split()[0]))
+                time.sleep(0.5)
+        _raise_if_failed(procs, tmp)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            log.close()
+
+
+def _raise_if_failed(procs: list, tmp: str) -> None:
+    for rank, (p, _) in enumerate(procs):
+        if p.poll() not in (None, 0):
+            tail = (Path(tmp) / f"rank{rank}.log").read_text()[-3000:]
+            raise RuntimeError(f"benchmark rank {rank} exited with code {p.returncode}:\n{tail}")

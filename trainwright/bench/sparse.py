@@ -17,14 +17,22 @@ dense system pays for materialising the full gradient there. ``bytes_sent_per_ra
 what the collective's algorithm makes an average rank send (ring all-gather / all-reduce,
 binomial-tree broadcast; gloo's sparse all-reduce coalesces, all-gathers metadata, then
 all-gathers (``allgatherv``) indices and values and sums the W sparse tensors), not a wire
-capture.
+capture. ``paths_taken`` lists our path per round (the first is the warm-up), with the
+rounds spent measuring a path (exploration) marked.
+
+By default the ranks talk over 127.0.0.1, where moving a byte costs about as much CPU as
+adding it. ``--link RATE`` (``network = "netns"``) puts every rank in its own network
+namespace with its egress shaped to RATE (:mod:`trainwright.bench.netns`, needs root),
+so the exchange is bound by the link as between real machines.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +42,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, emulated, run_ranks
+from trainwright.errors import ConfigError
 from trainwright.testing import run_workers
 
 __all__ = ["SparseBenchSpec", "run", "main"]
@@ -57,6 +67,11 @@ class SparseBenchSpec:
     """Measured rounds per density (after one warm-up round)."""
     seed: int = 0
     """Seed of the table and the ids."""
+    network: str = "loopback"
+    """``"loopback"`` (127.0.0.1, no shaping) or ``"netns"``: every rank in its own network
+    namespace, its egress shaped to ``link_rate`` (:mod:`trainwright.bench.netns`)."""
+    link_rate: str = "1gbit"
+    """With ``network = "netns"``: each rank's egress rate (``tc`` syntax)."""
 
 
 def _ids(spec: SparseBenchSpec, rank: int, density: float) -> torch.Tensor:
@@ -93,7 +108,8 @@ def _check_same(got: torch.Tensor, want: torch.Tensor) -> None:
                              f"outside")
 
 
-def _bench_rank(rank: int, world: int, spec: SparseBenchSpec, out_path: str) -> None:
+def _bench_rank(rank: int, world: int, spec: SparseBenchSpec, out_path: str,
+                progress_path: str | None = None) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from trainwright.sync.sparse import SparseGradSync
@@ -106,7 +122,7 @@ def _bench_rank(rank: int, world: int, spec: SparseBenchSpec, out_path: str) -> 
     ddp = DistributedDataParallel(nn.Embedding.from_pretrained(table, freeze=False, sparse=True))
     del table
     sync = SparseGradSync(None, world)
-    progress = _progress(rank, len(spec.densities) * (spec.repeats + 1))
+    progress = _progress(rank, len(spec.densities) * (spec.repeats + 1), progress_path)
     rows = []
     for density in spec.densities:
         rows += _density_rows(spec, rank, world, density, ours, dense, ddp, sync, progress)
@@ -171,10 +187,20 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
     ]
 
 
-def _progress(rank: int, total: int):
-    """A rich bar on rank 0 (other ranks: no-op); call with a label per round, None to end."""
+def _progress(rank: int, total: int, path: str | None = None):
+    """A rich bar on rank 0 (other ranks: no-op); call with a label per round, None to end.
+
+    With ``path``, rank 0 writes ``"done total"`` there instead (for :func:`run_ranks`)."""
     if rank != 0:
         return lambda label: None
+    if path is not None:
+        done = [0]
+
+        def note(label):
+            if label is not None:
+                done[0] += 1
+                Path(path).write_text(f"{done[0]} {total}")
+        return note
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     bar = Progress(TextColumn("[bold]bench sparse"), BarColumn(), MofNCompleteColumn(),
@@ -195,15 +221,54 @@ def _at(rows: list[dict], system: str, density: float) -> float:
     return next(r["sync_s"] for r in rows if r["system"] == system and r["density"] == density)
 
 
+def worker(tmp: str, rank: int) -> None:
+    """One rank of the ``netns`` benchmark (started inside its namespace by :func:`run`)."""
+    from trainwright.comm import exit_now
+
+    data = json.loads((Path(tmp) / "spec.json").read_text())
+    spec = SparseBenchSpec(**data["spec"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=spec.world,
+                            timeout=datetime.timedelta(seconds=data["timeout_s"]))
+    _bench_rank(rank, spec.world, spec, str(Path(tmp) / "result.json"),
+                str(Path(tmp) / "progress"))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_now(0)
+
+
 def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
-    """Run every system at every density; returns the rows and the ratios."""
-    with tempfile.TemporaryDirectory() as tmp:
+    """Run every system at every density; returns the rows and the ratios.
+
+    Raises:
+        ConfigError: an unknown ``spec.network``, or ``"netns"`` where namespaces cannot
+            be built (not root, no iproute2).
+    """
+    if spec.network not in ("loopback", "netns"):
+        raise ConfigError(f"network = {spec.network!r}; choose 'loopback' or 'netns'")
+    with tempfile.TemporaryDirectory(prefix="tw-bench-sparse-") as tmp:
         out = Path(tmp) / "result.json"
-        run_workers(_bench_rank, spec.world, spec, str(out), timeout_s=timeout_s)
+        if spec.network == "netns":
+            (Path(tmp) / "spec.json").write_text(json.dumps(dict(spec=asdict(spec),
+                                                                 timeout_s=timeout_s)))
+            net = TwoTierNetwork(spec.world, 1, spec.link_rate)
+            try:
+                with emulated(net):
+                    run_ranks("trainwright.bench.sparse", tmp, spec.world, net,
+                              timeout_s=timeout_s,
+                              total=len(spec.densities) * (spec.repeats + 1),
+                              label="bench sparse")
+            except NetnsUnavailable as exc:
+                raise ConfigError(f"{exc} (or leave out --link to measure on loopback)") from None
+        else:
+            run_workers(_bench_rank, spec.world, spec, str(out), timeout_s=timeout_s)
         data = json.loads(out.read_text())
     rows = data["rows"]
     result = dict(benchmark="sparse", spec=asdict(spec), link_model=data["link"], rows=rows,
-                  torch=torch.__version__)
+                  torch=torch.__version__,
+                  network=(f"{spec.world} network namespaces, {spec.link_rate} egress per rank "
+                           f"(tc htb)" if spec.network == "netns"
+                           else "loopback 127.0.0.1, no shaping"))
     lo, hi = min(spec.densities, key=lambda d: abs(d - 0.01)), max(spec.densities)
     ours_lo, ours_hi = _at(rows, "trainwright", lo), _at(rows, "trainwright", hi)
     result["ratio_vs_dense_at_1pct"] = ours_lo / _at(rows, "dense_allreduce", lo)
@@ -229,6 +294,16 @@ def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
 
 
 def main(args) -> dict:
-    """CLI entry: ``trainwright bench sparse [--repeats N]``."""
+    """CLI entry: ``trainwright bench sparse [--repeats N] [--link RATE]``."""
     repeats = getattr(args, "repeats", None) or SparseBenchSpec().repeats
-    return run(SparseBenchSpec(repeats=repeats))
+    link = getattr(args, "link", None)
+    return run(SparseBenchSpec(repeats=repeats, network="netns" if link else "loopback",
+                               link_rate=link or "1gbit"))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]))
+    else:
+        sys.exit("usage: python -m trainwright.bench.sparse --worker TMPDIR RANK "
+                 "(started by `trainwright bench sparse --link RATE`)")

@@ -32,6 +32,7 @@ plain data parallel. Both send every other parameter through
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -317,6 +318,9 @@ class SparseGradSync(GradSync):
             if choice.path == "dense":
                 buf = summed.values._base if summed.values._base is not None else summed.values
                 self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
+                # the estimate assumed the largest possible union; report what was sent
+                sent = 2 * (self.world - 1) / self.world * (t.height + summed.count * row_bytes)
+                self.last[-1] = dataclasses.replace(choice, bytes_sent_per_rank=sent)
         self.dense.sync(dense_params)
         self._observed = seen
         if self.last:

@@ -36,7 +36,8 @@ class PathChoice:
     estimates_s: dict = field(default_factory=dict)
     """Predicted seconds per candidate path."""
     bytes_sent_per_rank: float = 0.0
-    """Bytes the chosen collective makes an average rank send (by its algorithm)."""
+    """Bytes the chosen collective makes an average rank send (by its algorithm); for the
+    dense path of sparse gradients, with the union of touched rows found in the exchange."""
     forced: bool = False
     """True when ``sync.sparse_path`` named the path instead of ``auto``."""
     explored: bool = False
