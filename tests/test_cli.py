@@ -179,3 +179,18 @@ def test_default_run_under_three_minutes(tmp_path):
     losses = _assert_run_outputs(_run_dir(proc.stdout))
     assert losses[-1] < losses[0] - 2.0
     assert took < 180, f"default run took {took:.0f} s"
+
+
+@pytest.mark.timeout(60)
+def test_readme_config_table_matches_the_code():
+    root = Path(__file__).parents[1]
+    made = subprocess.run([sys.executable, str(root / "tools" / "config_table.py")],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    readme = (root / "README.md").read_text()
+    start = readme.index("| key | default | meaning |")
+    lines = []
+    for line in readme[start:].split("\n"):
+        if not line.startswith("|"):
+            break
+        lines.append(line)
+    assert "\n".join(lines) == made, "README config table is stale: run tools/config_table.py"

@@ -1,4 +1,4 @@
-"""Print the README's configuration table from trainwright/config.py (field docstrings)."""
+"""Print the README's configuration table from trainwright/config_sections.py (field docstrings)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from trainwright.config import SECTIONS, Config
 
 def docs() -> dict[tuple[str, str], str]:
     """``(class name, field) -> docstring`` read from the source."""
-    tree = ast.parse(Path(__file__).parents[1].joinpath("trainwright/config.py").read_text())
+    source = Path(__file__).parents[1] / "trainwright" / "config_sections.py"
+    tree = ast.parse(source.read_text())
     out = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
