@@ -70,13 +70,17 @@ def test_p2p_checks_and_deadlines():
 
 def _dense(rank, world):
     torch.manual_seed(rank)
-    shapes = [(7, 3), (5,), (64, 8), (1,), (3, 3)]
+    shapes = [(7, 3), (5,), (64, 8), (1,), (3, 3), (40, 8)]
     a = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     b = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     for i, (p, q) in enumerate(zip(a, b, strict=True)):
         if i != 3:  # one parameter without a gradient on every rank
             p.grad = torch.randn(p.shape)
             q.grad = p.grad.clone()
+    # two bucket-sized gradients, alone in their buckets: one reduced in place, one (not
+    # contiguous) through a flat copy
+    a[2].grad = a[2].grad.t().contiguous().t()
+    assert not a[2].grad.is_contiguous() and a[5].grad.is_contiguous()
     sync = BucketedAllReduce(dist.group.WORLD, world, bucket_bytes=256)
     assert len(sync.buckets(a)) > 2
     sync.sync(a)

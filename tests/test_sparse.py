@@ -347,6 +347,33 @@ def test_bench_sparse_over_shaped_links_cleans_up():
     assert sync["trainwright", 0.01] < 0.3 * sync["dense_allreduce", 0.01]
 
 
+def test_touched_rows_of_a_dense_gradient():
+    from trainwright.sync.rowsparse import LocalRows, touched_rows
+
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        g = torch.zeros(7, 2, 3, dtype=dtype)
+        g[1, 0, 2] = 1e-30 if dtype != torch.float16 else 1e-7  # tiny but non-zero
+        g[3, 1, 1] = float("nan")
+        g[5] = -2.0
+        assert touched_rows(g).tolist() == [1, 3, 5]
+        assert touched_rows(g.transpose(0, 1).contiguous().transpose(0, 1)).tolist() == [1, 3, 5]
+    assert touched_rows(torch.zeros(0, 4)).numel() == 0
+    strided = torch.zeros(5, 7).t()  # rows not contiguous: the value test
+    strided[2, 4] = 3.0
+    assert not strided.is_contiguous() and touched_rows(strided).tolist() == [2]
+    # a dense gradient's values are copied out only when a path asks for the triple
+    g = torch.zeros(6, 2)
+    g[[0, 4]] = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    local = LocalRows(dense=g)
+    assert local.count == 2 and local._triple is None
+    mark = torch.zeros(6, dtype=torch.uint8)
+    local.mark(mark)
+    assert mark.tolist() == [1, 0, 0, 0, 1, 0] and local._triple is None
+    t = local.triple()
+    assert t.rows.tolist() == [0, 4]
+    torch.testing.assert_close(t.values, g[[0, 4]])
+
+
 def test_a_path_never_measured_at_this_size_is_tried_once_when_close():
     counts, height, row_bytes, world = [100_000] * 4, 1_000_000, 256, 4
     first = LINK.choose(counts, height, row_bytes, world, True, explore=2.0)

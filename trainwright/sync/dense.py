@@ -60,11 +60,17 @@ class BucketedAllReduce(GradSync):
             for p in bucket:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            if len(bucket) == 1 and bucket[0].grad.is_contiguous():
+                # a bucket of one (a parameter at least bucket-sized): in place, no copies
+                flat = bucket[0].grad.view(-1)
+            else:
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket])
             pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
         for work, flat, bucket in pending:
             work.wait()
             flat.div_(self.world)
+            if flat.data_ptr() == bucket[0].grad.data_ptr():
+                continue
             offset = 0
             for p in bucket:
                 n = p.numel()
