@@ -16,7 +16,7 @@ import torch
 
 from trainwright.sync.sparse_cost import ID_BYTES
 
-__all__ = ["RowSparse", "LocalRows", "touched_rows"]
+__all__ = ["RowSparse", "LocalRows", "touched_rows", "union_slots"]
 
 
 @dataclass
@@ -109,14 +109,18 @@ def _unique_rows(ids: torch.Tensor, height: int):
     return int(mark.count_nonzero()), mark
 
 
-def _rows_and_inverse(ids: torch.Tensor, height: int, plan) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_and_inverse(ids: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted unique rows and each id's position among them, from a ``_unique_rows`` plan."""
     if isinstance(plan, tuple):
         return plan
-    rows = plan.nonzero().squeeze(1)
-    slot = torch.empty(height, dtype=torch.int64, device=ids.device)
-    slot[rows] = torch.arange(rows.numel(), device=ids.device)
-    return rows, slot[ids]
+    return plan.nonzero().squeeze(1), union_slots(plan).index_select(0, ids)
+
+
+def union_slots(mark: torch.Tensor) -> torch.Tensor:
+    """For a table-sized mark of touched rows: each marked row's position among the marked
+    rows (a running count; an ``index_put_`` of ``arange`` is ~7x slower on CPU). Entries
+    of unmarked rows are meaningless."""
+    return mark.cumsum(0, dtype=torch.int64).sub_(1)
 
 
 def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor, height: int,
@@ -126,7 +130,7 @@ def _sum_duplicates(ids: torch.Tensor, values: torch.Tensor, height: int,
         return ids, values
     if plan is None:
         _, plan = _unique_rows(ids, height)
-    rows, inverse = _rows_and_inverse(ids, height, plan)
+    rows, inverse = _rows_and_inverse(ids, plan)
     if rows.numel() == ids.numel():  # no duplicates: a permutation
         out = torch.empty_like(values)
         out[inverse] = values
@@ -243,7 +247,7 @@ def _merge(blocks: list[tuple[torch.Tensor, torch.Tensor]], height: int,
     """Sum every rank's (ids, values) block into one triple, block by block (no big copy)."""
     ids = torch.cat([b[0] for b in blocks])
     _, plan = _unique_rows(ids, height)
-    rows, inverse = _rows_and_inverse(ids, height, plan)
+    rows, inverse = _rows_and_inverse(ids, plan)
     out = blocks[0][1].new_zeros((rows.numel(), *row_shape))
     offset = 0
     for block_ids, values in blocks:

@@ -44,7 +44,15 @@ from torch import nn
 
 from trainwright.sync import GradSync
 from trainwright.sync.dense import BucketedAllReduce
-from trainwright.sync.rowsparse import LocalRows, RowSparse, _id_slots, _merge, _pack, _unpack
+from trainwright.sync.rowsparse import (
+    LocalRows,
+    RowSparse,
+    _id_slots,
+    _merge,
+    _pack,
+    _unpack,
+    union_slots,
+)
 from trainwright.sync.sparse_cost import LinkModel, PathChoice, all_gather_into, calibrate
 
 __all__ = ["RowSparse", "LocalRows", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
@@ -145,9 +153,7 @@ def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None)
     dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
     rows = mark.nonzero().squeeze(1)
     n = rows.numel()
-    # position of every touched row within the union (a running count of the mark; an
-    # index_put_ of arange is ~7x slower here)
-    slot = mark.cumsum(0, dtype=torch.int64).sub_(1) if n < local.height else None
+    slot = union_slots(mark) if n < local.height else None
     need = local.height * width
     if buffer is None or buffer.numel() < need or buffer.dtype != local.dtype:
         buffer = torch.empty(need, dtype=local.dtype, device=local.device)
