@@ -21,7 +21,8 @@ from trainwright.errors import ConfigError
 from trainwright.launch import create_run_dir
 from trainwright.sync.membership import Epoch, announce_delay, ring_distance
 from trainwright.sync.ring_runner import launch_ring, param_hash
-from trainwright.sync.tokenring import contributors_needed, pack, sum_canonical, unpack
+from trainwright.sync.ring_wire import pack, unpack
+from trainwright.sync.tokenring import contributors_needed, sum_canonical
 
 
 def ring_cfg(tmp_path, **extra):

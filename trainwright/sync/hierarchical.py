@@ -55,6 +55,7 @@ from trainwright.sync.hier_layout import (
     resolve_weights,
     slice_bounds,
 )
+from trainwright.sync.hier_shards import assemble_flat, covering_shards
 
 __all__ = ["NodeLayout", "HierGroups", "node_layout", "create_groups", "slice_bounds",
            "free_memory", "measure_speed", "HierarchicalSync", "HierarchicalDataParallel",
@@ -371,7 +372,7 @@ class HierarchicalSync(GradSync):
         if self.flat_param is None:
             self.setup(list(params))
         lo, hi = self.owned
-        parts = _covering_shards(directory, self.flat_param.numel())
+        parts = covering_shards(directory, self.flat_param.numel())
         new_state: dict = {}
         groups_state = None
         for meta in parts:
@@ -399,43 +400,6 @@ class HierarchicalSync(GradSync):
             groups = [{**groups_state[0], "params": list(range(len(mine)))}]
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
         self.all_gather()
-
-
-def _covering_shards(directory: str | Path, numel: int) -> list[dict]:
-    """The index entries of one node's shards that tile ``[0, numel)``."""
-    metas = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("shard_*.json"))]
-    if not metas:
-        raise FileNotFoundError(f"no shard_*.json in {directory}; was it written by "
-                                f"HierarchicalSync.save_shard?")
-    if metas[0]["numel"] != numel:
-        raise ValueError(f"shards in {directory} hold {metas[0]['numel']} parameters, the model "
-                         f"has {numel}; they belong to a different model")
-    node0 = sorted((m for m in metas if m["node"] == 0), key=lambda m: m["lo"])
-    edge = 0
-    for m in node0:
-        if m["lo"] != edge:
-            break
-        edge = m["hi"]
-    if edge != numel:
-        raise FileNotFoundError(f"the shards of node 0 in {directory} cover [0, {edge}) of "
-                                f"{numel} parameters; a shard file is missing")
-    return node0
-
-
-def assemble_flat(directory: str | Path) -> torch.Tensor:
-    """The full flat parameter vector from a directory of shards (one process, no group)."""
-    metas = [json.loads(p.read_text()) for p in sorted(Path(directory).glob("shard_*.json"))]
-    if not metas:
-        raise FileNotFoundError(f"no shard_*.json in {directory}")
-    numel = metas[0]["numel"]
-    out = None
-    for m in _covering_shards(directory, numel):
-        saved = torch.load(Path(directory) / f"shard_{m['rank']:05d}.pt", map_location="cpu",
-                           weights_only=True)
-        if out is None:
-            out = torch.empty(numel, dtype=saved["params"].dtype)
-        out[m["lo"] : m["hi"]].copy_(saved["params"])
-    return out
 
 
 # ----------------------------------------------------------------------------- front ends

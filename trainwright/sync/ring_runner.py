@@ -35,6 +35,7 @@ from trainwright.config import Config, load_config
 from trainwright.data import shard
 from trainwright.errors import CommError
 from trainwright.sync.membership import Epoch, Rendezvous, join_rendezvous
+from trainwright.sync.ring_wire import wait_welcome
 from trainwright.sync.tokenring import (
     RingFailed,
     RingLeft,
@@ -42,7 +43,6 @@ from trainwright.sync.tokenring import (
     Token,
     TokenRing,
     sum_canonical,
-    wait_welcome,
 )
 from trainwright.telemetry import atomic_write_text
 

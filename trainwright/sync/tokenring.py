@@ -20,13 +20,11 @@ sent to every member, so everyone knows the holder and when the ring went quiet.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,9 +32,10 @@ import zmq
 
 from trainwright.errors import CommError
 from trainwright.sync.membership import Epoch, Rendezvous, announce_delay, ring_distance
+from trainwright.sync.ring_wire import pack, unpack
 
-__all__ = ["RingTimes", "TokenRing", "Token", "pack", "unpack", "contributors_needed",
-           "sum_canonical", "wait_welcome", "RingLeft", "RingFailed", "CLOSE_WINDOW"]
+__all__ = ["RingTimes", "TokenRing", "Token", "contributors_needed", "sum_canonical",
+           "RingLeft", "RingFailed", "CLOSE_WINDOW"]
 
 log = logging.getLogger(__name__)
 CLOSE_WINDOW = 32
@@ -62,32 +61,6 @@ class RingTimes:
     idle_hold_s: float = 0.02
     close_timeout_s: float = 120.0
     fetch_after_s: float = 0.3
-
-
-def pack(header: dict, tensors: list[torch.Tensor]) -> list:
-    """Frames of one message: a JSON header, then each tensor's raw bytes (no copy)."""
-    header = {**header, "shapes": [list(t.shape) for t in tensors],
-              "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors]}
-    # bytes view of each tensor (any dtype, bfloat16 included), shared with the tensor
-    return [json.dumps(header).encode()] + [
-        memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        for t in tensors]
-
-
-def unpack(frames: list) -> tuple[dict, list[torch.Tensor]]:
-    """Inverse of :func:`pack`; tensors view the received buffers (no copy)."""
-    header = json.loads(frames[0].bytes)
-    out = []
-    for frame, shape, dt in zip(frames[1:], header.get("shapes", []), header.get("dtypes", []),
-                                strict=True):
-        dtype = getattr(torch, dt)
-        if math.prod(shape) == 0:
-            out.append(torch.empty(shape, dtype=dtype))
-            continue
-        with warnings.catch_warnings():  # read-only buffer: we never write into it
-            warnings.simplefilter("ignore", UserWarning)
-            out.append(torch.frombuffer(frame.buffer, dtype=dtype).reshape(shape))
-    return header, out
 
 
 def contributors_needed(close_fraction: float, members: int) -> int:
@@ -592,27 +565,3 @@ class TokenRing:
         self._acted_hop = None
         self._send_token()
         self.cv.notify_all()
-
-
-def wait_welcome(pull: zmq.Socket, deadline_s: float) -> tuple[dict, list[torch.Tensor], list]:
-    """Standby: wait on ``pull`` for the first node's welcome (weights and closes).
-
-    Returns:
-        The welcome header, the weights, and the messages that arrived before it (to replay).
-
-    Raises:
-        CommError: no welcome within ``deadline_s``.
-    """
-    end = time.monotonic() + deadline_s
-    early: list = []
-    while time.monotonic() < end:
-        if not pull.poll(int(max(1, (end - time.monotonic()) * 1000))):
-            break
-        frames = pull.recv_multipart(copy=False)
-        header = json.loads(frames[0].bytes)
-        if header["t"] == "welcome":
-            h, weights = unpack(frames)
-            return h, [w.clone() for w in weights], early
-        early.append(frames)
-    raise CommError(f"standby node: not admitted within {deadline_s:.0f} s; the ring admits "
-                    f"standby nodes at batch boundaries (tokenring.batch_steps)")
