@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from trainwright.api import load_model
 from trainwright.cli import main
 from trainwright.config import load_config
-from trainwright.launch import free_port
-from trainwright.reference import train_reference
+from trainwright.dist.ports import free_port
+from trainwright.run.api import load_model
+from trainwright.run.reference import train_reference
 
 BAD = [
     (["--set", "train.stesp=3"], r"unknown config key 'train.stesp'; did you mean 'train.steps'"),

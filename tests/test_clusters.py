@@ -1,4 +1,4 @@
-"""Tests for trainwright.clusters: fork/join clusters that a pipeline partition never cuts."""
+"""Tests for trainwright.model.clusters: fork/join clusters that a pipeline partition never cuts."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainwright.clusters import (
+from trainwright.model.clusters import (
     INPUT,
     allowed_cuts,
     clusters_from_layer_graph,
     layer_edges,
     model_clusters,
 )
-from trainwright.graph import layers_from_export, layers_from_sequential
+from trainwright.model.graph import layers_from_export, layers_from_sequential
 
 pytestmark = pytest.mark.timeout(60)
 

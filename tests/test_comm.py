@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainwright.comm import P2P, Watchdog, pack_header, unpack_header
+from trainwright.dist.comm import P2P, Watchdog, pack_header, unpack_header
+from trainwright.dist.testing import free_port, run_workers
 from trainwright.errors import CommError
 from trainwright.sync.dense import BucketedAllReduce, naive_all_reduce
-from trainwright.testing import free_port, run_workers
 
 
 def test_header_round_trip():

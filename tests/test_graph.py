@@ -1,4 +1,4 @@
-"""Tests for trainwright.graph: models cut into chain layers that match the original."""
+"""Tests for trainwright.model.graph: models cut into chain layers that match the original."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainwright.graph import boundary_bytes, layers_from_export, layers_from_sequential
-from trainwright.models.gpt import GPTConfig, gpt_layers
+from trainwright.model.gpt import GPTConfig, gpt_layers
+from trainwright.model.graph import boundary_bytes, layers_from_export, layers_from_sequential
 
 
 def _chain(layers, args):

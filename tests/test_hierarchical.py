@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.config import HierarchicalConfig
+from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
 from trainwright.sync.hierarchical import (
     HierarchicalDataParallel,
@@ -22,7 +23,6 @@ from trainwright.sync.hierarchical import (
     node_layout,
     slice_bounds,
 )
-from trainwright.testing import run_workers
 
 STEPS = 3
 ALIGN = 8
@@ -172,7 +172,7 @@ def test_node_layout_from_hosts_and_bad_sizes():
 
 
 def _pipeline_jobs(rank: int, world: int, jobs) -> None:
-    from trainwright.worker import train
+    from trainwright.run.worker import train
 
     for cfg, run_dir in jobs:
         train(cfg, Path(run_dir))
@@ -181,7 +181,7 @@ def _pipeline_jobs(rank: int, world: int, jobs) -> None:
 @pytest.mark.timeout(240)
 def test_pipeline_with_hierarchical_sync_equals_single_process(tiny):
     from tests.test_pipeline import _check_against_reference
-    from trainwright.launch import create_run_dir
+    from trainwright.run.launch import create_run_dir
 
     base = {"parallel.pp": 2, "parallel.dp": 2, "sync.strategy": '"hierarchical"',
             "train.micro_batches": 2, "hierarchical.align": 16}

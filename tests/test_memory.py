@@ -11,8 +11,8 @@ import torch
 from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
 from trainwright.cli import main
 from trainwright.config import Config
-from trainwright.launch import create_run_dir
-from trainwright.testing import run_workers
+from trainwright.dist.testing import run_workers
+from trainwright.run.launch import create_run_dir
 
 MIXES = [
     ["swap"],
@@ -101,9 +101,9 @@ def test_limit_values_are_validated(capsys):
 @pytest.mark.timeout(60)
 def test_recompute_and_swap_replay_dropout_exactly():
     # the recompute policy restores the RNG state: dropout draws the same mask twice
+    from trainwright.observe.layer_profile import LayerProfiler
     from trainwright.pipeline.stage import LayerSlot, Stage
     from trainwright.pipeline.store import ActivationStore
-    from trainwright.profile import LayerProfiler
 
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
@@ -126,10 +126,10 @@ def test_recompute_and_swap_replay_dropout_exactly():
 
 
 def _budget_stage(limit):
+    from trainwright.observe.layer_profile import LayerCost, LayerProfiler
     from trainwright.pipeline.budget import MemoryBudget
     from trainwright.pipeline.stage import LayerSlot, Stage
     from trainwright.pipeline.store import ActivationStore
-    from trainwright.profile import LayerCost, LayerProfiler
 
     profiler = LayerProfiler()
     layers = [torch.nn.Linear(4, 4) for _ in range(3)]

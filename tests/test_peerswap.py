@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainwright.devices import DeviceTopology
-from trainwright.pipeline.harness import GPTJob, job_batch, job_layers, run_gpt_pipeline
+from trainwright.dist.testing import run_workers
+from trainwright.observe.tensor_profile import profile_tensors
 from trainwright.pipeline.peerswap import ChunkMeta, TensorMeta, metadata_table
+from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.placement import Rules
 from trainwright.plan.planner import PlanRequest, make_plan
-from trainwright.tensor_profile import profile_tensors
-from trainwright.testing import run_workers
+from trainwright.run.harness import GPTJob, job_batch, job_layers, run_gpt_pipeline
 
 
 def _loss(out, y):
@@ -85,7 +85,7 @@ def test_peer_swap_from_the_config_trains_like_the_reference_within_limits(tiny)
     import json
 
     from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
-    from trainwright.launch import create_run_dir
+    from trainwright.run.launch import create_run_dir
 
     base = {"parallel.pp": 4, "train.schedule": '"1f1b"', "train.micro_batches": 4,
             "model.n_blocks": 4, "model.d_model": 64, "model.context": 32}

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainwright.api import load_model
 from trainwright.config import Config
-from trainwright.launch import create_run_dir
-from trainwright.reference import train_reference
-from trainwright.testing import run_workers
-from trainwright.worker import train
+from trainwright.dist.testing import run_workers
+from trainwright.run.api import load_model
+from trainwright.run.launch import create_run_dir
+from trainwright.run.reference import train_reference
+from trainwright.run.worker import train
 
 
 def _train_jobs(rank: int, world: int, jobs: list[tuple[Config, str]]) -> None:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainwright.devices import DeviceTopology, parse_nvidia_smi_topo, preset
+from trainwright.plan.devices import DeviceTopology, parse_nvidia_smi_topo, preset
 from trainwright.plan.memory import LayerMem
 from trainwright.plan.placement import (
     HOST,

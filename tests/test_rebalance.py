@@ -14,16 +14,16 @@ import pytest
 
 from tests.conftest import tiny_overrides
 from tests.test_pipeline import _check_against_reference, _train_jobs
+from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
-from trainwright.launch import create_run_dir
-from trainwright.pipeline.migrate_plan import (
+from trainwright.run.launch import create_run_dir
+from trainwright.schedule.actions import Action, build_schedule
+from trainwright.schedule.migration import (
     Move,
     check_schedule,
     migration_schedule,
     one_hop_moves,
 )
-from trainwright.pipeline.schedule import Action, build_schedule
-from trainwright.testing import run_workers
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:

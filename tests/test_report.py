@@ -1,4 +1,4 @@
-"""Tests of trainwright.report: a full synthetic run and damaged or partial run directories."""
+"""Tests of trainwright.observe.report: a full synthetic run, damaged or partial run dirs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainwright.report import load_metrics, write_report
+from trainwright.observe.report import load_metrics, write_report
 
 IMG = '<img src="data:image/png;base64,'
 HEADINGS = [

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainwright.errors import PlanError
-from trainwright.pipeline.schedule import (
+from trainwright.schedule.actions import (
     build_schedule,
     format_grid,
     gpipe,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainwright.pipeline.peer_schedule import PeerAction, with_peer_swap
-from trainwright.pipeline.schedule import Action, build_schedule
 from trainwright.plan.simulate import Deadlock, Links, StageCost, liveness, simulate
+from trainwright.schedule.actions import Action, build_schedule
+from trainwright.schedule.peer import PeerAction, with_peer_swap
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -134,8 +134,8 @@ def test_liveness_intervals_from_the_replay():
 def test_meta_profile_sizes_equal_the_real_ones():
     import torch
 
-    from trainwright.models.gpt import GPTConfig, gpt_layers
-    from trainwright.tensor_profile import profile_tensors, profile_tensors_meta
+    from trainwright.model.gpt import GPTConfig, gpt_layers
+    from trainwright.observe.tensor_profile import profile_tensors, profile_tensors_meta
 
     cfg = GPTConfig(vocab=64, context=16, d_model=32, n_heads=2, n_blocks=2)
     torch.manual_seed(0)

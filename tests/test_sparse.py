@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.config import ConfigError, load_config
+from trainwright.dist.testing import run_workers
 from trainwright.sync.sparse import (
     LinkModel,
     RowSparse,
@@ -26,7 +27,6 @@ from trainwright.sync.sparse import (
     calibrate,
 )
 from trainwright.sync.sparse_cost import size_band
-from trainwright.testing import run_workers
 
 # Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
 LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)
@@ -236,7 +236,7 @@ class _Paths(logging.Handler):
 
 
 def _pipeline_worker(rank: int, world: int, jobs) -> None:
-    from trainwright.worker import train
+    from trainwright.run.worker import train
 
     _training_worker(rank, world)  # 4 ranks: the wrapper again, in the same spawn
     sparse_log = logging.getLogger("trainwright.sync.sparse")
@@ -260,9 +260,9 @@ def _pipeline_worker(rank: int, world: int, jobs) -> None:
 
 @pytest.mark.timeout(300)
 def test_pipeline_with_sparse_dp_sync_equals_reference(tiny):
-    from trainwright.api import load_model
-    from trainwright.launch import create_run_dir
-    from trainwright.reference import train_reference
+    from trainwright.run.api import load_model
+    from trainwright.run.launch import create_run_dir
+    from trainwright.run.reference import train_reference
 
     cfgs = [tiny(**{"parallel.pp": 2, "parallel.dp": 2, "sync.sparse": "true",
                     "train.micro_batches": 2, "sync.sparse_path": f'"{path}"'})

@@ -3,9 +3,9 @@
 import torch
 from torch import nn
 
+from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
-from trainwright.profile import LayerProfiler
 
 
 def _stage(layers, last=True):

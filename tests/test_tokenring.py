@@ -15,14 +15,14 @@ import torch
 import zmq
 from torch import nn
 
-from trainwright.build import build_data, build_layers, loss_fn
 from trainwright.config import load_config
 from trainwright.errors import ConfigError
-from trainwright.launch import create_run_dir
-from trainwright.sync.membership import Epoch, announce_delay, ring_distance
-from trainwright.sync.ring_runner import launch_ring, param_hash
-from trainwright.sync.ring_wire import pack, unpack
-from trainwright.sync.tokenring import contributors_needed, sum_canonical
+from trainwright.model.build import build_data, build_layers, loss_fn
+from trainwright.run.launch import create_run_dir
+from trainwright.run.ring_node import launch_ring, param_hash
+from trainwright.tokenring.membership import Epoch, announce_delay, ring_distance
+from trainwright.tokenring.ring import contributors_needed, sum_canonical
+from trainwright.tokenring.wire import pack, unpack
 
 
 def ring_cfg(tmp_path, **extra):

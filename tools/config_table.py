@@ -1,4 +1,4 @@
-"""Print the README's configuration table from trainwright/config_sections.py (field docstrings)."""
+"""Print the README's configuration table from trainwright/config/sections.py (field docstrings)."""
 
 from __future__ import annotations
 

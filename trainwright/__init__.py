@@ -14,7 +14,7 @@ __all__ = ["fit", "load_model", "__version__"]
 def __getattr__(name: str):
     # lazy, so `import trainwright` stays cheap (torch is imported on first use)
     if name in ("fit", "load_model"):
-        from trainwright import api
+        from trainwright.run import api
 
         return getattr(api, name)
     raise AttributeError(f"module 'trainwright' has no attribute {name!r}")

@@ -215,7 +215,7 @@ def run_ranks(module: str, tmp: str, world: int, net: TwoTierNetwork | None, *,
     """
     from rich.progress import Progress
 
-    from trainwright.launch import free_port
+    from trainwright.dist.ports import free_port
 
     port = 29511 if net is not None else free_port()  # inside the namespaces: nothing else
     procs = []

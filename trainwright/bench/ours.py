@@ -47,7 +47,7 @@ def train_rank(rank: int, world_size: int, master_port: int, threads: int,
         out_path: this rank's result file; the run directory (shared by the ranks) is
             created next to it.
     """
-    from trainwright.worker import train
+    from trainwright.run.trainer import Trainer
 
     torch.set_num_threads(threads)
     peers.init_process_group(rank, world_size, master_port)
@@ -57,7 +57,7 @@ def train_rank(rank: int, world_size: int, master_port: int, threads: int,
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        train(cfg, run_dir)
+        Trainer(cfg, run_dir).fit()
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return RunRecords(run_dir, rows)
     finally:

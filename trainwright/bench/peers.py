@@ -72,7 +72,7 @@ from torch import nn
 
 from trainwright.bench.meter import SavedTensorMeter
 from trainwright.bench.spec import PipelineBenchSpec
-from trainwright.launch import free_port
+from trainwright.dist.ports import free_port
 
 __all__ = [
     "PG_TIMEOUT_S",
@@ -353,7 +353,7 @@ def deepspeed_worker(
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
-    from trainwright.models.gpt import Block
+    from trainwright.model.gpt import Block
 
     torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)

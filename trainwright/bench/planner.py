@@ -7,9 +7,9 @@ Questions:
    peer swap, then recompute), train the GPT for real and predict the same run with
    :func:`trainwright.plan.simulate.simulate`. Compute costs come from the run's own
    measurements: the traced forward/backward action times per stage (split over layers by
-   the per-layer profile, :class:`~trainwright.profile.LayerProfiler`) and the work of
+   the per-layer profile, :class:`~trainwright.observe.layer_profile.LayerProfiler`) and the work of
    receives and peer-swap posts beyond waiting; link latency and bandwidth from a gloo
-   ping-pong; tensor sizes from :mod:`trainwright.tensor_profile`.
+   ping-pong; tensor sizes from :mod:`trainwright.observe.tensor_profile`.
    Each step after warm-up is predicted from that step's own costs (the machine's load
    changes from step to step); errors are ``|predicted - measured| / measured`` of the
    mean step time (slowest rank per step) and of each stage's activation peak.
@@ -70,7 +70,7 @@ class PlannerBenchSpec:
 
     def job(self, stages: int, schedule: str, steps: int | None = None):
         """The harness job."""
-        from trainwright.pipeline.harness import GPTJob
+        from trainwright.run.harness import GPTJob
 
         return GPTJob(n_blocks=self.n_blocks, d_model=self.d_model, n_heads=self.n_heads,
                       context=self.context, vocab=self.vocab, parts=self.parts(stages),
@@ -82,7 +82,7 @@ class PlannerBenchSpec:
 # ---- spawned workers ------------------------------------------------------------------
 
 def _warm_up(spec: PlannerBenchSpec, stages: int) -> None:
-    from trainwright.pipeline.harness import run_gpt_pipeline
+    from trainwright.run.harness import run_gpt_pipeline
 
     run_gpt_pipeline(spec.job(stages, "1f1b", steps=2))  # allocator, kernels, gloo pairs
 
@@ -98,7 +98,7 @@ def _accuracy_worker(rank: int, world: int, spec: PlannerBenchSpec, schedule: st
     """All-keep run, then the limited run planned from its measured peaks (rank 0 plans)."""
     import torch.distributed as dist
 
-    from trainwright.pipeline.harness import run_gpt_pipeline
+    from trainwright.run.harness import run_gpt_pipeline
 
     torch.set_num_threads(1)
     out: dict = {}
@@ -119,7 +119,7 @@ def _accuracy_worker(rank: int, world: int, spec: PlannerBenchSpec, schedule: st
 def _families_worker(rank: int, world: int, spec: PlannerBenchSpec, runs: list,
                      out_dir: str) -> None:
     """``runs``: ``(family, policies, peer plan)`` in the interleaved order to measure."""
-    from trainwright.pipeline.harness import run_gpt_pipeline
+    from trainwright.run.harness import run_gpt_pipeline
 
     torch.set_num_threads(1)
     _warm_up(spec, world)
@@ -129,7 +129,7 @@ def _families_worker(rank: int, world: int, spec: PlannerBenchSpec, runs: list,
 
 
 def _measure_links() -> dict:
-    from trainwright.devices import measure_p2p
+    from trainwright.dist.probe import measure_p2p
 
     small = measure_p2p(nbytes=64, repeats=20)
     big = measure_p2p(nbytes=4 * 2**20, repeats=5)
@@ -137,7 +137,7 @@ def _measure_links() -> dict:
 
 
 def _spawn(fn, world: int, *args) -> list:
-    from trainwright.testing import run_workers
+    from trainwright.dist.testing import run_workers
 
     with tempfile.TemporaryDirectory() as d:
         run_workers(fn, world, *args, d, timeout_s=1200)
@@ -158,7 +158,7 @@ def _budgets(spec: PlannerBenchSpec, peaks: list[int]) -> list[int]:
 
 def _plan(rows: list, spec: PlannerBenchSpec, stages: int, schedule: str, budgets: list[int],
           families: tuple):
-    from trainwright.devices import DeviceTopology
+    from trainwright.plan.devices import DeviceTopology
     from trainwright.plan.placement import Rules
     from trainwright.plan.planner import PlanRequest, make_plan
 
@@ -191,8 +191,8 @@ def _err(pred: float, meas: float) -> float:
 
 def plan_175b(cold: bool = False) -> dict:
     """Profile (meta device) and plan GPT-3 175B on 128 x 8 NVSwitch GPUs, pp 64 x dp 16."""
-    from trainwright.devices import cluster, preset
-    from trainwright.plan.commands import gpt_profile
+    from trainwright.model.gpt_profile import gpt_profile
+    from trainwright.plan.devices import cluster, preset
     from trainwright.plan.planner import PlanRequest, make_plan
 
     if not cold:  # import torch's meta/decomposition machinery first (a one-off cost)
@@ -227,8 +227,8 @@ def _cold_175b() -> dict:
 
 def dgx1_table() -> list[dict]:
     """Predicted step time and per-GPU peak of a GPT on one DGX-1, with and without peer swap."""
-    from trainwright.devices import preset
-    from trainwright.plan.commands import gpt_profile
+    from trainwright.model.gpt_profile import gpt_profile
+    from trainwright.plan.devices import preset
     from trainwright.plan.planner import PlanRequest, make_plan
 
     rows = gpt_profile(24, 2048, 16, 2048, 50257, 12, True, "bfloat16", 125e12, 900e9)
@@ -259,8 +259,8 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
     """Every measurement of the module docstring; returns the JSON."""
     from rich.progress import Progress
 
-    from trainwright.pipeline.harness import job_batch, job_layers
-    from trainwright.tensor_profile import profile_tensors
+    from trainwright.observe.tensor_profile import profile_tensors
+    from trainwright.run.harness import job_batch, job_layers
 
     job0 = spec.job(1, "1f1b")
     layers = job_layers(job0)

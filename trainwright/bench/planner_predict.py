@@ -1,6 +1,6 @@
 """Predicting a measured ``trainwright bench planner`` run with the simulator.
 
-Everything here reads a harness run's own trace (:func:`~trainwright.pipeline.harness.
+Everything here reads a harness run's own trace (:func:`~trainwright.run.harness.
 run_gpt_pipeline` results: per-step action events and per-layer profiles) and calibrates
 :func:`~trainwright.plan.simulate.simulate` from it; see :mod:`trainwright.bench.planner`
 for what is compared.
@@ -9,10 +9,6 @@ for what is compared.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trainwright.bench.planner import PlannerBenchSpec
 
 __all__ = ["measured", "predict", "predict_steps", "loaded_latency"]
 
@@ -95,7 +91,7 @@ def _action_overheads(events: list) -> dict[str, float]:
     return {k: statistics.fmean(v) for k, v in by.items() if k in _POSTS}
 
 
-def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec,
+def predict_steps(tensor_rows: list, results: list[dict], spec,
                   schedule: str, placement, latency: float, bandwidth: float,
                   per_mb: bool = False):
     """One prediction per measured step after warm-up (each calibrated on its own step);
@@ -107,7 +103,7 @@ def predict_steps(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec
     return statistics.fmean(x.step_s for x in sims), sims[-1]
 
 
-def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, schedule: str,
+def predict(tensor_rows: list, results: list[dict], spec, schedule: str,
             placement, latency: float, bandwidth: float, policies: dict | None = None,
             step: int = -1, per_mb: bool = False):
     """Simulator prediction of step ``step`` of a harness run, calibrated from that run.
@@ -118,10 +114,10 @@ def predict(tensor_rows: list, results: list[dict], spec: PlannerBenchSpec, sche
     the tensor profile. Links: the ping-pong's bandwidth and the step's loaded message
     latency (:func:`loaded_latency`; the ping-pong's latency if it has no messages).
     """
-    from trainwright.pipeline.peer_schedule import with_peer_swap
-    from trainwright.pipeline.schedule import build_schedule
     from trainwright.plan.planner import stage_costs
     from trainwright.plan.simulate import Links, simulate
+    from trainwright.schedule.actions import build_schedule
+    from trainwright.schedule.peer import with_peer_swap
 
     stages = len(results)
     rows = _rows_with_times(tensor_rows, results, spec.warmup)

@@ -38,7 +38,7 @@ from trainwright.bench import peers
 from trainwright.bench.ours import train_rank
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
-from trainwright.models.gpt import GPTConfig, gpt_layers
+from trainwright.model.gpt import GPTConfig, gpt_layers
 
 __all__ = ["RebalanceBenchSpec", "unbalanced_gpt", "best_static_partition", "run", "main"]
 

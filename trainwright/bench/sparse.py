@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, emulated, run_ranks
+from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
-from trainwright.testing import run_workers
 
 __all__ = ["SparseBenchSpec", "run", "main"]
 
@@ -223,7 +223,7 @@ def _at(rows: list[dict], system: str, density: float) -> float:
 
 def worker(tmp: str, rank: int) -> None:
     """One rank of the ``netns`` benchmark (started inside its namespace by :func:`run`)."""
-    from trainwright.comm import exit_now
+    from trainwright.dist.comm import exit_now
 
     data = json.loads((Path(tmp) / "spec.json").read_text())
     spec = SparseBenchSpec(**data["spec"])

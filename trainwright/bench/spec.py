@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from trainwright.data import CharCorpus, stdlib_corpus
-from trainwright.models.gpt import GPTConfig, gpt_layers
+from trainwright.model.data import CharCorpus, stdlib_corpus
+from trainwright.model.gpt import GPTConfig, gpt_layers
 
 __all__ = ["PipelineBenchSpec"]
 

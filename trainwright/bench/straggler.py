@@ -115,15 +115,15 @@ def _config(spec: StragglerSpec, steps: int, straggler: bool, run_dir: Path):
 
 
 def _model(cfg) -> nn.Sequential:
-    from trainwright.build import build_layers
+    from trainwright.model.build import build_layers
 
     return nn.Sequential(*[m for _, m in build_layers(cfg)])
 
 
 def _tokenring(spec: StragglerSpec, steps: int, warmup: int, straggler: bool, tmp: Path
                ) -> dict:
-    from trainwright.launch import create_run_dir
-    from trainwright.sync.ring_runner import launch_ring
+    from trainwright.run.launch import create_run_dir
+    from trainwright.run.ring_node import launch_ring
 
     cfg = _config(spec, steps, straggler, tmp)
     run_dir = create_run_dir(cfg)
@@ -148,7 +148,7 @@ def _ddp_worker(rank: int, world: int, spec_d: dict, steps: int, warmup: int,
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from trainwright.data import shard
+    from trainwright.model.data import shard
 
     spec = StragglerSpec(**spec_d)
     cfg = _config(spec, steps, straggler, Path(out).parent)
@@ -188,7 +188,7 @@ def _ddp_worker(rank: int, world: int, spec_d: dict, steps: int, warmup: int,
 
 
 def _ddp(spec: StragglerSpec, steps: int, warmup: int, straggler: bool, tmp: Path) -> dict:
-    from trainwright.testing import run_workers
+    from trainwright.dist.testing import run_workers
 
     out = tmp / f"ddp-{time.monotonic_ns()}.json"
     try:
@@ -205,7 +205,7 @@ def _ddp(spec: StragglerSpec, steps: int, warmup: int, straggler: bool, tmp: Pat
 
 def run(spec: StragglerSpec, repeats: int = 3, steps: int | None = None) -> dict:
     """Run all four rows ``repeats`` times, interleaved; returns the benchmark JSON."""
-    from trainwright.progress import StepProgress
+    from trainwright.observe.progress import StepProgress
 
     spe = DigitsData(spec.seed).steps_per_epoch(spec.batch_size)
     steps = steps or spec.epochs * spe

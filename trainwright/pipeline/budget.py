@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from trainwright.build import build_data, loss_fn
 from trainwright.config import Config, parse_bytes
 from trainwright.errors import ConfigError
-from trainwright.pipeline.schedule import build_schedule, max_in_flight
+from trainwright.model.build import build_data, loss_fn
+from trainwright.observe.layer_profile import LayerCost, LayerProfiler
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.memory import (
@@ -29,7 +29,7 @@ from trainwright.plan.memory import (
     plan_stage,
     required_bytes,
 )
-from trainwright.profile import LayerCost, LayerProfiler
+from trainwright.schedule.actions import build_schedule, max_in_flight
 
 __all__ = ["MemoryBudget", "profile_model", "measure_host_bandwidth", "layer_mems",
            "check_limits", "stage_in_flight", "resolve_limit"]
@@ -61,7 +61,7 @@ def profile_model(cfg: Config, named: list) -> list[LayerCost]:
 
     Args:
         cfg: the configuration (batch shape, loss, data).
-        named: ``(name, layer)`` pairs from :func:`~trainwright.build.build_layers`;
+        named: ``(name, layer)`` pairs from :func:`~trainwright.model.build.build_layers`;
             gradients they accumulate here are cleared.
     """
     x, y = build_data(cfg).batch(1, cfg.train.batch_size)

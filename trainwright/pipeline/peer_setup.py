@@ -1,6 +1,6 @@
 """``memory.peer_swap = true``: plan seed 004's peer swap for this job at start, then wire it in.
 
-Rank 0 profiles every saved tensor of one micro-batch (:func:`~trainwright.tensor_profile.
+Rank 0 profiles every saved tensor of one micro-batch (:func:`~trainwright.observe.tensor_profile.
 profile_tensors`, on copies of the layers so training is untouched), and the tensor-level
 planner (:func:`~trainwright.plan.planner.make_plan`, the engine of ``trainwright plan``)
 places them under each stage's ``memory.limit``: peer swap to the spare memory of other
@@ -59,16 +59,16 @@ def plan_job(cfg, named: list, parts: list[int], limits: list[int | None], topol
         named: ``(name, module)`` of every layer (profiled on copies).
         parts: layers per stage.
         limits: activation bytes per stage (None: what the device has free).
-        topology: a :class:`~trainwright.devices.DeviceTopology` with one device per stage.
+        topology: a :class:`~trainwright.plan.devices.DeviceTopology` with one device per stage.
         sample: one micro-batch ``(inputs, targets)``.
 
     Raises:
         ConfigError: a stage that cannot fit its limit even with peer swap, recompute and
             host swap.
     """
-    from trainwright.build import loss_fn
+    from trainwright.model.build import loss_fn
+    from trainwright.observe.tensor_profile import profile_tensors
     from trainwright.plan.planner import PlanRequest, make_plan
-    from trainwright.tensor_profile import profile_tensors
 
     with torch.random.fork_rng(devices=[]):  # profiling must not move training's RNG
         rows = profile_tensors([(n, copy.deepcopy(m).cpu()) for n, m in named],
@@ -94,10 +94,11 @@ def agree_plan(cfg, named: list, parts: list[int], limits: list[int | None], top
     """Rank 0 plans, every rank gets the same plan (collective over the default group).
 
     Link bandwidths come from ``memory.peer_bandwidth`` or a send/recv ping between the
-    stages of each replica (:func:`~trainwright.devices.measure_p2p`).
+    stages of each replica (:func:`~trainwright.plan.devices.measure_p2p`).
     """
-    from trainwright.devices import DeviceTopology, measure_p2p
+    from trainwright.dist.probe import measure_p2p
     from trainwright.pipeline.budget import measure_host_bandwidth
+    from trainwright.plan.devices import DeviceTopology
 
     pp, bw = cfg.parallel.pp, cfg.memory.peer_bandwidth
     if bw:
@@ -131,8 +132,8 @@ def attach(plan: dict, rank: int, stage: int, stage_rank: dict[int, int], store,
     pipeline): returns its action list (with the peer-swap actions) and the runtime
     extensions; the store gets a :class:`PeerSwap`. ``group`` is the transfer group; None
     creates one (collective: every rank calls)."""
-    from trainwright.pipeline.peer_schedule import with_peer_swap
     from trainwright.pipeline.peerswap import PeerSwap, metadata_table
+    from trainwright.schedule.peer import with_peer_swap
 
     peers = {int(k): v for k, v in plan["peers"].items()}
     tables = {r: metadata_table(plan["tensors"][k], stage_rank) for k, r in stage_rank.items()}

@@ -2,7 +2,7 @@
 
 The activation store's pack hook (:meth:`ActivationStore.capture`) hands every saved
 storage to :meth:`PeerSwap.pack`. If the plan names it (by layer and by the order of first
-pack within the layer's forward, the key of :mod:`trainwright.tensor_profile`), its bytes
+pack within the layer's forward, the key of :mod:`trainwright.observe.tensor_profile`), its bytes
 are split into the planned chunks and sent with ``torch.distributed.isend`` to the peer
 ranks (gloo here, NCCL over NVLink on CUDA), and autograd keeps only a
 :class:`PeerHandle`. Peers hold the chunks in a peer store until they send them back; the
@@ -10,7 +10,7 @@ owner receives them into one buffer per tensor before the layer's backward, and
 :meth:`PeerSwap.unpack` rebuilds each saved view on it.
 
 Every transfer is an action of both ranks' schedules
-(:func:`~trainwright.pipeline.peer_schedule.with_peer_swap`: ``PEER_SEND``,
+(:func:`~trainwright.schedule.peer.with_peer_swap`: ``PEER_SEND``,
 ``PEER_FETCH``, ``PEER_WAIT`` on the owner; ``PEER_RECV``, ``PEER_RETURN``,
 ``PEER_SETTLE`` on the peer),
 which the runtime executes through :meth:`PeerSwap.extensions` and the simulator replays.
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from trainwright.errors import CommError
-from trainwright.pipeline.schedule import Action
+from trainwright.schedule.actions import Action
 
 __all__ = ["ChunkMeta", "TensorMeta", "PeerHandle", "PeerSwap", "metadata_table"]
 

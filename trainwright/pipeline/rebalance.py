@@ -1,7 +1,7 @@
 """Live layer migration: the runtime side of a re-partition (seed 000, paragraphs 95-104).
 
 :class:`Migration` executes the ``MIG_*`` actions that
-:func:`~trainwright.pipeline.migrate_plan.migration_schedule` put into one step's action
+:func:`~trainwright.schedule.migration.migration_schedule` put into one step's action
 lists. Per move, giver and receiver exchange, on the pipeline's control group:
 
 1. ``prepare`` (giver, start of step): the layers' indices and parameter shapes. The
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from trainwright.comm import P2P
-from trainwright.pipeline.migrate_plan import MigrationSchedule, Move
+from trainwright.dist.comm import P2P
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import Segment
+from trainwright.schedule.migration import MigrationSchedule, Move
 
 __all__ = ["Migration", "MigrationStats", "pack_tree", "unpack_tree", "LayerCatalog"]
 

@@ -18,11 +18,12 @@ import logging
 import torch
 import torch.distributed as dist
 
-from trainwright.comm import P2P
-from trainwright.pipeline.migrate_plan import MigrationSchedule, migration_schedule, one_hop_moves
-from trainwright.pipeline.schedule import Action
+from trainwright.dist.comm import P2P
+from trainwright.pipeline.edit import apply_edits
 from trainwright.plan.imbalance import ImbalanceDetector
 from trainwright.plan.partition import ClusterCost, imbalance, seed_partition
+from trainwright.schedule.actions import Action
+from trainwright.schedule.migration import MigrationSchedule, migration_schedule, one_hop_moves
 
 __all__ = ["Rebalancer", "stage_times"]
 
@@ -87,14 +88,33 @@ class Rebalancer:
         moves, self._after = one_hop_moves(self.counts, self.target)
         return migration_schedule(self.schedules, moves, rb.switch_mb)
 
-    def step_done(self) -> None:
-        """The step's migration completed: adopt the partition it reached."""
+    def step_done(self) -> tuple[list[int], list[int]]:
+        """The step's migration completed: adopt the partition it reached.
+
+        Returns:
+            The partition before and after the step.
+        """
+        before = list(self.counts)
         if self._after is None:
-            return
+            return before, before
         self.counts, self._after = self._after, None
         if self.counts == self.target:
             self.target = None
             self.detector.repartitioned()
+        return before, list(self.counts)
+
+    def apply_edits(self, edits: list, **kwargs) -> list[int]:
+        """Insert or remove layers between steps (see
+        :func:`~trainwright.pipeline.edit.apply_edits`, which gets ``kwargs``); any pending
+        re-partition target is dropped, since it was planned for the old model.
+
+        Returns:
+            The partition after the edits.
+        """
+        self.counts, self.clusters = apply_edits(edits, counts=self.counts,
+                                                 clusters=self.clusters, **kwargs)
+        self.target = None
+        return list(self.counts)
 
     def check(self, step: int, costs: list[dict]) -> dict | None:
         """Imbalance check at a check step; every rank of the pipeline calls it.

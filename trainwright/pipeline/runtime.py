@@ -1,6 +1,6 @@
 """The executor: interprets one stage's action list for one training step.
 
-The same ``Action`` lists that :mod:`trainwright.pipeline.schedule` prints (and that a
+The same ``Action`` lists that :mod:`trainwright.schedule.actions` prints (and that a
 simulator replays) drive the run here, one action at a time; every action becomes a trace
 event. Sends are asynchronous and drained before the optimizer step; receives block with
 a deadline.
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainwright.comm import P2P
+from trainwright.dist.comm import P2P
 from trainwright.pipeline.rebalance import Migration
-from trainwright.pipeline.schedule import Action
 from trainwright.pipeline.stage import Stage
+from trainwright.schedule.actions import Action
 from trainwright.sync import GradSync
 
 __all__ = ["StepStats", "PipelineRuntime"]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.store import ActivationStore, Segment, as_tuple
-from trainwright.profile import LayerProfiler
 
 __all__ = ["LayerSlot", "Stage"]
 

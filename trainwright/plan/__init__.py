@@ -1,11 +1,14 @@
-"""Planning: numbers in, plans out. Pure modules, no torch.
+"""Planning: numbers in, plans out. Pure modules: no ``torch.distributed``, no CLI, no plots.
 
-* :mod:`trainwright.plan.memory`: per-layer keep / swap / recompute policies under a
-  stage's activation-memory limit.
-* :mod:`trainwright.plan.partition`: clusters -> k pipeline stages (seed 000's threshold
-  rule with least communication, and the min-max optimum).
-* :mod:`trainwright.plan.imbalance`: when to re-partition (smoothing, hysteresis, quiet
-  periods around migrations).
+* :mod:`~trainwright.plan.memory`: per-layer keep / swap / recompute under a stage's limit;
+* :mod:`~trainwright.plan.partition`: clusters -> k pipeline stages (seed 000's threshold
+  rule with least communication, and the min-max optimum);
+* :mod:`~trainwright.plan.imbalance`: when to re-partition (smoothing, hysteresis);
+* :mod:`~trainwright.plan.devices`: device topologies (presets, ``nvidia-smi`` text);
+* :mod:`~trainwright.plan.placement`, :mod:`~trainwright.plan.planner`,
+  :mod:`~trainwright.plan.simulate`: seed 004's device mapping, planner and event simulator.
+
+May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`.
 """
 
 __all__: list[str] = []

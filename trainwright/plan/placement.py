@@ -95,7 +95,7 @@ class StageMem:
     def peer_slots(self) -> int:
         """Micro-batches of this stage's chunks a peer holds at once: ``in_flight``, and up
         to as many more being returned when more micro-batches follow (see
-        :mod:`trainwright.pipeline.peer_schedule`)."""
+        :mod:`trainwright.schedule.peer`)."""
         if self.n_micro > self.in_flight:
             return min(2 * self.in_flight, self.n_micro)
         return self.in_flight
@@ -427,7 +427,7 @@ def search_mappings(stages: list[StageMem], bandwidth: list[list[float]],
 
     One mapping is scored per orbit of ``automorphisms`` (device permutations under which
     the bandwidth matrix and the memories are unchanged, e.g.
-    :meth:`~trainwright.devices.DeviceTopology.automorphisms`): at each stage the candidate
+    :meth:`~trainwright.plan.devices.DeviceTopology.automorphisms`): at each stage the candidate
     devices are the smallest of each orbit of the subgroup fixing the devices already
     chosen, which yields exactly the lexicographically smallest mapping of every orbit.
 

@@ -1,6 +1,6 @@
 """The seed 004 planner end to end: partition, device mapping, tensor policies, simulation.
 
-:func:`make_plan` takes per-layer tensor profiles (:mod:`trainwright.tensor_profile`, real
+:func:`make_plan` takes per-layer tensor profiles (:mod:`trainwright.observe.tensor_profile`, real
 or meta), a schedule, a device topology and memory budgets, and returns a
 :class:`PlanResult`:
 
@@ -31,10 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from trainwright.devices import DeviceTopology
 from trainwright.errors import PlanError
-from trainwright.pipeline.peer_schedule import with_peer_swap
-from trainwright.pipeline.schedule import build_schedule, max_in_flight
+from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.memory import LayerMem
 from trainwright.plan.partition import ClusterCost, minmax_partition
 from trainwright.plan.placement import (
@@ -48,6 +46,8 @@ from trainwright.plan.placement import (
     search_mappings,
 )
 from trainwright.plan.simulate import Links, SimResult, StageCost, liveness, simulate
+from trainwright.schedule.actions import build_schedule, max_in_flight
+from trainwright.schedule.peer import with_peer_swap
 
 __all__ = ["PlanRequest", "PlanResult", "make_plan", "stage_costs", "stage_mems"]
 
@@ -57,13 +57,14 @@ class PlanRequest:
     """What to plan."""
 
     layers: list
-    """Per-layer profiles in model order (:class:`~trainwright.tensor_profile.LayerTensors`)."""
+    """Per-layer profiles in model order
+    (:class:`~trainwright.observe.tensor_profile.LayerTensors`)."""
     schedule: str
     pp: int
     micro_batches: int
     topology: DeviceTopology
     """One node's devices (``topology.node_size``; several nodes via
-    :func:`~trainwright.devices.cluster`)."""
+    :func:`~trainwright.plan.devices.cluster`)."""
     budget: list | int | None = None
     """Activation bytes per stage (one value for all); None: from device memory."""
     state_factor: float = 1.0

@@ -1,8 +1,8 @@
 """Replay a pipeline's action lists with costs: step time, bubbles, memory over time, deadlocks.
 
 The simulator executes the very lists the runtime interprets
-(:func:`~trainwright.pipeline.schedule.build_schedule`, with the peer-swap actions of
-:func:`~trainwright.pipeline.peer_schedule.with_peer_swap`), one action at a time, always
+(:func:`~trainwright.schedule.actions.build_schedule`, with the peer-swap actions of
+:func:`~trainwright.schedule.peer.with_peer_swap`), one action at a time, always
 advancing the stage whose next action can start earliest (so shared links are reserved in
 time order). Pure: no torch.
 
@@ -20,7 +20,7 @@ Semantics (matching :mod:`trainwright.pipeline.runtime` and gloo):
 * every action other than ``F``/``B`` then adds ``action_s[kind]`` (work beyond waiting);
 * host swap: after ``F(m)`` the stage's host link carries ``host_bytes`` out; the copy back
   starts when the stage reaches ``B(m)``'s receive and ``B(m)`` waits for it;
-* peer swap (:mod:`~trainwright.pipeline.peer_schedule`): ``PEER_RECV`` posts a receive
+* peer swap (:mod:`~trainwright.schedule.peer`): ``PEER_RECV`` posts a receive
   (the peer's memory grows by the chunk), ``PEER_SEND`` waits until the owner's chunks
   are delivered (posted by the pack hook during ``F(m)``, they move from
   ``max(F(m) start, receive post)``: a gloo send needs its receive posted first),

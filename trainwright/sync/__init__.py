@@ -12,28 +12,11 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from trainwright.config import Config
-    from trainwright.topology import Topology
+    from trainwright.dist.topology import Topology
+
+from trainwright.sync.base import GradSync
 
 __all__ = ["GradSync", "make_grad_sync"]
-
-
-class GradSync:
-    """Base strategy: ``sync`` averages gradients over the replicas, ``step`` updates.
-
-    The default ``step`` runs each layer's own optimizer (layers carry their optimizer so
-    that they can migrate between stages); strategies that shard optimizer state override it.
-    """
-
-    def sync(self, params: list) -> None:
-        """Average the gradients of ``params`` over the data-parallel replicas, in place."""
-        raise NotImplementedError
-
-    def step(self, slots: list) -> None:
-        """Apply the update for the stage's layers (``LayerSlot`` list) and clear gradients."""
-        for slot in slots:
-            if slot.optimizer is not None:
-                slot.optimizer.step()
-                slot.optimizer.zero_grad(set_to_none=True)
 
 
 def make_grad_sync(cfg: Config, topo: Topology) -> GradSync:

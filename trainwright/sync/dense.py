@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainwright.sync import GradSync
+from trainwright.sync.base import GradSync
 
 __all__ = ["BucketedAllReduce", "naive_all_reduce"]
 

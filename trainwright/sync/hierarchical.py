@@ -42,7 +42,7 @@ from torch import nn
 
 from trainwright.config import HierarchicalConfig
 from trainwright.errors import CommError, ConfigError
-from trainwright.sync import GradSync
+from trainwright.sync.base import GradSync
 from trainwright.sync.hier_layout import (
     HierGroups,
     NodeLayout,
@@ -457,7 +457,7 @@ class HierarchicalDataParallel(nn.Module):
 def pipeline_sync(cfg, topo) -> HierarchicalSync:
     """The strategy for ``sync.strategy = "hierarchical"`` inside the pipeline: each stage's
     replicas (its dp group) are arranged into nodes. Collective over the whole job."""
-    from trainwright.build import build_optimizer
+    from trainwright.model.build import build_optimizer
 
     h = cfg.hierarchical
     hosts = host_names() if h.ranks_per_node == 0 else None

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainwright.sync import GradSync
+from trainwright.sync.base import GradSync
 from trainwright.sync.dense import BucketedAllReduce
 from trainwright.sync.rowsparse import (
     LocalRows,
@@ -215,6 +215,10 @@ class SparseGradSync(GradSync):
             for m in module.modules():
                 if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
                     self._watched[id(m.weight)] = weakref.ref(m.weight)
+
+    def attach(self, modules: list) -> None:
+        """The stage's layers: their embedding tables are row-sparse (see :meth:`watch`)."""
+        self.watch(modules)
 
     def is_row_sparse(self, p: torch.Tensor) -> bool:
         """Whether this rank sees ``p`` as row-sparse (sparse grad or watched embedding)."""

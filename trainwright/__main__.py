@@ -1,0 +1,5 @@
+"""``python -m trainwright``: the command line."""
+
+from trainwright.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,5 @@
+"""``python -m trainwright.cli``."""
+
+from trainwright.cli.main import main
+
+raise SystemExit(main())

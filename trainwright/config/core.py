@@ -1,0 +1,426 @@
+"""Validated run configuration: a TOML file plus ``--set section.key=value`` overrides.
+
+Every field lives in a section dataclass with a docstring under it
+(:mod:`trainwright.config.sections`). Validation runs before
+any process starts and raises :class:`~trainwright.errors.ConfigError` with one line naming
+the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainwright.config.sections import (
+    SECTIONS,
+    DataConfig,
+    FaultConfig,
+    HierarchicalConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    RebalanceConfig,
+    RunConfig,
+    RuntimeConfig,
+    SyncConfig,
+    TokenRingConfig,
+    TrainConfig,
+)
+from trainwright.errors import ConfigError
+from trainwright.plan.memory import POLICIES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
+           "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
+           "RunConfig", "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
+
+
+CHOICES = {
+    "model.name": ("gpt", "mlp"), "data.name": ("stdlib", "synthetic"),
+    "train.schedule": ("1f1b", "gpipe"), "train.optimizer": ("sgd", "adam", "adamw"),
+    "train.loss": ("cross_entropy", "mse"), "memory.planner": ("greedy", "optimal"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "sync.strategy": ("dense", "hierarchical", "tokenring"),
+    "sync.sparse_path": ("auto", "allgather", "broadcast", "dense"),
+}
+POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
+            "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
+            "parallel.pp", "parallel.dp", "runtime.p2p_timeout_s", "runtime.peer_timeout_s",
+            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes",
+            "rebalance.check_every", "rebalance.patience", "rebalance.smoothing",
+            "rebalance.link_bandwidth",
+            "hierarchical.align", "hierarchical.chunks",
+            "tokenring.nodes", "tokenring.min_nodes", "tokenring.formation_quiet_s",
+            "tokenring.token_timeout_s", "tokenring.succession_s", "tokenring.idle_hold_s",
+            "tokenring.close_timeout_s", "tokenring.batch_steps", "tokenring.standby_timeout_s",
+            "tokenring.slow_factor")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run configuration, one attribute per TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
+    tokenring: TokenRingConfig = field(default_factory=TokenRingConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the run needs: ``pp * dp``."""
+        return self.parallel.pp * self.parallel.dp
+
+    def partition(self, n_layers: int | None = None) -> list[int]:
+        """Layers per stage: the configured one, or as even as possible (extra to early stages).
+
+        Args:
+            n_layers: the model's layer count (needed for factory models).
+        """
+        if self.parallel.partition:
+            return list(self.parallel.partition)
+        return even_partition(n_layers or self.model.n_layers, self.parallel.pp)
+
+    def validate(self) -> None:
+        """Check choices, ranges and cross-field rules; raise ConfigError on the first problem."""
+        for key, allowed in CHOICES.items():
+            value = self.get(key)
+            if value not in allowed:
+                raise ConfigError(f"{key} = {value!r} is not allowed; "
+                                  f"choose one of {list(allowed)}")
+        for key in POSITIVE:
+            if not self.get(key) > 0:
+                raise ConfigError(f"{key} = {self.get(key)!r} must be positive")
+        m, par = self.model, self.parallel
+        if m.name == "gpt" and m.d_model % m.n_heads:
+            raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
+                              f"{m.d_model}; pick a divisor of {m.d_model}")
+        self._validate_peer_swap()
+        bad = [x for x in self.memory.policies if x not in POLICIES]
+        if bad:
+            raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")
+        if m.n_layers is not None:
+            self.check_layers(m.n_layers)
+        self.check_hierarchical()
+        self.stage_limits()  # parses every limit now, so a typo fails before any process
+        parse_bytes(self.memory.reserve)
+        for key in ("sparse_latency_s", "sparse_bandwidth", "sparse_allreduce_bandwidth",
+                    "sparse_merge_rate"):
+            if getattr(self.sync, key) < 0:
+                raise ConfigError(f"sync.{key} = {getattr(self.sync, key)!r} must be >= 0 "
+                                  f"(0 = measure at start)")
+        if self.sync.sparse_explore < 0:
+            raise ConfigError(f"sync.sparse_explore = {self.sync.sparse_explore!r} must be >= 0 "
+                              f"(0 = never try a path the cost model did not pick)")
+        if self.sync.sparse and self.sync.strategy != "dense":
+            raise ConfigError(f"sync.sparse = true works with sync.strategy = \"dense\", not "
+                              f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")
+        t = self.train
+        if self.sync.strategy == "tokenring":
+            self.validate_tokenring()
+            return
+        if t.batch_size % par.dp:
+            raise ConfigError(f"train.batch_size = {t.batch_size} does not split over "
+                              f"parallel.dp = {par.dp} replicas; use a multiple of {par.dp}")
+        per_replica = t.batch_size // par.dp
+        self._validate_rebalance()
+        if per_replica % t.micro_batches:
+            divisors = [d for d in range(1, per_replica + 1) if per_replica % d == 0]
+            raise ConfigError(f"train.micro_batches = {t.micro_batches} does not divide the "
+                              f"per-replica batch {per_replica} (train.batch_size / parallel.dp)"
+                              f"; allowed: {divisors}")
+
+    def _validate_peer_swap(self) -> None:
+        mem = self.memory
+        if not mem.peer_swap:
+            return
+        if all(v is None for v in self.stage_limits()):
+            raise ConfigError("memory.peer_swap = true plans against memory.limit; set a limit "
+                              "(e.g. memory.limit = \"64MB\", or one per stage)")
+        if mem.policies:
+            raise ConfigError("memory.peer_swap = true plans the policies itself; remove "
+                              "memory.policies")
+        if self.rebalance.enabled or self.rebalance.at_step or self.rebalance.edits:
+            raise ConfigError("memory.peer_swap = true fixes which stage holds which tensor "
+                              "at start, so layers cannot migrate; set rebalance.enabled = "
+                              "false (and no rebalance.at_step / edits)")
+
+    def _validate_rebalance(self) -> None:
+        rb, m = self.rebalance, self.train.micro_batches
+        if (rb.enabled or rb.at_step) and not 0 <= rb.switch_mb <= max(m - 2, 0):
+            raise ConfigError(f"rebalance.switch_mb = {rb.switch_mb} must be in 0..{m - 2} (a "
+                              f"forward must follow it); with train.micro_batches = {m}"
+                              + (" use at least 2 micro-batches" if m < 2 else ""))
+        if (rb.enabled or rb.at_step) and m < 2:
+            raise ConfigError("rebalancing moves layers between micro-batches and needs "
+                              "train.micro_batches >= 2")
+        if rb.smoothing > 1 or rb.threshold_rel < 0 or rb.threshold_s < 0 or rb.cooldown < 0:
+            raise ConfigError("rebalance.smoothing must be in (0, 1], rebalance.threshold_rel, "
+                              "threshold_s and cooldown >= 0")
+        if rb.at_step < 0:
+            raise ConfigError(f"rebalance.at_step = {rb.at_step} must be >= 0 (0: no manual "
+                              f"re-partition)")
+        if bool(rb.at_step) != bool(rb.to):
+            raise ConfigError("rebalance.at_step and rebalance.to go together: give both (a "
+                              "step and the layers per stage to move to) or neither")
+        if rb.to and (len(rb.to) != self.parallel.pp
+                      or not all(isinstance(x, int) and x > 0 for x in rb.to)):
+            raise ConfigError(f"rebalance.to = {rb.to} must be {self.parallel.pp} positive "
+                              f"integers (layers per stage)")
+        if rb.edits and ":" not in rb.edits:
+            raise ConfigError(f"rebalance.edits = {rb.edits!r} must be \"module:function\"")
+    def check_hierarchical(self) -> None:
+        """Check the ``[hierarchical]`` section (slice weights, memory sizes, node size)."""
+        h = self.hierarchical
+        w = h.weights
+        if isinstance(w, list):
+            if not w or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                and x > 0 for x in w):
+                raise ConfigError(f"hierarchical.weights = {w!r} must be positive numbers, one "
+                                  f"per local rank, e.g. [2, 1]")
+        elif w not in ("memory", "memory_speed", "equal"):
+            raise ConfigError(f"hierarchical.weights = {w!r} is not allowed; choose one of "
+                              f"['memory', 'memory_speed', 'equal'] or a list such as [2, 1]")
+        mem = h.available_memory
+        for v in mem if isinstance(mem, list) else [mem]:
+            if v == "" and not isinstance(mem, list):
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, str)) or parse_bytes(v) <= 0:
+                raise ConfigError(f"hierarchical.available_memory = {mem!r}: write a size such "
+                                  f"as \"8GiB\", or a list with one size per local rank")
+        if h.ranks_per_node < 0:
+            raise ConfigError(f"hierarchical.ranks_per_node = {h.ranks_per_node} must be 0 "
+                              f"(ranks on one host form a node) or positive")
+        if self.sync.strategy == "hierarchical" and self.rebalance.enabled:
+            raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
+                              "layers cannot migrate; set rebalance.enabled = false")
+    def validate_tokenring(self) -> None:
+        """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
+        r, t = self.tokenring, self.train
+        if r.pace_s < 0:
+            raise ConfigError(f"tokenring.pace_s = {r.pace_s} must be >= 0 (0 = no pacing)")
+        if not 0 < r.close_fraction <= 1:
+            raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
+        if r.min_nodes > r.nodes:
+            raise ConfigError(f"tokenring.min_nodes = {r.min_nodes} is more than tokenring.nodes"
+                              f" = {r.nodes}; use at most {r.nodes}")
+        if t.batch_size % r.nodes:
+            raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
+                              f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
+        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
+            raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
+                              "SGD); set train.optimizer=\"sgd\" with momentum and "
+                              "weight_decay 0")
+        bad = [i for i in [*r.kill_nodes, r.slow_node] if i != -1 and not 0 <= i < r.nodes]
+        if bad or not all(isinstance(i, int) for i in r.kill_nodes):
+            raise ConfigError(f"tokenring fault injection names node {bad[0] if bad else '?'};"
+                              f" node indices are 0..{r.nodes - 1}")
+
+    def stage_limits(self) -> list[int | str | None]:
+        """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).
+
+        Raises:
+            ConfigError: unparsable sizes, or a list whose length is not ``parallel.pp``.
+        """
+        limit, p = self.memory.limit, self.parallel.pp
+        values = limit if isinstance(limit, list) else [limit] * p
+        if len(values) != p:
+            raise ConfigError(f"memory.limit has {len(values)} values; give one, or one per "
+                              f"stage ({p})")
+        out: list[int | str | None] = []
+        for v in values:
+            if v in ("", None, 0):
+                out.append(None)
+            elif v == "auto":
+                out.append("auto")
+            elif isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ConfigError(f"memory.limit = {v!r} is not a size; write e.g. \"512MB\"")
+            else:
+                try:
+                    n = parse_bytes(v)
+                except ConfigError as exc:
+                    raise ConfigError(f"memory.limit: {exc}") from None
+                if n <= 0:
+                    raise ConfigError(f"memory.limit = {v!r} must be positive")
+                out.append(n)
+        return out
+
+    def layer_policies(self, n_layers: int) -> dict[int, str] | None:
+        """Fixed policies from ``memory.policies`` (None when they are to be planned)."""
+        pol = self.memory.policies
+        if not pol:
+            return None
+        if len(pol) == 1:
+            pol = pol * n_layers
+        if len(pol) != n_layers:
+            raise ConfigError(f"memory.policies has {len(pol)} entries; give one, or one per "
+                              f"layer of the model ({n_layers})")
+        return dict(enumerate(pol))
+
+    def check_layers(self, n_layers: int) -> None:
+        """Check ``parallel.pp`` and ``parallel.partition`` against a model of ``n_layers``."""
+        p, parts = self.parallel.pp, self.parallel.partition
+        if p > n_layers:
+            raise ConfigError(f"parallel.pp = {p} is larger than the model's {n_layers} layers; "
+                              f"use parallel.pp <= {n_layers} or a deeper model")
+        if parts and (len(parts) != p or not all(isinstance(x, int) and x > 0 for x in parts)
+                      or sum(parts) != n_layers):
+            raise ConfigError(f"parallel.partition = {parts} must be {p} positive integers "
+                              f"summing to the model's {n_layers} layers")
+        to = self.rebalance.to
+        if to and sum(to) != n_layers and not self.rebalance.edits:
+            raise ConfigError(f"rebalance.to = {to} must sum to the model's {n_layers} layers")
+        self.layer_policies(n_layers)
+
+    def get(self, key: str) -> Any:
+        """Value of a dotted key such as ``"train.steps"``."""
+        section, name = key.split(".", 1)
+        return getattr(getattr(self, section), name)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict, section -> key -> value."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        """Serialise as TOML that :func:`load_config` reads back to an equal Config."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Build from a nested dict, checking every key and type."""
+        sections = {}
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ConfigError(_unknown(section, list(SECTIONS), "section"))
+            if not isinstance(values, dict):
+                raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
+            section_cls = SECTIONS[section]
+            hints = typing.get_type_hints(section_cls)
+            fields = [f.name for f in dataclasses.fields(section_cls)]
+            kwargs = {}
+            for key, value in values.items():
+                if key not in fields:
+                    raise ConfigError(_unknown(f"{section}.{key}",
+                                               [f"{section}.{f}" for f in fields], "key"))
+                kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
+            sections[section] = section_cls(**kwargs)
+        return cls(**sections)
+
+
+def even_partition(n_layers: int, stages: int) -> list[int]:
+    """Split ``n_layers`` into ``stages`` contiguous counts, the extra ones to early stages."""
+    return [n_layers // stages + (1 if s < n_layers % stages else 0) for s in range(stages)]
+
+
+def _unknown(name: str, allowed: list[str], what: str) -> str:
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown config {what} {name!r}; {hint}allowed: {', '.join(allowed)}"
+
+
+def _coerce(key: str, value: Any, expected: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected."""
+    if expected is object:  # validated by the section (e.g. memory.limit: size or list)
+        return value
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool)))
+    if not ok:
+        names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+                 list: "a list such as [3, 3]"}
+        raise ConfigError(f"{key} = {value!r} has the wrong type ({type(value).__name__}); "
+                          f"expected {names.get(expected, expected)}")
+    return value
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r} is not of the form section.key=value "
+                          f"(e.g. --set train.steps=10)")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    if key.count(".") != 1:
+        raise ConfigError(f"--set key {key!r} must be section.key, e.g. parallel.pp")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare words are strings: --set train.schedule=gpipe
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (optional) and apply ``section.key=value`` overrides.
+
+    Args:
+        path: a TOML file with the sections of :class:`Config`, or None for the defaults.
+        overrides: ``"section.key=value"`` strings; values are parsed as TOML, else as text.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type, or an invalid combination.
+    """
+    data: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    for item in overrides or []:
+        key, value = _parse_override(item)
+        section, name = key.split(".")
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"[{section}] must be a table of keys")
+        data[section][name] = value
+    return Config.from_dict(data)
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse ``"512MB"``, ``"1.5GiB"`` or a plain integer into bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("kmgtib")
+    try:
+        return int(float(num) * units[s[len(num):]])
+    except (KeyError, ValueError):
+        raise ConfigError(f"{text!r} is not a size; write e.g. 512MB, 2GiB or 1048576") from None

@@ -1,0 +1,11 @@
+"""Processes talking: point-to-point with headers and deadlines, the heartbeat watchdog,
+the ``pp x dp`` mesh, device probes, free ports and the multi-process test helper.
+
+* :mod:`~trainwright.dist.comm`: :class:`~trainwright.dist.comm.P2P`, the watchdog;
+* :mod:`~trainwright.dist.topology`: the mesh with named axes and its process groups;
+* :mod:`~trainwright.dist.probe`: ``nvidia-smi`` and point-to-point bandwidth probes;
+* :mod:`~trainwright.dist.ports`, :mod:`~trainwright.dist.testing` (``run_workers``).
+
+May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`, :mod:`trainwright.plan`,
+:mod:`trainwright.config`, :mod:`trainwright.observe`, :mod:`trainwright.model`.
+"""

@@ -1,0 +1,65 @@
+"""The Python API in two calls: :func:`fit` trains, :func:`load_model` returns the weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from trainwright.config import load_config
+from trainwright.errors import TrainwrightError
+from trainwright.model.build import build_layers
+from trainwright.pipeline.budget import check_limits
+from trainwright.pipeline.stage import LayerSlot
+from trainwright.run import checkpoint
+
+__all__ = ["fit", "load_model"]
+
+
+def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
+        resume: str | Path | None = None) -> Path:
+    """Train on local ranks, as ``trainwright run`` does, and return the run directory.
+
+    Args:
+        config: a TOML file, or None for the defaults.
+        overrides: ``"section.key=value"`` strings, e.g. ``["parallel.pp=4"]``.
+        resume: a run directory to continue instead of starting a new run.
+
+    Returns:
+        The run directory (metrics.jsonl, trace.json, report.html, checkpoints/).
+
+    Raises:
+        ConfigError: invalid configuration (nothing is started).
+        TrainwrightError: a rank failed; the message names it.
+    """
+    from trainwright.run.launch import create_run_dir, launch_local
+
+    if resume is not None:
+        cfg = load_config(Path(resume) / "config.toml", list(overrides))
+    else:
+        cfg = load_config(config, list(overrides))
+    named = build_layers(cfg)
+    cfg.check_layers(len(named))
+    check_limits(cfg, named)
+    run_dir = create_run_dir(cfg, Path(resume) if resume else None)
+    result = launch_local(cfg, run_dir, resume=resume is not None)
+    if not result.ok:
+        raise TrainwrightError(f"{result.describe(result.first_failure)}; see {run_dir}")
+    return run_dir
+
+
+def load_model(run_dir: str | Path, step: int | None = None) -> nn.Sequential:
+    """The whole trained model of a run as ``nn.Sequential`` (its layers in order).
+
+    Args:
+        run_dir: a run directory.
+        step: which checkpoint (default: the latest).
+    """
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.toml")
+    step = checkpoint.latest_step(run_dir) if step is None else step
+    if step is None:
+        raise TrainwrightError(f"{run_dir} has no checkpoint yet")
+    slots = [LayerSlot(i, n, m) for i, (n, m) in enumerate(build_layers(cfg))]
+    checkpoint.load_layers(run_dir, step, slots)
+    return nn.Sequential(*(s.module for s in slots))

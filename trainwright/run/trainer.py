@@ -1,0 +1,425 @@
+"""The one trainer: built once from a config in named set-up steps, then one step loop.
+
+Every way trainwright trains goes through :class:`Trainer`: a pipeline rank under
+``trainwright run`` or torchrun (:mod:`trainwright.run.worker`), a token-ring node
+(:mod:`trainwright.run.ring_node`, whose gradient exchange and membership plug in as a
+:class:`~trainwright.sync.base.GradSync`), and every benchmark of ours.
+
+One step (:meth:`Trainer.train_step`): apply model edits due now, take the step's
+migration if one is planned, run the stage's schedule (forward, backward, ``SYNC`` through
+the gradient exchange, ``STEP``), adopt the partition a migration reached and re-plan memory,
+exchange per-layer costs at profile steps, check for imbalance, record, checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainwright.config import Config
+from trainwright.dist.comm import P2P, Watchdog
+from trainwright.dist.topology import Topology
+from trainwright.errors import PeerLost
+from trainwright.model.build import (
+    build_data,
+    build_layers,
+    build_optimizer,
+    loss_fn,
+    split_microbatches,
+)
+from trainwright.model.clusters import model_clusters
+from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.observe.telemetry import RunRecorder, atomic_write_text
+from trainwright.pipeline.budget import (
+    MemoryBudget,
+    measure_host_bandwidth,
+    profile_model,
+    resolve_limit,
+    stage_in_flight,
+)
+from trainwright.pipeline.edit import load_edit_hook
+from trainwright.pipeline.peer_setup import agree_plan, runtime_policies
+from trainwright.pipeline.peer_setup import attach as attach_peer_swap
+from trainwright.pipeline.rebalance import LayerCatalog, Migration
+from trainwright.pipeline.repartition import Rebalancer
+from trainwright.pipeline.runtime import PipelineRuntime, StepStats, kill_self_at
+from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.store import ActivationStore
+from trainwright.run import checkpoint
+from trainwright.schedule.actions import build_schedule
+from trainwright.sync import GradSync, make_grad_sync
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+NamedLayers = list[tuple[str, torch.nn.Module]]
+
+
+class Trainer:
+    """One rank's share of a training job.
+
+    Every rank of the job builds one with the same arguments (the default process group
+    already initialised, unless ``mesh`` is a single rank without one), then calls
+    :meth:`fit`.
+
+    Args:
+        cfg: the configuration; the group's size must be ``pp * dp``.
+        run_dir: where metrics, trace, checkpoints and the report go (rank 0 writes).
+        device: where this rank's layers live (default CPU).
+        resume: start after the run directory's latest checkpoint.
+        watchdog: names a lost peer when a transfer fails (None: report the failure only).
+        fault_rank: this process's rank for the ``fault`` testing hooks.
+        mesh: this rank's place in the ``pp x dp`` mesh (default: create the groups).
+        layers: builds the whole model as ``(name, layer)`` pairs, the same on every call
+            (default: from the config). Called again for profiling copies.
+        data: an object with ``batch(step, batch_size) -> (x, y)`` (default: from config).
+        grad_sync: the gradient exchange (default: ``sync.strategy`` of the config).
+        shard: ``(index, count)``: which share of each global batch this rank's replica
+            trains on (default: its data-parallel index and ``dp``). A public attribute: a
+            ring node given another index at its rendezvous updates it.
+        peer_plan: a seed-004 plan to run (default: planned here when
+            ``memory.peer_swap``), and ``peer_group`` the group its chunks travel on.
+        profiler: the per-layer cost table (default: smoothed over steps).
+        outputs: write metrics, trace, report and checkpoints (a token-ring node writes
+            its own report instead).
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path | str, *, device: torch.device | None = None,
+                 resume: bool = False, watchdog: Watchdog | None = None,
+                 fault_rank: int | None = None, mesh: Topology | None = None,
+                 layers: Callable[[], NamedLayers] | None = None, data=None,
+                 grad_sync: GradSync | None = None, shard: tuple[int, int] | None = None,
+                 peer_plan: dict | None = None, peer_group=None,
+                 profiler: LayerProfiler | None = None, outputs: bool = True):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.device = device or torch.device("cpu")
+        self.watchdog, self.outputs = watchdog, outputs
+        self.topo = mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
+        self.build_layers = layers or (lambda: build_layers(cfg))
+        self.data = data if data is not None else build_data(cfg)
+        self.shard = shard or (self.topo.replica, self.topo.dp)
+        named = self._setup_layers(resume)
+        self._setup_stage(profiler or LayerProfiler())
+        self._setup_schedule(named, peer_plan, peer_group)
+        self._setup_grad_sync(grad_sync)
+        self._setup_runtime(fault_rank)
+        self._setup_rebalancer(named)
+        self._setup_memory_budget()
+        self._setup_telemetry([n for n, _ in named])
+
+    # ------------------------------------------------------------------ set-up steps
+    def _setup_layers(self, resume: bool) -> NamedLayers:
+        """Build the model, keep this stage's layers (with their optimizers), resume."""
+        cfg, s = self.cfg, self.topo.stage
+        named = self.build_layers()
+        cfg.check_layers(len(named))
+        self.parts = cfg.partition(len(named))
+        first = sum(self.parts[:s])
+        self.slots = []
+        for i in range(first, first + self.parts[s]):
+            name, module = named[i]
+            module.to(self.device)
+            self.slots.append(LayerSlot(i, name, module, self.make_optimizer(
+                list(module.parameters()))))
+        self.start = 1
+        done = checkpoint.latest_step(self.run_dir) if resume else None
+        if done is not None:
+            checkpoint.load_layers(self.run_dir, done, self.slots)
+            self.start = done + 1
+            log.info("resumed from the checkpoint of step %d", done)
+        return named
+
+    def make_optimizer(self, params: list) -> torch.optim.Optimizer | None:
+        """The configured optimizer over ``params`` (layers created or moved later too)."""
+        return build_optimizer(self.cfg, params)
+
+    def _setup_stage(self, profiler: LayerProfiler) -> None:
+        """The activation store, the per-layer profiler and the stage around the layers."""
+        cfg, s = self.cfg, self.topo.stage
+        self.store, self.profiler = ActivationStore(device=self.device), profiler
+        self.stage = Stage(self.slots, self.store, self.profiler, is_first=s == 0,
+                           loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
+                           loss_scale=1.0 / cfg.train.micro_batches)
+
+    def _setup_schedule(self, named: NamedLayers, peer_plan: dict | None, peer_group) -> None:
+        """Every stage's action list; seed 004's peer-swap actions woven in when planned."""
+        cfg, topo = self.cfg, self.topo
+        self.schedules = build_schedule(cfg.train.schedule, topo.pp, cfg.train.micro_batches)
+        self.actions, self.extensions = self.schedules[topo.stage], None
+        self.peer_plan = peer_plan
+        if peer_plan is None and cfg.memory.peer_swap:
+            self.peer_plan = self._plan_peer_swap(named)
+        if self.peer_plan is not None:
+            self.actions, self.extensions = attach_peer_swap(
+                self.peer_plan, topo.rank, topo.stage,
+                {k: topo.rank_of(k) for k in range(topo.pp)}, self.store, self.schedules,
+                cfg.runtime.p2p_timeout_s, group=peer_group)
+
+    def _plan_peer_swap(self, named: NamedLayers) -> dict:
+        """The job's seed-004 plan, the same on every rank; rank 0 writes it to the run dir."""
+        cfg, t = self.cfg, self.cfg.train
+        per_replica = t.batch_size // self.shard[1]
+        x, y = self.data.batch(1, t.batch_size)
+        sample = (split_microbatches(x[:per_replica], t.micro_batches)[0],
+                  split_microbatches(y[:per_replica], t.micro_batches)[0])
+        limits = [resolve_limit(v, cfg, self.device) for v in cfg.stage_limits()]
+        plan = agree_plan(cfg, named, self.parts, limits, self.topo, self.device, sample)
+        if self.topo.rank == 0 and self.outputs:
+            atomic_write_text(self.run_dir / "peer_plan.json", json.dumps(plan, indent=1) + "\n")
+        return plan
+
+    def _setup_grad_sync(self, grad_sync: GradSync | None) -> None:
+        """The gradient exchange across replicas, told which layers this stage holds."""
+        self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
+        self.sync.attach([slot.module for slot in self.slots])
+
+    def _p2p(self, group) -> P2P:
+        topo, rt = self.topo, self.cfg.runtime
+        return P2P(group, topo.rank, rt.p2p_timeout_s, self.device, topo.describe,
+                   on_failure=self._peer_lost)
+
+    def _peer_lost(self, exc: Exception) -> PeerLost | None:
+        """Which peer's loss caused ``exc``, when the watchdog knows."""
+        if self.watchdog is None:
+            return None
+        verdict = self.watchdog.verdict(2 * self.cfg.runtime.peer_timeout_s)
+        return None if verdict is None else PeerLost(verdict[0], verdict[1])
+
+    def _setup_runtime(self, fault_rank: int | None) -> None:
+        """The executor of this stage's actions, talking to its pipeline neighbours."""
+        topo, s, f = self.topo, self.topo.stage, self.cfg.fault
+        fault = None
+        if fault_rank is not None and f.kill_rank == fault_rank:
+            fault = kill_self_at(f.kill_step, len(self.actions) // 2, f.kill_before)
+        self.runtime = PipelineRuntime(
+            self.stage, self.actions, self._p2p(topo.pp_group),
+            prev_rank=topo.rank_of(s - 1) if s > 0 else None,
+            next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
+            grad_sync=self.sync, replica=topo.replica, fault=fault, extensions=self.extensions)
+
+    def _setup_rebalancer(self, named: NamedLayers) -> None:
+        """Seed 000's detector, partitioner and live migration, when anything can move."""
+        rb, topo = self.cfg.rebalance, self.topo
+        self.rebalancer = self.catalog = self.edit_hook = None
+        if not (rb.enabled or rb.at_step or rb.edits):
+            return
+        self.edit_hook = load_edit_hook(rb.edits) if rb.edits else None
+        self.catalog = LayerCatalog(named)
+        clusters = _clusters(named) if topo.stage == topo.pp - 1 else []
+        self.rebalancer = Rebalancer(self.cfg, topo, self.parts, clusters, self.schedules,
+                                     self._p2p(topo.ctrl_group))
+
+    def _setup_memory_budget(self) -> None:
+        """The stage's memory budget, planned before step 1 when a limit is set."""
+        cfg, s = self.cfg, self.topo.stage
+        limit = resolve_limit(cfg.stage_limits()[s], cfg, self.device)
+        n_layers = sum(self.parts)
+        fixed = cfg.layer_policies(n_layers)
+        if self.peer_plan is not None:
+            planned = runtime_policies(self.peer_plan)
+            fixed = {i: planned.get(i, "keep") for i in range(n_layers)}
+        bandwidth = cfg.memory.host_bandwidth
+        if not bandwidth and limit is not None and fixed is None:
+            bandwidth = measure_host_bandwidth(self.device)
+        self.budget = MemoryBudget(self.stage, stage_in_flight(cfg)[s], limit,
+                                   cfg.memory.planner, bandwidth, fixed)
+        if limit is not None and fixed is None:
+            self.budget.replan(costs=profile_model(cfg, self.build_layers()),
+                               why="before step 1")
+
+    def _setup_telemetry(self, layer_names: list[str]) -> None:
+        """Rank 0's recorder: metrics rows, progress bar, trace and report at the end."""
+        cfg, topo, t = self.cfg, self.topo, self.cfg.train
+        self.trace_events: list = []
+        self.recorder = None
+        if topo.rank != 0 or not self.outputs:
+            return
+        meta = dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp, dp=topo.dp,
+                    schedule=t.schedule, layer_names=layer_names,
+                    partition=[list(range(sum(self.parts[:k]), sum(self.parts[: k + 1])))
+                               for k in range(topo.pp)])
+        self.recorder = RunRecorder(self.run_dir, meta, self.stage_of, t.batch_size, t.steps,
+                                    self.start, cfg.run.progress)
+
+    @property
+    def stage_of(self) -> list[int]:
+        """The stage of every layer under the current partition."""
+        return [k for k, n in enumerate(self.parts) for _ in range(n)]
+
+    # ------------------------------------------------------------------ the step loop
+    def fit(self, on_step: Callable[[int, StepStats | None], None] | None = None,
+            start: int | None = None) -> float | None:
+        """Train from the start step through ``train.steps``.
+
+        Args:
+            on_step: called after every step with its number and this rank's stats
+                (None for a step the gradient exchange told this rank to skip).
+            start: the first step (default: 1, or the one after a resumed checkpoint; a
+                ring node that rejoined continues after the step its welcome brought).
+
+        Returns:
+            The last step's mean loss on rank 0, None on other ranks.
+        """
+        step = self.start if start is None else start
+        while step <= self.cfg.train.steps:
+            stats = self.train_step(step)
+            if on_step is not None:
+                on_step(step, stats)
+            step = self.sync.applied_through(step) + 1
+        return self.finish()
+
+    def train_step(self, step: int) -> StepStats | None:
+        """One training step on this rank; see the module docstring for its parts."""
+        if not self.sync.begin_step(step):
+            self.sync.step(self.stage.slots)
+            return None
+        self._apply_model_edits(step)
+        migration = self._migration_for(step)
+        x, y = self._batch(step)
+        m, first = self.cfg.train.micro_batches, self.topo.stage == 0
+        stats = self.runtime.run_step(
+            step, split_microbatches(x, m) if first else None,
+            split_microbatches(y, m) if self.stage.is_last else None,
+            trace=step - self.start < self.cfg.run.trace_steps, migration=migration)
+        if step == self.start and self.budget.plan is not None:
+            stats.memory_plan = self._plan_record()
+        if migration is not None:
+            self._after_migration(stats, migration)
+        self.trace_events += [(step, *e) for e in stats.events]
+        stats.events = []
+        costs_fresh = self._profile_and_check(step, stats)
+        self._record(step, stats, costs_fresh)
+        every = self.cfg.run.checkpoint_every
+        if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
+            self._checkpoint(step)
+        return stats
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's share of the step's global batch, on the device."""
+        x, y = self.data.batch(step, self.cfg.train.batch_size)
+        index, count = self.shard
+        per = x.shape[0] // count
+        lo = index * per
+        return x[lo : lo + per].to(self.device), y[lo : lo + per].to(self.device)
+
+    def _apply_model_edits(self, step: int) -> None:
+        """Insert or remove layers as the config's edit hook asks for this step."""
+        edits = self.edit_hook(step) if self.edit_hook is not None else []
+        if not edits:
+            return
+        self.parts = self.rebalancer.apply_edits(
+            edits, stage=self.stage, stage_index=self.topo.stage, catalog=self.catalog,
+            device=self.device, seed=self.cfg.train.seed + step,
+            make_optimizer=self.make_optimizer)
+        self.sync.attach([slot.module for slot in self.slots])
+        self.budget.on_layers_changed()
+        if self.recorder is not None:
+            self.recorder.writer.write("model_edit", step=step, partition=self.parts,
+                                       edits=[repr(e) for e in edits],
+                                       layer_names=list(self.catalog.names))
+
+    def _migration_for(self, step: int) -> Migration | None:
+        """The live migration this step performs, if the rebalancer planned one."""
+        if self.rebalancer is None:
+            return None
+        ms = self.rebalancer.migration_for(step)
+        if ms is None:
+            return None
+        return Migration(ms, self.topo.stage, self.stage, self.rebalancer.ctrl,
+                         self.topo.rank_of, self.catalog, self.make_optimizer, self.device)
+
+    def _after_migration(self, stats: StepStats, migration: Migration) -> None:
+        """Adopt the partition the migration reached; re-plan memory if our layers changed."""
+        old, self.parts = self.rebalancer.step_done()
+        stats.migration.update(old=old, new=self.parts)
+        if any(self.topo.stage in (m.giver, m.receiver) for m in migration.plan.moves):
+            self.sync.attach([slot.module for slot in self.slots])
+            if self.budget.on_layers_changed() is not None:  # seed 000: re-plan after a move
+                stats.memory_plan = self._plan_record()
+
+    def _profile_and_check(self, step: int, stats: StepStats) -> bool:
+        """At profile steps every stage learns every layer's costs; re-plan memory; at check
+        steps the last stage decides whether to re-partition. Returns: a profile step."""
+        cfg, rb = self.cfg, self.cfg.rebalance
+        profile_now = step % cfg.run.profile_every == 0 or step == cfg.train.steps
+        check_now = (self.rebalancer is not None and rb.enabled
+                     and step % rb.check_every == 0 and step < cfg.train.steps)
+        if profile_now or check_now:
+            tables = self._all_gather_pipeline([c.to_dict() for c in self.profiler.table()])
+            self.runtime.pipeline_costs = [c for table in tables for c in table]
+        if profile_now and self.budget.replan(why=f"after step {step}",
+                                              only_if_over=True) is not None:
+            stats.memory_plan = self._plan_record()
+        if check_now:
+            stats.decision = self.rebalancer.check(step, self.runtime.pipeline_costs)
+        return profile_now
+
+    def _record(self, step: int, stats: StepStats, costs_fresh: bool) -> None:
+        """Every rank's stats to rank 0, which writes the metrics row (with the pipeline's
+        per-layer costs at profile steps)."""
+        gathered = self._gather(stats)
+        if self.recorder is not None:
+            self.recorder.stage_of = self.stage_of
+            self.recorder.step(step, gathered,
+                               self.runtime.pipeline_costs if costs_fresh else None)
+
+    def finish(self) -> float | None:
+        """Gather the trace and write the report (rank 0); every rank waits for the end."""
+        all_events = self._gather(self.trace_events)
+        if self.recorder is not None:
+            self.recorder.finish(dict(enumerate(all_events)),
+                                 {r: self.topo.describe(r) for r in range(self.topo.world_size)},
+                                 self.cfg.run.report)
+        if dist.is_initialized():
+            dist.barrier()
+        return self.recorder.loss if self.recorder is not None else None
+
+    # ------------------------------------------------------------------ helpers
+    def _gather(self, obj) -> list | None:
+        """``obj`` of every rank on rank 0 (None elsewhere); a lone rank keeps its own."""
+        if not dist.is_initialized():
+            return [obj]
+        out: list | None = [None] * self.topo.world_size if self.topo.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def _all_gather_pipeline(self, obj) -> list:
+        """``obj`` of every stage of this rank's pipeline, in stage order."""
+        if not dist.is_initialized():
+            return [obj]
+        out: list = [None] * self.topo.pp
+        dist.all_gather_object(out, obj, group=self.topo.pp_group)
+        return out
+
+    def _plan_record(self) -> dict:
+        plan, budget = self.budget.plan, self.budget
+        return {"planner": plan.planner, "reason": plan.reason,
+                "required_bytes": plan.required_bytes, "limit_bytes": plan.limit_bytes,
+                "added_time_s": plan.added_time_s, "host_bandwidth": budget.host_bandwidth,
+                "layers": budget.rows()}
+
+    def _checkpoint(self, step: int) -> None:
+        topo = self.topo
+        if topo.replica == 0:
+            checkpoint.save_stage(self.run_dir, step, topo.stage, self.stage.slots)
+        if dist.is_initialized():
+            dist.barrier()  # every stage file exists before `latest` moves
+        if topo.rank == 0:
+            checkpoint.mark_latest(self.run_dir, step)
+            checkpoint.prune(self.run_dir)
+
+
+def _clusters(named: NamedLayers) -> list[list[int]]:
+    """Fork/join clusters of the model (one per layer when the graph cannot be read)."""
+    try:
+        return model_clusters([m for _, m in named])
+    except Exception as exc:  # an opaque layer the tracer cannot read: cut anywhere
+        log.warning("could not read the layer graph (%s); every layer is its own cluster",
+                    str(exc).splitlines()[0][:200])
+        return [[i] for i in range(len(named))]

@@ -1,0 +1,183 @@
+"""One rank of a training job: join the process group, build the stage, run the steps.
+
+Runs the same way under ``trainwright run`` (which spawns local ranks with torchrun's
+environment variables) and under ``torchrun`` / SLURM directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainwright.config import Config, load_config
+from trainwright.dist.comm import Watchdog, exit_now
+from trainwright.errors import PeerLost
+from trainwright.observe.telemetry import setup_logging
+from trainwright.run import checkpoint
+from trainwright.run.trainer import Trainer
+
+__all__ = ["DistEnv", "run_worker", "train", "resume_hint", "EXIT_PEER_LOST", "EXIT_FAILED"]
+
+log = logging.getLogger(__name__)
+EXIT_FAILED = 1
+EXIT_PEER_LOST = 3
+
+
+@dataclass
+class DistEnv:
+    """The torchrun-style environment of this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+    """True when the launcher (torchrun's agent or ``trainwright run``) hosts the store."""
+
+    @classmethod
+    def from_env(cls) -> DistEnv:
+        """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT... from os.environ."""
+        e = os.environ
+        return cls(rank=int(e["RANK"]), world_size=int(e["WORLD_SIZE"]),
+                   local_rank=int(e.get("LOCAL_RANK", 0)),
+                   local_world_size=int(e.get("LOCAL_WORLD_SIZE", e["WORLD_SIZE"])),
+                   master_addr=e.get("MASTER_ADDR", "127.0.0.1"),
+                   master_port=int(e.get("MASTER_PORT", 29500)),
+                   agent_store=e.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+
+    def store(self, timeout_s: float, master: bool = False) -> dist.TCPStore:
+        """A client (or, with ``master``, the server) of the rendezvous store."""
+        return dist.TCPStore(self.master_addr, self.master_port, self.world_size,
+                             is_master=master, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
+
+def _device(cfg: Config, env: DistEnv) -> tuple[str, torch.device]:
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # the CUDA branch: one device per local rank
+        torch.cuda.set_device(env.local_rank)
+        return backend, torch.device("cuda", env.local_rank)
+    return backend, torch.device("cpu")
+
+
+def _agree_run_dir(store, env: DistEnv, run_dir: Path | None, cfg: Config) -> Path:
+    """Under torchrun every rank parsed the config; rank 0 creates the run dir for all."""
+    if run_dir is not None:
+        return run_dir
+    if env.rank == 0:
+        from trainwright.run.launch import create_run_dir
+        run_dir = create_run_dir(cfg)
+        store.set("tw/run_dir", str(run_dir.resolve()))
+    return Path(store.get("tw/run_dir").decode())
+
+
+def run_worker(cfg: Config | None, run_dir: Path | None,
+               resume: bool = False) -> tuple[int, Path | None]:
+    """Train as one rank of the job described by the environment.
+
+    Args:
+        cfg: the configuration (None: read ``run_dir/config.toml``).
+        run_dir: the run directory (None under torchrun: rank 0 creates one).
+        resume: continue from the run directory's latest checkpoint.
+
+    Returns:
+        The process exit code (0 on success) and the run directory.
+    """
+    env = DistEnv.from_env()
+    if cfg is None:
+        cfg = load_config(Path(run_dir) / "config.toml")
+    rt = cfg.runtime
+    setup_logging(f"[rank {env.rank} stage {env.rank % cfg.parallel.pp}]",
+                  logging.INFO if env.rank == 0 else logging.WARNING)
+    threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
+    torch.set_num_threads(threads)
+    backend, device = _device(cfg, env)
+    hosts_store = env.rank == 0 and not env.agent_store
+    store = env.store(rt.collective_timeout_s, master=hosts_store)
+    run_dir = _agree_run_dir(store, env, run_dir, cfg)
+    store_host = -1 if env.agent_store else 0
+
+    once = threading.Lock()
+
+    def lost(rank: int, reason: str) -> None:
+        once.acquire()  # the watchdog thread and the main thread may both get here; log once
+        who = "the launcher (store host)" if rank < 0 else \
+            f"rank {rank} (stage {rank % cfg.parallel.pp}, replica {rank // cfg.parallel.pp})"
+        log.error("lost %s: %s. Stopping this rank. %s", who, reason, resume_hint(run_dir))
+        exit_now(EXIT_PEER_LOST)
+
+    watchdog = Watchdog(lambda: env.store(rt.peer_timeout_s), env.rank, env.world_size,
+                        rt.peer_timeout_s, lost, store_host=store_host).start()
+    try:
+        dist.init_process_group(backend, store=dist.PrefixStore("tw/pg", store), rank=env.rank,
+                                world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=rt.collective_timeout_s))
+        train(cfg, run_dir, device=device, resume=resume, watchdog=watchdog,
+              fault_rank=env.rank)
+    except PeerLost as exc:
+        lost(exc.rank, str(exc))
+    except Exception as exc:
+        if _is_comm_failure(exc):  # a collective broke: most likely a peer died; ask who
+            verdict = watchdog.verdict(2 * rt.peer_timeout_s)
+            if verdict is not None:
+                lost(*verdict)
+        log.exception("failed: %s", exc)
+        watchdog.stop(failed=f"{type(exc).__name__}: {exc}")
+        return EXIT_FAILED, run_dir
+    watchdog.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0, run_dir
+
+
+def resume_hint(run_dir: Path) -> str:
+    """How to continue ``run_dir``: from its last checkpoint, or why that is not possible."""
+    step = checkpoint.latest_step(run_dir)
+    if step is None:
+        return "No checkpoint was written yet (see run.checkpoint_every); start again."
+    return f"Continue from step {step} with `trainwright run --resume {run_dir}`."
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a torch.distributed transport (gloo, NCCL, the store)."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        marker in text for marker in ("gloo", "Connection closed", "Connection reset", "NCCL"))
+
+
+def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
+          resume: bool = False, watchdog: Watchdog | None = None,
+          fault_rank: int | None = None) -> float | None:
+    """Run one training job on the already initialised default process group.
+
+    Every rank of the group calls this with the same arguments; it may be called several
+    times in one process group (tests do), each call building its own mesh groups. A thin
+    wrapper of :class:`~trainwright.run.trainer.Trainer`.
+
+    Returns:
+        The last step's mean loss on rank 0, None on other ranks.
+    """
+    return Trainer(cfg, run_dir, device=device, resume=resume, watchdog=watchdog,
+                   fault_rank=fault_rank).fit()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainwright.run.worker RUN_DIR [--resume]``: one locally spawned rank."""
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    return run_worker(None, Path(args[0]), resume="--resume" in args)[0]
+
+
+if __name__ == "__main__":
+    exit_now(main())  # the rank is torn down; skip the interpreter shutdown (see exit_now)

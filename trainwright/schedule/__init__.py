@@ -1,0 +1,11 @@
+"""Pipeline schedules as data: actions, the schedules made of them, their grid, dry runs.
+
+* :mod:`~trainwright.schedule.actions`: ``Action(kind, mb, peer)`` and the GPipe / 1F1B
+  generators, in-flight counts, the step x stage grid;
+* :mod:`~trainwright.schedule.migration`: where a live migration acts inside a schedule,
+  and the dry-run deadlock check of any schedule;
+* :mod:`~trainwright.schedule.peer`: seed 004's peer-swap actions woven into a schedule.
+
+The simulator (:mod:`trainwright.plan`) and the executor (:mod:`trainwright.pipeline`)
+share these definitions. Pure: imports only :mod:`trainwright.errors`.
+"""

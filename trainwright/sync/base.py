@@ -1,0 +1,45 @@
+"""The interface every gradient exchange implements: data-parallel sync and the token ring."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+__all__ = ["GradSync"]
+
+
+class GradSync(ABC):
+    """A gradient exchange, plugged into the trainer's one step loop.
+
+    The pipeline runtime calls :meth:`sync` at the schedule's ``SYNC`` action (after the
+    last backward of a step) and :meth:`step` at its ``STEP`` action. The trainer calls
+    :meth:`attach` whenever the stage's layers change, :meth:`begin_step` before a step's
+    compute and :meth:`applied_through` after it. The defaults suit synchronous data
+    parallel; the token ring overrides all of them.
+
+    The default ``step`` runs each layer's own optimizer (layers carry their optimizer so
+    that they can migrate between stages); strategies that shard optimizer state override it.
+    """
+
+    @abstractmethod
+    def sync(self, params: list) -> None:
+        """Average the gradients of ``params`` over the data-parallel replicas, in place."""
+
+    def step(self, slots: list) -> None:
+        """Apply the update for the stage's layers (``LayerSlot`` list) and clear gradients."""
+        for slot in slots:
+            if slot.optimizer is not None:
+                slot.optimizer.step()
+                slot.optimizer.zero_grad(set_to_none=True)
+
+    def attach(self, modules: list) -> None:  # noqa: B027 - an optional hook
+        """Learn the stage's layers (called at start and after every change of layers)."""
+
+    def begin_step(self, step: int) -> bool:
+        """Before step ``step``'s compute; False: skip its forward and backward (the token
+        ring closed the step without this node) and go straight to :meth:`step`."""
+        return True
+
+    def applied_through(self, step: int) -> int:
+        """The last step whose update is applied once step ``step``'s ``STEP`` ran (the ring
+        may apply several closed steps at once)."""
+        return step

@@ -1,0 +1,121 @@
+"""The token ring as the trainer's gradient exchange (seed 002).
+
+:class:`RingExchange` is a :class:`~trainwright.sync.base.GradSync`: the trainer's one step
+loop computes a node's gradient, ``SYNC`` offers it to the ring and waits for the step to
+close, ``STEP`` applies every closed step (the summed gradient of its contributors, divided
+by their count, goes into ``p.grad`` and each layer's optimizer steps). A node that finds a
+step already closed skips its compute (:meth:`RingExchange.begin_step`); one that fell
+behind applies several closed steps at once (:meth:`RingExchange.applied_through`).
+
+Emulation for benchmarks (``tokenring.slow_node``, ``slow_factor``, ``pace_s``) and fault
+injection (``kill_step``, ``kill_nodes``) live here too, since they act around the exchange.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import statistics
+import time
+
+import torch
+
+from trainwright.config import TokenRingConfig
+from trainwright.sync.base import GradSync
+from trainwright.tokenring.ring import TokenRing, sum_canonical
+
+__all__ = ["RingExchange", "param_hash"]
+
+
+def param_hash(params: list[torch.Tensor]) -> str:
+    """SHA-256 of the parameters' bytes (equal hashes = bit-identical replicas)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class RingExchange(GradSync):
+    """A node's gradient exchange through a :class:`~trainwright.tokenring.ring.TokenRing`.
+
+    Args:
+        cfg: the ``[tokenring]`` section.
+        index: this node's index.
+        restarted: this process replaces a node killed by fault injection (it is not killed
+            again).
+    """
+
+    def __init__(self, cfg: TokenRingConfig, index: int, restarted: bool = False):
+        self.cfg, self.index, self.restarted = cfg, index, restarted
+        self.ring: TokenRing | None = None
+        self.hashes: dict[int, str] = {}
+        """Parameter hash after every applied step (``tokenring.record_hashes``)."""
+        self.last_applied = 0
+        self._step, self._t0 = 0, 0.0
+        self._computes: list[float] = []
+
+    def use(self, ring: TokenRing, applied: int) -> None:
+        """Exchange through ``ring`` from now on (after formation or a rejoin)."""
+        self.ring, self.last_applied = ring, applied
+
+    @property
+    def _slow(self) -> bool:
+        """This node emulates a slower machine by idling (without pacing)."""
+        r = self.cfg
+        return self.index == r.slow_node and r.slow_factor > 1 and not r.pace_s
+
+    def begin_step(self, step: int) -> bool:
+        """Idle first if this node emulates a slow one; skip a step that closed meanwhile."""
+        self._step = step
+        if self._slow and self._computes:
+            # (factor-1) x the recent compute time, so the node uses as little CPU as a
+            # slower machine would; a step that closes meanwhile is abandoned at once
+            self.ring.wait_closed(step, (self.cfg.slow_factor - 1)
+                                  * statistics.median(self._computes))
+        self._t0 = time.perf_counter()
+        return not self.ring.closed(step)
+
+    def sync(self, params: list) -> None:
+        """Offer this node's gradient of the step (unless the step closed meanwhile), then
+        wait for the step to close."""
+        r, step, ring = self.cfg, self._step, self.ring
+        compute = time.perf_counter() - self._t0
+        self._computes = [*self._computes[-4:], compute]
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        for p in params:
+            p.grad = None  # the ring keeps the offered tensors; the next backward starts anew
+        if self._slow and len(self._computes) == 1:  # no estimate before the first step
+            ring.wait_closed(step, (r.slow_factor - 1) * compute)
+        if r.pace_s:  # pad forward+backward to the target time, as on a dedicated device
+            target = r.pace_s * (r.slow_factor if self.index == r.slow_node else 1.0)
+            ring.wait_closed(step, target - compute)
+        if step == r.kill_step and self.index in r.kill_nodes and not self.restarted:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if not ring.closed(step):
+            ring.offer(step, grads)
+        ring.wait_close(step)
+
+    def step(self, slots: list) -> None:
+        """Apply every step the ring has closed since the last one applied."""
+        for s in range(self.last_applied + 1, self.ring.closed_through() + 1):
+            self._apply(s, slots)
+
+    def applied_through(self, step: int) -> int:
+        """The last step applied (the ring may have closed several)."""
+        return self.last_applied
+
+    def _apply(self, step: int, slots: list) -> None:
+        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer."""
+        ring = self.ring
+        contributors = ring.close_of(step)
+        acc = sum_canonical(ring.gradients(step, contributors))
+        params = [p for slot in slots for p in slot.module.parameters()]
+        for p, a in zip(params, acc, strict=True):
+            p.grad = a.div_(len(contributors))
+        super().step(slots)
+        if self.cfg.record_hashes:
+            self.hashes[step] = param_hash(params)
+        self.last_applied = step
+        every = self.cfg.batch_steps
+        ring.note_applied(step, params if ring.wants_weights(step, every) else None, every)

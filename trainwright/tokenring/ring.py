@@ -1,0 +1,567 @@
+"""Token-ring gradient exchange (seed 002): the token, broadcasts, step closing, receiver thread.
+
+A token circulates over the ring members. Only its holder broadcasts: a holder whose
+gradient for the token's step is ready sends it to every member as raw tensor frames and
+adds itself to the token's contributions; a holder not ready passes the token at once.
+When the contributions cover ``close_fraction`` of the members, the holder closes the step:
+``close(step, contributors)`` travels inside every later token (a window of recent closes),
+so a node that misses one message still learns every close. Every node applies exactly the
+listed contributors, summed in index order, ``w <- w - lr * sum / n``: replicas stay
+bit-identical. A background thread (:class:`TokenRing`) does all of this while the trainer
+computes; the trainer only offers gradients and waits for closes.
+
+Transport (no silent loss): every node binds one PULL socket and keeps one PUSH socket per
+peer, both with unlimited high-water marks, so ZeroMQ queues rather than drops; TCP keeps
+each link in order. Each message carries a per-link sequence number, so a gap (a message
+lost when a connection broke) is detected and counted; a gradient that a close lists but
+that has not arrived is fetched again from the members that hold it. Token messages are
+sent to every member, so everyone knows the holder and when the ring went quiet.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from trainwright.errors import CommError
+from trainwright.tokenring.membership import Epoch, Rendezvous, announce_delay, ring_distance
+from trainwright.tokenring.wire import pack, unpack
+
+__all__ = ["RingTimes", "TokenRing", "Token", "contributors_needed", "sum_canonical",
+           "RingLeft", "RingFailed", "CLOSE_WINDOW"]
+
+log = logging.getLogger(__name__)
+CLOSE_WINDOW = 32
+"""Closes carried in every token message (a node can miss this many before it must leave)."""
+RETAIN_STEPS = 64
+"""Closed steps whose gradients a node keeps to answer fetches (late joiners, lost frames)."""
+
+
+class RingLeft(CommError):
+    """This node was dropped from the ring (or saw a conflicting close) and must go standby."""
+
+
+class RingFailed(CommError):
+    """Fewer than ``min_nodes`` remain: the ring stopped."""
+
+
+@dataclass
+class RingTimes:
+    """Time-outs of the protocol (seconds); see :class:`~trainwright.config.TokenRingConfig`."""
+
+    token_timeout_s: float = 2.0
+    succession_s: float = 1.0
+    idle_hold_s: float = 0.02
+    close_timeout_s: float = 120.0
+    fetch_after_s: float = 0.3
+
+
+def contributors_needed(close_fraction: float, members: int) -> int:
+    """Contributions (equal shards) a step needs to close: ``ceil(fraction * members)``."""
+    return max(1, math.ceil(close_fraction * members - 1e-9))
+
+
+def sum_canonical(grads: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Sum per-node gradient lists in node-index order (same float order on every node)."""
+    order = sorted(grads)
+    acc = [g.clone() for g in grads[order[0]]]
+    for i in order[1:]:
+        for a, g in zip(acc, grads[i], strict=True):
+            a.add_(g)
+    return acc
+
+
+@dataclass
+class Token:
+    """The token: open step, contributions taken in it, next holder, hop count, and hops
+    since the last news (a full idle round lets a holder keep it briefly)."""
+
+    step: int
+    contribs: list[int]
+    holder: int
+    hop: int
+    idle: int = 0
+
+
+@dataclass
+class _Stats:
+    contributed: list[int] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    gaps: int = 0
+    fetches: int = 0
+    retransmissions: int = 0
+
+
+class TokenRing:
+    """One node's side of the ring: a receiver thread plus the calls the trainer makes.
+
+    Args:
+        ctx: ZeroMQ context.
+        index: this node's index (its data shard, its place in the ring).
+        pull: this node's bound PULL socket (owned by the thread from now on).
+        epoch: the membership to start in.
+        close_fraction: share of the members' samples that closes a step.
+        min_nodes: below this many members the ring fails.
+        total_steps: the last step; the token stops after it closes.
+        times: protocol time-outs.
+        rendezvous: the formation host, on the node that hosts it (admits standby nodes).
+        token: the token to start from (a newly formed ring's first node creates one).
+        closes: closes known already (a node admitted later gets them in its welcome).
+        applied: last step whose update this node's weights include.
+        early: messages received before the thread started (replayed first).
+    """
+
+    def __init__(self, ctx: zmq.Context, index: int, pull: zmq.Socket, epoch: Epoch, *,
+                 close_fraction: float, min_nodes: int, total_steps: int, times: RingTimes,
+                 rendezvous: Rendezvous | None = None, token: Token | None = None,
+                 closes: dict[int, list[int]] | None = None, applied: int = 0,
+                 early: list | None = None):
+        self.ctx, self.index, self.pull, self.epoch = ctx, index, pull, epoch
+        self.close_fraction, self.min_nodes, self.total = close_fraction, min_nodes, total_steps
+        self.times, self.rdzv = times, rendezvous
+        self.inc = random.getrandbits(48)
+        self.cv = threading.Condition()
+        self.closes: dict[int, list[int]] = dict(closes or {})
+        self.grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.tok = token
+        self.applied = applied
+        self.status, self.reason = "running", ""
+        self.stats = _Stats()
+        self._push: dict[int, tuple[str, zmq.Socket]] = {}
+        self._seq_out: dict[int, int] = {}
+        self._seq_in: dict[tuple[int, int], int] = {}
+        self._offer: tuple[int, list[torch.Tensor]] | None = None
+        self._acted_hop: tuple | None = None
+        self._hold_since = 0.0
+        self._last_heard = time.monotonic()
+        self._last_tok: tuple[list[int], dict] | None = None
+        self._retx_done = False
+        self._admit: tuple[list[torch.Tensor], int] | None = None
+        self._fetch: list[tuple[int, int]] = []
+        self._done: set[int] = set()
+        self._wants: dict[int, int] = {}
+        self._wanted_sent = 0
+        self._finishing = self._done_sent = False
+        self.close_time: dict[int, float] = {}
+        self._early = list(early or [])
+        self._ever = set(epoch.members)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"tokenring-{index}", daemon=True)
+
+    # ---------------------------------------------------------------- trainer side
+    def start(self) -> None:
+        """Start the receiver thread."""
+        self._thread.start()
+
+    def offer(self, step: int, grads: list[torch.Tensor]) -> None:
+        """Make this node's gradient of ``step`` available; it is sent when the token comes."""
+        with self.cv:
+            self._offer = (step, grads)
+
+    def closed(self, step: int) -> bool:
+        """Whether ``step`` has closed."""
+        with self.cv:
+            return step in self.closes
+
+    def wait_closed(self, step: int, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``step`` to close; False if it did not (no error)."""
+        with self.cv:
+            return self.cv.wait_for(lambda: step in self.closes or self.status != "running",
+                                    timeout_s) and step in self.closes
+
+    def wait_close(self, step: int) -> None:
+        """Wait until ``step`` closes.
+
+        Raises:
+            RingLeft / RingFailed: the node was dropped, or the ring failed.
+            CommError: no close within ``close_timeout_s``.
+        """
+        with self.cv:
+            ok = self.cv.wait_for(lambda: step in self.closes or self.status != "running",
+                                  self.times.close_timeout_s)
+            self._raise_status()
+            if not ok:
+                raise CommError(f"token ring node {self.index}: step {step} did not close within "
+                                f"{self.times.close_timeout_s:.0f} s (members "
+                                f"{self.epoch.order}); raise tokenring.close_timeout_s if "
+                                f"steps are that slow")
+
+    def _raise_status(self) -> None:
+        if self.status == "left":
+            raise RingLeft(self.reason)
+        if self.status == "failed":
+            raise RingFailed(self.reason)
+
+    def closed_through(self) -> int:
+        """The highest step ``s`` such that every step up to ``s`` has closed."""
+        with self.cv:
+            s = self.applied
+            while s + 1 in self.closes:
+                s += 1
+            return s
+
+    def close_of(self, step: int) -> list[int]:
+        """The contributors of closed ``step``."""
+        with self.cv:
+            return list(self.closes[step])
+
+    def gradients(self, step: int, contributors: list[int]) -> dict[int, list[torch.Tensor]]:
+        """Wait for every listed gradient of ``step``, fetching missing ones again.
+
+        Raises:
+            CommError: some are still missing after ``close_timeout_s``.
+        """
+        end = time.monotonic() + self.times.close_timeout_s
+        want = [(step, c) for c in contributors]
+        with self.cv:
+            while True:
+                missing = [k for k in want if k not in self.grads]
+                if not missing:
+                    return {c: self.grads[(step, c)] for c in contributors}
+                self._raise_status()
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise CommError(f"token ring node {self.index}: gradients of step {step} "
+                                    f"from node(s) {[c for _, c in missing]} never arrived "
+                                    f"(closed with {contributors}); no member could resend them")
+                if not self.cv.wait(min(left, self.times.fetch_after_s)):
+                    self._fetch.extend(missing)
+                    self.stats.fetches += len(missing)
+
+    def note_applied(self, step: int, weights: list[torch.Tensor] | None = None,
+                     admit_every: int = 0) -> None:
+        """The trainer applied ``step``. On the first node at a batch boundary
+        (``step % admit_every == 0``) standby nodes are admitted with ``weights``."""
+        with self.cv:
+            self.applied = step
+            for key in [k for k in self.grads if k[0] <= step - RETAIN_STEPS]:
+                del self.grads[key]
+            if (weights is not None and admit_every and step % admit_every == 0
+                    and step < self.total and self.rdzv is not None
+                    and self.epoch.first() == self.index and self.rdzv.standby):
+                self._admit = ([w.detach().clone() for w in weights], step)
+
+    def wants_weights(self, step: int, admit_every: int) -> bool:
+        """Whether :meth:`note_applied` for ``step`` should get a weight snapshot."""
+        return (admit_every > 0 and step % admit_every == 0 and self.rdzv is not None
+                and bool(self.rdzv.standby))
+
+    def finish(self, linger_s: float) -> None:
+        """Tell the members this node is done; serve fetches until all are (or ``linger_s``)."""
+        with self.cv:
+            self._finishing = True
+            self.cv.wait_for(lambda: set(self.epoch.members) - {self.index} <= self._done
+                             or self.status != "running", linger_s)
+
+    def stop(self) -> None:
+        """Stop the thread and close the sockets."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        for _, s in self._push.values():
+            s.close(0)
+        self.pull.close(0)
+
+    def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor]
+                     ) -> None:
+        """Send ``idx`` the membership, the closes after ``applied`` and the weights (before
+        :meth:`start`, or from the thread)."""
+        closes = {str(s): c for s, c in self.closes.items() if s > applied}
+        self._send(idx, addr, {"t": "welcome", "ep": self.epoch.to_json(), "applied": applied,
+                               "closes": closes}, weights)
+
+    def expect_from(self, src: int, inc: int, seq: int) -> None:
+        """Continue the sequence check of ``(src, inc)`` after a message read outside."""
+        self._seq_in[(src, inc)] = seq
+
+    # ---------------------------------------------------------------- sending
+    def _sock(self, idx: int, addr: str) -> zmq.Socket:
+        have = self._push.get(idx)
+        if have is not None and have[0] == addr:
+            return have[1]
+        if have is not None:
+            have[1].close(0)
+        s = self.ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.SNDHWM, 0)  # unlimited: queue, never drop
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        self._push[idx] = (addr, s)
+        self._seq_out[idx] = 0
+        return s
+
+    def _send(self, idx: int, addr: str, header: dict, tensors: list[torch.Tensor] = ()) -> None:
+        sock = self._sock(idx, addr)
+        self._seq_out[idx] += 1
+        frames = pack({**header, "src": self.index, "inc": self.inc,
+                       "sq": self._seq_out[idx]}, list(tensors))
+        sock.send_multipart(frames, copy=False)
+
+    def _broadcast(self, header: dict, tensors: list[torch.Tensor] = ()) -> None:
+        for i, addr in self.epoch.members.items():
+            if i != self.index:
+                self._send(i, addr, header, tensors)
+
+    def _drop_links(self) -> None:
+        for i in [i for i in self._push if i not in self.epoch.members]:
+            self._push.pop(i)[1].close(0)
+
+    def _tok_header(self, retx: bool = False) -> dict:
+        t = self.tok
+        window = {str(s): c for s, c in self.closes.items() if s > t.step - CLOSE_WINDOW}
+        return {"t": "tok", "ep": self.epoch.to_json(), "step": t.step, "contribs": t.contribs,
+                "holder": t.holder, "hop": t.hop, "idle": t.idle, "closes": window,
+                "retx": retx}
+
+    def _send_token(self) -> None:
+        header = self._tok_header()
+        self._broadcast(header)
+        self._last_tok = (self.epoch.order, header)
+        self._retx_done = False
+        self._last_heard = time.monotonic()
+
+    # ---------------------------------------------------------------- thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        if self.rdzv is not None:
+            poller.register(self.rdzv.sock, zmq.POLLIN)
+        for frames in self._early:
+            self._handle(frames)
+        self._early = []
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(2))
+                if self.pull in ready:
+                    for _ in range(64):
+                        try:
+                            frames = self.pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                with self.cv:
+                    if self.rdzv is not None:
+                        self.rdzv.handle()
+                    self._serve()
+        except Exception as exc:  # a protocol bug must not hang the trainer
+            log.exception("token ring node %d: receiver thread failed", self.index)
+            with self.cv:
+                self.status, self.reason = "failed", f"receiver thread failed: {exc!r}"
+                self.cv.notify_all()
+
+    def _serve(self) -> None:
+        """Periodic work under the lock: fetches, done notices, holding, time-outs."""
+        if self._fetch:
+            wanted, self._fetch = self._fetch, []
+            for step, c in set(wanted):
+                self._broadcast({"t": "fetch", "step": step, "node": c})
+        if self._finishing and not self._done_sent:
+            self._done_sent = True
+            self._broadcast({"t": "done"})
+        if self.status != "running":
+            return
+        offer, t = self._offer, self.tok
+        if (offer is not None and t is not None and offer[0] > self._wanted_sent
+                and t.holder != self.index and offer[0] == t.step):
+            # tell the ring a gradient waits, so that holders stop keeping an idle token
+            self._wanted_sent = offer[0]
+            self._broadcast({"t": "want", "step": offer[0]})
+        if t is not None and t.holder == self.index:
+            self._act()
+        self._check_silence()
+
+    def _handle(self, frames: list) -> None:
+        header, tensors = unpack(frames)
+        src, kind = header["src"], header["t"]
+        key = (src, header["inc"])
+        expect = self._seq_in.get(key, 0) + 1
+        if header["sq"] != expect and key in self._seq_in:
+            self.stats.gaps += 1
+            log.warning("token ring node %d: %d message(s) from node %d lost in transit",
+                        self.index, header["sq"] - expect, src)
+        self._seq_in[key] = header["sq"]
+        with self.cv:
+            if kind == "grad":
+                self._on_grad(header, tensors)
+            elif kind == "tok":
+                self._on_tok(header)
+            elif kind == "fetch":
+                have = self.grads.get((header["step"], header["node"]))
+                addr = self.epoch.members.get(src)
+                if have is not None and addr is not None:
+                    self._send(src, addr, {"t": "grad", "step": header["step"],
+                                           "node": header["node"]}, have)
+            elif kind == "want":
+                self._wants[src] = header["step"]
+            elif kind == "done":
+                self._done.add(src)
+            elif kind == "fail":
+                if tuple(header["ep"]["key"]) >= self.epoch.key:
+                    self._set_status("failed", header["reason"])
+            elif kind == "left":
+                ep = Epoch.from_json(header["ep"])
+                if ep.key > self.epoch.key and self.index not in ep.members:
+                    self._set_status("left", f"node {src} says epoch {ep.key} has members "
+                                     f"{ep.order} without this node")
+            self.cv.notify_all()
+
+    def _set_status(self, status: str, reason: str) -> None:
+        if self.status == "running":
+            self.status, self.reason = status, reason
+            self.stats.events.append({"event": status, "reason": reason, "t": time.time()})
+            self.cv.notify_all()
+
+    def _on_grad(self, header: dict, tensors: list[torch.Tensor]) -> None:
+        step, node = header["step"], header["node"]
+        if step <= self.applied - RETAIN_STEPS:
+            return
+        if step in self.closes and node not in self.closes[step]:
+            return  # a late contribution to a closed step: dropped
+        if header["src"] in self.epoch.members or header["src"] == node:
+            self._last_heard = time.monotonic()
+        self.grads.setdefault((step, node), tensors)
+
+    def _merge_closes(self, closes: dict) -> bool:
+        for s, c in closes.items():
+            s = int(s)
+            if s in self.closes and self.closes[s] != c:
+                self._set_status("left", f"close of step {s} conflicts: {self.closes[s]} here, "
+                                 f"{c} in the ring")
+                return False
+            if s not in self.closes:
+                self.closes[s] = list(c)
+                self.close_time[s] = time.time()
+        return True
+
+    def _on_tok(self, h: dict) -> None:
+        ep = Epoch.from_json(h["ep"])
+        if ep.key < self.epoch.key:
+            if h["src"] not in self.epoch.members:  # a dropped node still talking: tell it
+                self._send(h["src"], ep.members[h["src"]],
+                           {"t": "left", "ep": self.epoch.to_json()})
+            return
+        tok = Token(h["step"], list(h["contribs"]), h["holder"], h["hop"], h["idle"])
+        if ep.key > self.epoch.key:
+            if self.index not in ep.members:
+                self._set_status("left", f"epoch {ep.key} (from node {h['src']}) has members "
+                                 f"{ep.order} without this node")
+                return
+            mine = [s for s in self.closes if s >= tok.step]
+            if mine:
+                self._set_status("left", f"this node knows close(s) of step(s) {mine} that "
+                                 f"epoch {ep.key} does not; it rejoins with fresh weights")
+                return
+            self.stats.events.append({"event": "epoch", "key": list(ep.key),
+                                      "members": ep.order, "t": time.time()})
+            self.epoch, self.tok = ep, tok
+            self._ever |= set(ep.members)
+            self._drop_links()
+            self._last_heard = time.monotonic()
+            self._merge_closes(h["closes"])
+            return
+        if self.tok is not None and tok.hop <= self.tok.hop:
+            return  # a retransmission we already acted on
+        if not self._merge_closes(h["closes"]):
+            return
+        self.tok = tok
+        self._last_heard = time.monotonic()
+
+    # ---------------------------------------------------------------- holder
+    def _act(self) -> None:
+        t = self.tok
+        if t.step > self.total:
+            return  # the run is over: the token stops here
+        me = (self.epoch.key, t.hop)
+        if self._acted_hop != me:
+            self._acted_hop, self._hold_since = me, time.monotonic()
+        offer = self._offer
+        if offer is not None and offer[0] == t.step and self.index not in t.contribs:
+            step, grads = offer
+            self.grads[(step, self.index)] = grads
+            self._broadcast({"t": "grad", "step": step, "node": self.index}, grads)
+            t.contribs.append(self.index)
+            t.idle = 0
+            self.stats.contributed.append(step)
+        elif (t.idle >= len(self.epoch.members) and not self._wanted(t)
+              and time.monotonic() - self._hold_since < self.times.idle_hold_s):
+            return  # an idle ring that nobody waits for: keep the token rather than spin it
+        else:
+            t.idle += 1
+        if len(t.contribs) >= contributors_needed(self.close_fraction, len(self.epoch.members)):
+            self.closes[t.step] = sorted(t.contribs)
+            self.close_time[t.step] = time.time()
+            t.step, t.contribs, t.idle = t.step + 1, [], 0
+            self.cv.notify_all()
+        if self._admit is not None:
+            self._admit_standby()
+        t.holder = self.epoch.successor(self.index)
+        t.hop += 1
+        self._send_token()
+
+    def _wanted(self, t: Token) -> bool:
+        """Whether a member said its gradient for the token's step is ready."""
+        return any(step == t.step and node not in t.contribs and node in self.epoch.members
+                   for node, step in self._wants.items())
+
+    def _admit_standby(self) -> None:
+        weights, step = self._admit
+        self._admit = None
+        new = self.rdzv.take_standby(exclude=set(self.epoch.members))
+        if not new:
+            return
+        self.epoch = self.epoch.with_nodes(new, self.index)
+        self._ever |= set(new)
+        self.tok.hop = 0
+        self.stats.events.append({"event": "admit", "nodes": sorted(new), "at_step": step,
+                                  "key": list(self.epoch.key), "t": time.time()})
+        log.info("token ring: node(s) %s rejoin after step %d", sorted(new), step)
+        for i, addr in new.items():
+            self.send_welcome(i, addr, step, weights)
+
+    # ---------------------------------------------------------------- failures
+    def _check_silence(self) -> None:
+        if self.tok is None or self.total in self.closes:
+            return
+        quiet = time.monotonic() - self._last_heard
+        T = self.times
+        if (self._last_tok is not None and not self._retx_done and quiet > T.token_timeout_s
+                and self._last_tok[1]["ep"]["key"] == list(self.epoch.key)):
+            self._retx_done = True
+            self.stats.retransmissions += 1
+            self._broadcast({**self._last_tok[1], "retx": True})
+        holder = self.tok.holder
+        if holder == self.index or holder not in self.epoch.members:
+            return
+        k = ring_distance(self.epoch.order, holder, self.index)
+        if quiet > announce_delay(k, T.token_timeout_s, T.succession_s):
+            self._announce_lost(holder, quiet)
+
+    def _announce_lost(self, lost: int, quiet: float) -> None:
+        new = self.epoch.without(lost, self.index)
+        self.stats.events.append({"event": "lost", "node": lost, "quiet_s": round(quiet, 3),
+                                  "key": list(new.key), "members": new.order, "t": time.time()})
+        log.warning("token ring node %d: holder %d silent for %.2f s; dropping it (members %s)",
+                    self.index, lost, quiet, new.order)
+        if len(new.members) < self.min_nodes:
+            lost_all = sorted(self._ever - set(new.members))
+            reason = (f"token ring failed after step {self.tok.step - 1}: node(s) {lost_all} "
+                      f"lost or absent, {len(new.members)} left (node(s) {new.order}) < "
+                      f"tokenring.min_nodes = {self.min_nodes}")
+            self.epoch = new
+            self._broadcast({"t": "fail", "ep": new.to_json(), "reason": reason})
+            self._set_status("failed", reason)
+            return
+        t = self.tok
+        self.epoch = new
+        self.tok = Token(t.step, [c for c in t.contribs if c in new.members],
+                          new.successor(lost), 0, 0)
+        self._drop_links()
+        self._acted_hop = None
+        self._send_token()
+        self.cv.notify_all()
