@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainwright.config import ConfigError, load_config
+from trainwright.config import load_config
 from trainwright.dist.testing import run_workers
+from trainwright.errors import ConfigError
 from trainwright.sync.sparse import (
     LinkModel,
     RowSparse,
