@@ -183,6 +183,22 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
     """
     if group_by not in _GROUP_BY:
         raise ValueError(f"group_by must be one of {_GROUP_BY}, not {group_by!r}")
+    ep = _export(model, example_args, dynamic_batch)
+    graph = ep.graph_module.graph
+    inputs, attrs = _split_inputs(model, ep)
+    user_outputs, mutations = _split_outputs(ep, attrs)
+    names, members, group_of = _group_nodes(model, graph, inputs, group_by)
+    frontiers = _frontiers(graph, inputs, user_outputs, names, group_of)
+    layer_mutations: list[list[tuple[Any, fx.Node]]] = [[] for _ in members]
+    for value, buffer in mutations:
+        layer_mutations[max(group_of.get(value, 0), 0)].append((value, buffer))
+    return [_build_layer(names[k], members[k], frontiers[k], frontiers[k + 1], attrs,
+                         layer_mutations[k]) for k in range(len(members))]
+
+
+def _export(model: nn.Module, example_args: tuple,
+            dynamic_batch: bool) -> torch.export.ExportedProgram:
+    """Check the example arguments and capture ``model`` (non-strict ``torch.export``)."""
     args = (example_args,) if isinstance(example_args, torch.Tensor) else tuple(example_args)
     for i, arg in enumerate(args):
         if not isinstance(arg, torch.Tensor):
@@ -192,14 +208,18 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
     if dynamic_batch:
         batch = getattr(torch.export.Dim, "DYNAMIC", None) or torch.export.Dim("batch")
         dynamic = tuple({0: batch} if a.dim() else None for a in args)
-    ep = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False)
-    graph = ep.graph_module.graph
-    sig = ep.graph_signature
+    return torch.export.export(model, args, dynamic_shapes=dynamic, strict=False)
 
+
+def _split_inputs(model: nn.Module, ep: torch.export.ExportedProgram
+                  ) -> tuple[list[fx.Node], dict[fx.Node, tuple[str, Any]]]:
+    """The user-input placeholders, and node -> ``(name, object)`` of every parameter,
+    buffer, constant and ``get_attr`` the graph reads (the model's own objects)."""
+    graph = ep.graph_module.graph
     attrs: dict[fx.Node, tuple[str, Any]] = {}
     inputs: list[fx.Node] = []
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node, spec in zip(placeholders, sig.input_specs, strict=True):
+    for node, spec in zip(placeholders, ep.graph_signature.input_specs, strict=True):
         if spec.kind == InputKind.USER_INPUT:
             inputs.append(node)
         elif spec.kind == InputKind.PARAMETER:
@@ -213,12 +233,17 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
     for node in graph.nodes:
         if node.op == "get_attr":  # e.g. the subgraph of a `with torch.no_grad():` region
             attrs[node] = (node.target, operator.attrgetter(node.target)(ep.graph_module))
+    return inputs, attrs
 
+
+def _split_outputs(ep: torch.export.ExportedProgram, attrs: dict[fx.Node, tuple[str, Any]]
+                   ) -> tuple[list[Any], list[tuple[Any, fx.Node]]]:
+    """The user outputs, and ``(new value, buffer node)`` of every buffer mutation."""
     user_outputs: list[Any] = []
     mutations: list[tuple[Any, fx.Node]] = []
     buffer_node = {target: n for n, (target, _) in attrs.items()}
-    output = next(n for n in graph.nodes if n.op == "output")
-    for value, spec in zip(output.args[0], sig.output_specs, strict=True):
+    output = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    for value, spec in zip(output.args[0], ep.graph_signature.output_specs, strict=True):
         if spec.kind == OutputKind.USER_OUTPUT:
             user_outputs.append(value)
         elif spec.kind == OutputKind.BUFFER_MUTATION:
@@ -226,8 +251,17 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
         else:
             raise NotImplementedError(f"exported output of kind {spec.kind.name} "
                                       "is not supported (in-place update of an input?)")
+    return user_outputs, mutations
 
-    # Group the compute nodes: maximal runs of one key; glue joins the previous group.
+
+def _group_nodes(model: nn.Module, graph: fx.Graph, inputs: list[fx.Node], group_by: str
+                 ) -> tuple[list[str], list[list[fx.Node]], dict[fx.Node, int]]:
+    """Group the compute nodes: maximal runs of one key; glue joins the previous group.
+
+    Returns:
+        Each group's name, its nodes in execution order, and node -> group (``-1``: a
+        model input).
+    """
     group_of: dict[fx.Node, int] = {n: -1 for n in inputs}
     names: list[str] = []
     members: list[list[fx.Node]] = []
@@ -261,8 +295,17 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
         names.append("model")
         members.append(pending)
         group_of.update({n: len(members) - 1 for n in pending})
+    return names, members, group_of
 
-    n_layers = len(members)
+
+def _frontiers(graph: fx.Graph, inputs: list[fx.Node], user_outputs: list[Any],
+               names: list[str], group_of: dict[fx.Node, int]) -> list[list[Any]]:
+    """What enters each layer, then the model's outputs: entry k is layer k's input.
+
+    Raises:
+        NotImplementedError: a non-tensor value would cross a cut.
+    """
+    n_layers = len(names)
     last_use = {v: max((group_of[u] for u in v.users if u in group_of), default=-1)
                 for v in group_of}
     for value in user_outputs:
@@ -278,12 +321,7 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
                                           f" would cross the boundary after {names[k]!r}")
         frontiers.append(frontier)
     frontiers.append(user_outputs)
-
-    layer_mutations: list[list[tuple[Any, fx.Node]]] = [[] for _ in members]
-    for value, buffer in mutations:
-        layer_mutations[max(group_of.get(value, 0), 0)].append((value, buffer))
-    return [_build_layer(names[k], members[k], frontiers[k], frontiers[k + 1], attrs,
-                         layer_mutations[k]) for k in range(n_layers)]
+    return frontiers
 
 
 def _nbytes(value: Any) -> int:

@@ -293,96 +293,117 @@ def _place_stage(st: StageMem, dev: int, peers: list[int], free: dict[int, int],
                  held_for: dict[int, int], bandwidth: list[list[float]], host_bandwidth: float,
                  rules: Rules) -> dict[tuple[int, int], TensorPlan]:
     """The seed's rules on one over-budget stage; updates ``free`` and ``held_for``."""
-    plans: dict[tuple[int, int], TensorPlan] = {}
-    fwd = {x.layer: x.forward_s for x in st.layers}
-    cls = {(t.layer, t.index): classify(t, host_bandwidth, rules) for t in st.tensors}
-    rank = {"short": 0, "middle": 1, "long": 2}
-    todo = sorted(st.tensors, key=lambda t: (rank[cls[(t.layer, t.index)]], -t.nbytes,
-                                             t.layer, t.index))
+    placer = _StagePlacer(st, dev, peers, free, held_for, bandwidth, host_bandwidth, rules)
+    return placer.run()
 
-    def release(p: TensorPlan) -> None:
-        for c in p.chunks:
-            if c.target != HOST:
-                free[c.target] += c.nbytes * st.peer_slots
-                held_for[c.target] -= c.nbytes * st.peer_slots
 
-    def recompute_layer(layer: int) -> None:
-        for t in st.tensors:
-            if t.layer == layer:
-                old = plans.get((t.layer, t.index))
-                if old is not None:
-                    release(old)
-                plans[(t.layer, t.index)] = TensorPlan(t.layer, t.index, t.nbytes,
-                                                       "recompute")
+class _StagePlacer:
+    """The state of :func:`_place_stage`: the stage's plans so far and the peers' free bytes."""
 
-    def fallback(t: TensorInfo, nbytes: int) -> Chunk | None:
-        """Host chunk, or None after making the layer recompute."""
-        recomputed = any(p.policy == "recompute" and p.layer == t.layer
-                         for p in plans.values())
-        r_cost = 0.0 if recomputed else fwd.get(t.layer, 0.0)
-        h_cost = _host_cost(nbytes, t.interval_s, host_bandwidth)
-        can_r, can_h = "recompute" in rules.families, "host" in rules.families
-        if can_r and (not can_h or r_cost < h_cost):
-            recompute_layer(t.layer)
-            return None
-        return Chunk(HOST, nbytes) if can_h else Chunk(-2, nbytes)
+    def __init__(self, st: StageMem, dev: int, peers: list[int], free: dict[int, int],
+                 held_for: dict[int, int], bandwidth: list[list[float]],
+                 host_bandwidth: float, rules: Rules) -> None:
+        self.st, self.dev, self.peers = st, dev, peers
+        self.free, self.held_for = free, held_for
+        self.bandwidth, self.host_bandwidth, self.rules = bandwidth, host_bandwidth, rules
+        self.plans: dict[tuple[int, int], TensorPlan] = {}
+        self.fwd = {x.layer: x.forward_s for x in st.layers}
 
-    for t in todo:
-        if stage_required(st, plans) <= st.budget:
-            break
-        key = (t.layer, t.index)
-        if key in plans or t.nbytes == 0:
-            continue
-        klass = cls[key]
-        use_peer = "peer" in rules.families and klass != "long"
-        if not use_peer:
-            if klass == "long" and "host" in rules.families:
-                plans[key] = TensorPlan(t.layer, t.index, t.nbytes, "host",
-                                        [Chunk(HOST, t.nbytes)])
+    def run(self) -> dict[tuple[int, int], TensorPlan]:
+        """Give tensors a policy, short class first then largest, until the stage fits."""
+        st, rules = self.st, self.rules
+        cls = {(t.layer, t.index): classify(t, self.host_bandwidth, rules) for t in st.tensors}
+        rank = {"short": 0, "middle": 1, "long": 2}
+        todo = sorted(st.tensors, key=lambda t: (rank[cls[(t.layer, t.index)]], -t.nbytes,
+                                                 t.layer, t.index))
+        for t in todo:
+            if stage_required(st, self.plans) <= st.budget:
+                break
+            key = (t.layer, t.index)
+            if key in self.plans or t.nbytes == 0:
                 continue
-            c = fallback(t, t.nbytes)
-            if c is not None and c.target == HOST:
-                plans[key] = TensorPlan(t.layer, t.index, t.nbytes, "host", [c])
-            continue
-        cands = [p for p in peers if free[p] > 0]
+            klass = cls[key]
+            if "peer" in rules.families and klass != "long":
+                self._to_peers(t)
+            elif klass == "long" and "host" in rules.families:
+                self.plans[key] = TensorPlan(t.layer, t.index, t.nbytes, "host",
+                                             [Chunk(HOST, t.nbytes)])
+            else:
+                self._fallback_whole(t)
+        return self.plans
+
+    def _to_peers(self, t: TensorInfo) -> None:
+        """Split ``t`` over the peers with spare memory (rules 2 and 3)."""
+        cands = [p for p in self.peers if self.free[p] > 0]
         if not cands:
-            c = fallback(t, t.nbytes)
-            if c is not None and c.target == HOST:
-                plans[key] = TensorPlan(t.layer, t.index, t.nbytes, "host", [c])
-            continue
-        sizes = split_by_bandwidth(t.nbytes, [bandwidth[dev][p] for p in cands])
+            self._fallback_whole(t)
+            return
+        chunks, gone = self._peer_chunks(t, cands)
+        # gone: the layer is recomputed, so this tensor's chunks are moot; a -2 chunk: no
+        # allowed fallback, so the tensor stays kept
+        if gone or any(c.target == -2 for c in chunks):
+            self._unreserve(chunks)
+            return
+        policy = "peer" if any(c.target >= 0 for c in chunks) else "host"
+        self.plans[(t.layer, t.index)] = TensorPlan(t.layer, t.index, t.nbytes, policy, chunks)
+
+    def _peer_chunks(self, t: TensorInfo, cands: list[int]) -> tuple[list[Chunk], bool]:
+        """``t``'s chunks, peer chunks reserved; ``True`` once a fallback recomputes the layer
+        (the chunks made so far are returned, still reserved)."""
+        free, held_for, slots = self.free, self.held_for, self.st.peer_slots
+        sizes = split_by_bandwidth(t.nbytes, [self.bandwidth[self.dev][p] for p in cands])
         chunks: list[Chunk] = []
-        gone = False
         for p, n in zip(cands, sizes, strict=True):
             if n == 0:
                 continue
-            fits = n * st.peer_slots <= free[p]
-            fast = 2 * n / bandwidth[dev][p] <= t.interval_s
+            fits = n * slots <= free[p]
+            fast = 2 * n / self.bandwidth[self.dev][p] <= t.interval_s
             if fits and fast:
                 chunks.append(Chunk(p, n))
-                free[p] -= n * st.peer_slots
-                held_for[p] += n * st.peer_slots
+                free[p] -= n * slots
+                held_for[p] += n * slots
                 continue
-            c = fallback(t, n)
-            if c is None:  # the layer is recomputed: this tensor's chunks are moot
-                gone = True
-                break
+            c = self._fallback(t, n)
+            if c is None:
+                return chunks, True
             chunks.append(c)
-        if gone:
-            for c in chunks:
-                if c.target >= 0:
-                    free[c.target] += c.nbytes * st.peer_slots
-                    held_for[c.target] -= c.nbytes * st.peer_slots
-            continue
-        if any(c.target == -2 for c in chunks):  # no allowed fallback: leave it kept
-            for c in chunks:
-                if c.target >= 0:
-                    free[c.target] += c.nbytes * st.peer_slots
-                    held_for[c.target] -= c.nbytes * st.peer_slots
-            continue
-        policy = "peer" if any(c.target >= 0 for c in chunks) else "host"
-        plans[key] = TensorPlan(t.layer, t.index, t.nbytes, policy, chunks)
-    return plans
+        return chunks, False
+
+    def _unreserve(self, chunks: list[Chunk]) -> None:
+        """Give the peers back the memory ``chunks`` reserved on them."""
+        for c in chunks:
+            if c.target >= 0:
+                self.free[c.target] += c.nbytes * self.st.peer_slots
+                self.held_for[c.target] -= c.nbytes * self.st.peer_slots
+
+    def _recompute_layer(self, layer: int) -> None:
+        """Recompute every tensor of ``layer``, releasing the peer memory they held."""
+        for t in self.st.tensors:
+            if t.layer == layer:
+                old = self.plans.get((t.layer, t.index))
+                if old is not None:
+                    self._unreserve(old.chunks)
+                self.plans[(t.layer, t.index)] = TensorPlan(t.layer, t.index, t.nbytes,
+                                                            "recompute")
+
+    def _fallback(self, t: TensorInfo, nbytes: int) -> Chunk | None:
+        """Host chunk, or None after making the layer recompute (``Chunk(-2)``: neither
+        family is allowed)."""
+        recomputed = any(p.policy == "recompute" and p.layer == t.layer
+                         for p in self.plans.values())
+        r_cost = 0.0 if recomputed else self.fwd.get(t.layer, 0.0)
+        h_cost = _host_cost(nbytes, t.interval_s, self.host_bandwidth)
+        can_r, can_h = "recompute" in self.rules.families, "host" in self.rules.families
+        if can_r and (not can_h or r_cost < h_cost):
+            self._recompute_layer(t.layer)
+            return None
+        return Chunk(HOST, nbytes) if can_h else Chunk(-2, nbytes)
+
+    def _fallback_whole(self, t: TensorInfo) -> None:
+        """:meth:`_fallback` for all of ``t``: a host plan, or the layer recomputed."""
+        c = self._fallback(t, t.nbytes)
+        if c is not None and c.target == HOST:
+            self.plans[(t.layer, t.index)] = TensorPlan(t.layer, t.index, t.nbytes, "host", [c])
 
 
 def _excess_spare(stages: list[StageMem]) -> tuple[list[int], list[int]]:

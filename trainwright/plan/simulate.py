@@ -146,169 +146,217 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
     if len(costs) != n or len(links.mapping) < n:
         raise PlanError(f"{n} stages need {n} stage costs and a device for each; got "
                         f"{len(costs)} costs and {len(links.mapping)} devices")
-    clock = [0.0] * n
-    pos = [0] * n
-    link_free: dict[tuple, float] = {}
-    arrived: dict[tuple, float] = {}  # message key -> arrival time
-    posted_recv: dict[tuple, float] = {}  # peer-swap receive key -> post time
-    sent: dict[tuple, float] = {}  # pipeline message key -> send post time
-    pending_sends: list[list[tuple]] = [[] for _ in range(n)]  # message keys
-    busy = [0.0] * n
-    mem: list[list[tuple[float, int]]] = [[] for _ in range(n)]
-    own: list[list[tuple[float, int]]] = [[] for _ in range(n)]
-    timeline: list[tuple] = []
-    times: dict = {}
-    host_back: dict[tuple[int, int], float] = {}
+    replay = _Replay(schedule, costs, links)
+    replay.run()
+    return replay.result()
 
-    def transfer(key_link: tuple, t0: float, nbytes: int, bw: float) -> float:
-        start = max(t0, link_free.get(key_link, 0.0))
-        end = start + links.latency_s + nbytes / bw
-        link_free[key_link] = end
+
+class _Replay:
+    """The state of one :func:`simulate` call: clocks, posted messages, links, memory."""
+
+    def __init__(self, schedule: list[list], costs: list[StageCost], links: Links) -> None:
+        n = len(schedule)
+        self.schedule, self.costs, self.links, self.n = schedule, costs, links, n
+        self.clock = [0.0] * n
+        self.pos = [0] * n
+        self.link_free: dict[tuple, float] = {}
+        self.arrived: dict[tuple, float] = {}  # message key -> arrival time
+        self.posted_recv: dict[tuple, float] = {}  # peer-swap receive key -> post time
+        self.sent: dict[tuple, float] = {}  # pipeline message key -> send post time
+        self.returned: dict[tuple, float] = {}  # (peer, owner, mb) -> PEER_RETURN post time
+        self.pending_sends: list[list[tuple]] = [[] for _ in range(n)]  # message keys
+        self.host_back: dict[tuple[int, int], float] = {}  # (stage, mb) -> copy-back arrival
+        self.busy = [0.0] * n
+        self.mem: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+        self.own: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+        self.timeline: list[tuple] = []
+        self.times: dict = {}
+        # a stage's next action can only become ready when the stage moves or a message for
+        # it is posted, so keep each stage's earliest start in a heap and refresh those two
+        self.heap: list[tuple[float, int, int]] = []
+        self.version = [0] * n
+
+    def run(self) -> None:
+        """Take actions, earliest start first, until no stage can move."""
+        for s in range(self.n):
+            self._refresh(s)
+        while self.heap:
+            start, s, v = heapq.heappop(self.heap)
+            if v != self.version[s]:
+                continue
+            a = self.schedule[s][self.pos[s]]
+            end = self._run(s, a, start)
+            self.timeline.append((s, a.kind, a.mb, start, end))
+            self.clock[s] = end
+            self.pos[s] += 1
+            self._refresh(s)
+            other = {"SEND_F": s + 1, "SEND_B": s - 1, "RECV_F": s - 1,
+                     "RECV_B": s + 1}.get(a.kind, getattr(a, "peer", -1))
+            if 0 <= other < self.n and other != s:
+                self._refresh(other)
+
+    def result(self) -> SimResult:
+        """The replay's figures; raises :class:`Deadlock` if some stage has actions left."""
+        n, schedule, pos = self.n, self.schedule, self.pos
+        if any(pos[s] < len(schedule[s]) for s in range(n)):
+            stuck = {s: str(schedule[s][pos[s]]) for s in range(n) if pos[s] < len(schedule[s])}
+            raise Deadlock(f"schedule deadlocks: every stage waits; next actions {stuck}")
+        step = max(self.clock) if self.clock else 0.0
+        peaks, own_peaks, curves = [], [], []
+        for s in range(n):
+            p, curve = _peak(self.mem[s])
+            peaks.append(p)
+            curves.append(curve)
+            own_peaks.append(_peak(self.own[s])[0])
+        busy = self.busy
+        return SimResult(step, busy, [1 - b / step if step else 0.0 for b in busy], peaks,
+                         own_peaks, self.timeline, curves, self.times)
+
+    def _refresh(self, s: int) -> None:
+        """Push stage ``s``'s next action with its earliest start, if it can start."""
+        self.version[s] += 1
+        if self.pos[s] < len(self.schedule[s]):
+            t = self._ready(s, self.schedule[s][self.pos[s]])
+            if t is not None:
+                heapq.heappush(self.heap, (t, s, self.version[s]))
+
+    def _transfer(self, key_link: tuple, t0: float, nbytes: int, bw: float) -> float:
+        """Reserve link ``key_link`` from ``t0`` (or when it frees); return the arrival."""
+        start = max(t0, self.link_free.get(key_link, 0.0))
+        end = start + self.links.latency_s + nbytes / bw
+        self.link_free[key_link] = end
         return end
 
-    returned: dict[tuple, float] = {}
-
-    def back(peer: int, owner: int, mb: int) -> None:
+    def _back(self, peer: int, owner: int, mb: int) -> None:
         """Start a return transfer once both its send and its receive are posted."""
-        sent, post = returned.get((peer, owner, mb)), posted_recv.get(("back", owner, peer, mb))
+        sent = self.returned.get((peer, owner, mb))
+        post = self.posted_recv.get(("back", owner, peer, mb))
         if sent is not None and post is not None:
-            arrived[("back", peer, owner, mb)] = transfer(
-                (peer, owner), max(sent, post), costs[owner].peer_bytes.get(peer, 0),
-                links.bw(peer, owner))
+            self.arrived[("back", peer, owner, mb)] = self._transfer(
+                (peer, owner), max(sent, post), self.costs[owner].peer_bytes.get(peer, 0),
+                self.links.bw(peer, owner))
 
-    def add(s: int, t: float, d: int, store: bool = True) -> None:
-        mem[s].append((t, d))
+    def _add(self, s: int, t: float, d: int, store: bool = True) -> None:
+        """Record a change of ``d`` bytes on stage ``s`` at ``t`` (``store``: own bytes too)."""
+        self.mem[s].append((t, d))
         if store:
-            own[s].append((t, d))
+            self.own[s].append((t, d))
 
-    def ready(s: int, a) -> float | None:
+    def _ready(self, s: int, a) -> float | None:
         """Earliest start of action ``a`` on stage ``s``, or None while it must wait."""
-        k, mb, now = a.kind, a.mb, clock[s]
+        k, mb, now = a.kind, a.mb, self.clock[s]
         if k in ("RECV_F", "RECV_B"):  # posted once the send is: the data moves then
-            got = sent.get(("act", s - 1, s, mb) if k == "RECV_F" else ("grad", s + 1, s, mb))
+            got = self.sent.get(("act", s - 1, s, mb) if k == "RECV_F"
+                                else ("grad", s + 1, s, mb))
             return None if got is None else now
         if k == "SYNC":
-            done = [arrived.get(key) for key in pending_sends[s]]
+            done = [self.arrived.get(key) for key in self.pending_sends[s]]
             return None if None in done else max([now, *done])
-        if k == "PEER_SEND":
-            post = posted_recv.get(("out", s, a.peer, mb))
-            return None if post is None else now
-        if k == "PEER_RETURN":
-            got = arrived.get(("chunk", a.peer, s, mb))
-            return None if got is None else max(now, got)
-        if k == "PEER_SETTLE":
-            got = arrived.get(("back", s, a.peer, mb))
-            return None if got is None else max(now, got)
-        if k == "PEER_WAIT":
-            got = arrived.get(("back", a.peer, s, mb))
-            return None if got is None else max(now, got)
-        if k == "B" and costs[s].host_bytes:
-            back = host_back.get((s, mb))
+        if k in ("PEER_SEND", "PEER_RETURN", "PEER_SETTLE", "PEER_WAIT"):
+            return self._peer_ready(s, a, now)
+        if k == "B" and self.costs[s].host_bytes:
+            back = self.host_back.get((s, mb))
             if back is None:  # the copy back starts now (no receive before this B)
-                back = transfer(("host", s), max(now, link_free.get(("host", s), 0.0)),
-                                costs[s].host_bytes, links.host_bandwidth)
-                host_back[(s, mb)] = back
+                back = self._transfer(("host", s),
+                                      max(now, self.link_free.get(("host", s), 0.0)),
+                                      self.costs[s].host_bytes, self.links.host_bandwidth)
+                self.host_back[(s, mb)] = back
             return max(now, back)
         return now
 
-    def run(s: int, a, start: float) -> float:
-        k, mb, c = a.kind, a.mb, costs[s]
-        end = start
-        if k == "F":
-            dur = c.mb_forward_s.get(mb, c.forward_s)
-            end = start + dur
-            busy[s] += dur
-            add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
-            if c.host_bytes:
-                transfer(("host", s), end, c.host_bytes, links.host_bandwidth)
-            times[(s, "F", mb)] = (start, end)
-        elif k == "B":
-            dur = c.mb_backward_s.get(mb, c.backward_s)
-            end = start + dur
-            busy[s] += dur
-            add(s, start, c.transient_bytes)
-            add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
-            times[(s, "B", mb)] = (start, end)
-        elif k in ("SEND_F", "SEND_B"):
-            key = ("act", s, s + 1, mb) if k == "SEND_F" else ("grad", s, s - 1, mb)
-            sent[key] = start
-            pending_sends[s].append(key)
-        elif k in ("RECV_F", "RECV_B"):
-            key = ("act", s - 1, s, mb) if k == "RECV_F" else ("grad", s + 1, s, mb)
-            src = key[1]
-            end = arrived[key] = transfer((src, s), max(start, sent[key]),
-                                          costs[min(src, s)].send_bytes, links.bw(src, s))
-            if k == "RECV_B" and c.host_bytes:
-                host_back[(s, mb)] = transfer(("host", s), start, c.host_bytes,
-                                              links.host_bandwidth)
+    def _peer_ready(self, s: int, a, now: float) -> float | None:
+        """:meth:`_ready` of a peer-swap action that waits for a post or a delivery."""
+        k, mb = a.kind, a.mb
+        if k == "PEER_SEND":
+            post = self.posted_recv.get(("out", s, a.peer, mb))
+            return None if post is None else now
+        if k == "PEER_RETURN":
+            got = self.arrived.get(("chunk", a.peer, s, mb))
+        elif k == "PEER_SETTLE":
+            got = self.arrived.get(("back", s, a.peer, mb))
+        else:  # PEER_WAIT
+            got = self.arrived.get(("back", a.peer, s, mb))
+        return None if got is None else max(now, got)
+
+    def _run(self, s: int, a, start: float) -> float:
+        """Take action ``a`` on stage ``s`` from ``start``; return its end."""
+        k, c = a.kind, self.costs[s]
+        if k in ("F", "B"):
+            end = self._run_compute(s, a, start)
+        elif k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+            end = self._run_p2p(s, a, start)
         elif k == "SYNC":
             end = start + c.sync_s
         elif k == "STEP":
             end = start + c.step_s
-        elif k == "PEER_RECV":  # peer s posts the receive of owner a.peer's chunks
-            nbytes = costs[a.peer].peer_bytes.get(s, 0)
-            posted_recv[("out", a.peer, s, mb)] = start
-            add(s, start, nbytes, store=False)
+        else:
+            end = self._run_peer(s, a, start)
+        return end + c.action_s.get(k, 0.0)
+
+    def _run_compute(self, s: int, a, start: float) -> float:
+        """``F``/``B``: compute time, memory, and the host swap's copy out after ``F``."""
+        mb, c = a.mb, self.costs[s]
+        if a.kind == "F":
+            dur = c.mb_forward_s.get(mb, c.forward_s)
+            end = start + dur
+            self.busy[s] += dur
+            self._add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
+            if c.host_bytes:
+                self._transfer(("host", s), end, c.host_bytes, self.links.host_bandwidth)
+        else:
+            dur = c.mb_backward_s.get(mb, c.backward_s)
+            end = start + dur
+            self.busy[s] += dur
+            self._add(s, start, c.transient_bytes)
+            self._add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
+        self.times[(s, a.kind, mb)] = (start, end)
+        return end
+
+    def _run_p2p(self, s: int, a, start: float) -> float:
+        """Pipeline sends (post and go on) and receives (the rendezvous transfer)."""
+        k, mb, c = a.kind, a.mb, self.costs[s]
+        if k in ("SEND_F", "SEND_B"):
+            key = ("act", s, s + 1, mb) if k == "SEND_F" else ("grad", s, s - 1, mb)
+            self.sent[key] = start
+            self.pending_sends[s].append(key)
+            return start
+        key = ("act", s - 1, s, mb) if k == "RECV_F" else ("grad", s + 1, s, mb)
+        src = key[1]
+        end = self.arrived[key] = self._transfer(
+            (src, s), max(start, self.sent[key]), self.costs[min(src, s)].send_bytes,
+            self.links.bw(src, s))
+        if k == "RECV_B" and c.host_bytes:
+            self.host_back[(s, mb)] = self._transfer(("host", s), start, c.host_bytes,
+                                                     self.links.host_bandwidth)
+        return end
+
+    def _run_peer(self, s: int, a, start: float) -> float:
+        """Peer-swap actions (and any other kind, which takes no time)."""
+        k, mb, c = a.kind, a.mb, self.costs[s]
+        end = start
+        if k == "PEER_RECV":  # peer s posts the receive of owner a.peer's chunks
+            self.posted_recv[("out", a.peer, s, mb)] = start
+            self._add(s, start, self.costs[a.peer].peer_bytes.get(s, 0), store=False)
         elif k == "PEER_SEND":
             nbytes = c.peer_bytes.get(a.peer, 0)
             # the pack hook posted the chunks as F(m) saved them: they move during F(m)
-            posted = times.get((s, "F", mb), (start,))[0]
-            got = transfer((s, a.peer), max(posted, posted_recv[("out", s, a.peer, mb)]),
-                           nbytes, links.bw(s, a.peer))
-            arrived[("chunk", s, a.peer, mb)] = got
+            posted = self.times.get((s, "F", mb), (start,))[0]
+            got = self._transfer((s, a.peer),
+                                 max(posted, self.posted_recv[("out", s, a.peer, mb)]),
+                                 nbytes, self.links.bw(s, a.peer))
+            self.arrived[("chunk", s, a.peer, mb)] = got
             end = max(start, got)
-            add(s, end, -nbytes)
+            self._add(s, end, -nbytes)
         elif k == "PEER_RETURN":  # the data moves once the owner's receive is posted too
-            returned[(s, a.peer, mb)] = start
-            back(s, a.peer, mb)
+            self.returned[(s, a.peer, mb)] = start
+            self._back(s, a.peer, mb)
         elif k == "PEER_SETTLE":
-            add(s, start, -costs[a.peer].peer_bytes.get(s, 0), store=False)
+            self._add(s, start, -self.costs[a.peer].peer_bytes.get(s, 0), store=False)
         elif k == "PEER_FETCH":
-            posted_recv[("back", s, a.peer, mb)] = start
-            back(a.peer, s, mb)
-            add(s, start, c.peer_bytes.get(a.peer, 0))
-        return end + c.action_s.get(k, 0.0)
-
-    # a stage's next action can only become ready when the stage moves or a message for it
-    # is posted, so keep each stage's earliest start in a heap and refresh those two
-    heap: list[tuple[float, int, int]] = []
-    version = [0] * n
-
-    def refresh(s: int) -> None:
-        version[s] += 1
-        if pos[s] < len(schedule[s]):
-            t = ready(s, schedule[s][pos[s]])
-            if t is not None:
-                heapq.heappush(heap, (t, s, version[s]))
-
-    for s in range(n):
-        refresh(s)
-    while heap:
-        start, s, v = heapq.heappop(heap)
-        if v != version[s]:
-            continue
-        a = schedule[s][pos[s]]
-        end = run(s, a, start)
-        timeline.append((s, a.kind, a.mb, start, end))
-        clock[s] = end
-        pos[s] += 1
-        refresh(s)
-        other = {"SEND_F": s + 1, "SEND_B": s - 1, "RECV_F": s - 1,
-                 "RECV_B": s + 1}.get(a.kind, getattr(a, "peer", -1))
-        if 0 <= other < n and other != s:
-            refresh(other)
-    if any(pos[s] < len(schedule[s]) for s in range(n)):
-        stuck = {s: str(schedule[s][pos[s]]) for s in range(n) if pos[s] < len(schedule[s])}
-        raise Deadlock(f"schedule deadlocks: every stage waits; next actions {stuck}")
-    step = max(clock) if clock else 0.0
-    peaks, own_peaks, curves = [], [], []
-    for s in range(n):
-        p, curve = _peak(mem[s])
-        peaks.append(p)
-        curves.append(curve)
-        own_peaks.append(_peak(own[s])[0])
-    return SimResult(step, busy, [1 - b / step if step else 0.0 for b in busy], peaks,
-                     own_peaks, timeline, curves, times)
+            self.posted_recv[("back", s, a.peer, mb)] = start
+            self._back(a.peer, s, mb)
+            self._add(s, start, c.peer_bytes.get(a.peer, 0))
+        return end
 
 
 def liveness(result: SimResult, costs: list[StageCost],
