@@ -1,7 +1,9 @@
 """The validated run configuration: TOML files plus ``--set section.key=value`` overrides.
 
-* :mod:`~trainwright.config.sections`: one class per TOML section, a docstring per key;
-* :mod:`~trainwright.config.core`: :class:`Config`, loading, validation, sizes.
+* :mod:`~trainwright.config.sections`: one pydantic model per TOML section, a docstring per
+  key; types and per-field ranges;
+* :mod:`~trainwright.config.core`: :class:`Config`, loading, cross-field rules, sizes;
+* :mod:`~trainwright.config.messages`: pydantic's errors as one-line ConfigErrors.
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.plan` (policy names).
 """
@@ -29,8 +31,9 @@ from trainwright.config.sections import (
     TokenRingConfig,
     TrainConfig,
 )
+from trainwright.errors import ConfigError
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
            "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
            "RunConfig", "RuntimeConfig", "FaultConfig", "SECTIONS", "CHOICES", "POSITIVE",
-           "load_config", "parse_bytes", "even_partition"]
+           "load_config", "parse_bytes", "even_partition", "ConfigError"]

@@ -1,21 +1,31 @@
 """Validated run configuration: a TOML file plus ``--set section.key=value`` overrides.
 
-Every field lives in a section dataclass with a docstring under it
-(:mod:`trainwright.config.sections`). Validation runs before
-any process starts and raises :class:`~trainwright.errors.ConfigError` with one line naming
-the key, the bad value and what is allowed.
+Every field lives in a section model with a docstring under it
+(:mod:`trainwright.config.sections`); pydantic checks types and per-field ranges there.
+:class:`Config` holds the sections and checks the rules that involve several keys. Validation
+runs before any process starts and raises :class:`~trainwright.errors.ConfigError` with one
+line naming the key, the bad value and what is allowed. Files are read with ``tomllib`` and
+written with ``tomli_w``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import sys
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from trainwright.config.messages import choices_of, one_line
 from trainwright.config.sections import (
     SECTIONS,
     DataConfig,
@@ -44,46 +54,52 @@ __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig
            "RunConfig", "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
 
 
-CHOICES = {
-    "model.name": ("gpt", "mlp"), "data.name": ("stdlib", "synthetic"),
-    "train.schedule": ("1f1b", "gpipe"), "train.optimizer": ("sgd", "adam", "adamw"),
-    "train.loss": ("cross_entropy", "mse"), "memory.planner": ("greedy", "optimal"),
-    "parallel.backend": ("auto", "gloo", "nccl"),
-    "sync.strategy": ("dense", "hierarchical", "tokenring"),
-    "sync.sparse_path": ("auto", "allgather", "broadcast", "dense"),
-}
-POSITIVE = ("model.n_blocks", "model.d_model", "model.n_heads", "model.context", "model.d_in",
-            "model.n_classes", "train.steps", "train.batch_size", "train.micro_batches",
-            "parallel.pp", "parallel.dp", "runtime.p2p_timeout_s", "runtime.peer_timeout_s",
-            "runtime.collective_timeout_s", "parallel.bucket_mb", "data.max_bytes",
-            "rebalance.check_every", "rebalance.patience", "rebalance.smoothing",
-            "rebalance.link_bandwidth",
-            "hierarchical.align", "hierarchical.chunks",
-            "tokenring.nodes", "tokenring.min_nodes", "tokenring.formation_quiet_s",
-            "tokenring.token_timeout_s", "tokenring.succession_s", "tokenring.idle_hold_s",
-            "tokenring.close_timeout_s", "tokenring.batch_steps", "tokenring.standby_timeout_s",
-            "tokenring.slow_factor")
+CHOICES: dict[str, tuple] = {
+    f"{section}.{name}": choices_of(f.annotation)
+    for section, cls in SECTIONS.items() for name, f in cls.model_fields.items()
+    if choices_of(f.annotation)}
+"""``section.key -> allowed values`` of every ``Literal`` field (read from the sections)."""
+POSITIVE: tuple[str, ...] = tuple(
+    f"{section}.{name}"
+    for section, cls in SECTIONS.items() for name, f in cls.model_fields.items()
+    if any(getattr(m, "gt", None) == 0 for m in f.metadata))
+"""Keys whose values must be positive (read from the sections' ``PositiveInt/Float``)."""
 
 
-@dataclass(kw_only=True)
-class Config:
-    """The whole run configuration, one attribute per TOML section."""
+class Config(BaseModel):
+    """The whole run configuration, one attribute per TOML section.
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    hierarchical: HierarchicalConfig = field(default_factory=HierarchicalConfig)
-    tokenring: TokenRingConfig = field(default_factory=TokenRingConfig)
-    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
+    ``Config(train=TrainConfig(steps=3))`` or ``Config(train={"steps": 3})``; sections left
+    out take their defaults. The cross-field rules run once the sections are valid; they do
+    not run again when a field is assigned later: build a changed copy with
+    ``Config.from_dict(d)`` from an edited ``cfg.to_dict()``, or call :meth:`validate`.
+    """
 
-    def __post_init__(self) -> None:
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
+    tokenring: TokenRingConfig = Field(default_factory=TokenRingConfig)
+    rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    fault: FaultConfig = Field(default_factory=FaultConfig)
+
+    def __init__(self, **sections: Any) -> None:
+        try:
+            super().__init__(**sections)
+        except ValidationError as exc:
+            raise one_line(exc, type(self)) from None
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Config:
         self.validate()
+        return self
 
     @property
     def world_size(self) -> int:
@@ -101,15 +117,11 @@ class Config:
         return even_partition(n_layers or self.model.n_layers, self.parallel.pp)
 
     def validate(self) -> None:
-        """Check choices, ranges and cross-field rules; raise ConfigError on the first problem."""
-        for key, allowed in CHOICES.items():
-            value = self.get(key)
-            if value not in allowed:
-                raise ConfigError(f"{key} = {value!r} is not allowed; "
-                                  f"choose one of {list(allowed)}")
-        for key in POSITIVE:
-            if not self.get(key) > 0:
-                raise ConfigError(f"{key} = {self.get(key)!r} must be positive")
+        """Check the rules that involve several keys; raise ConfigError on the first problem.
+
+        Types, choices and per-field ranges are the sections' (checked on construction and
+        assignment).
+        """
         m, par = self.model, self.parallel
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
@@ -122,15 +134,10 @@ class Config:
             self.check_layers(m.n_layers)
         self.check_hierarchical()
         self.stage_limits()  # parses every limit now, so a typo fails before any process
-        parse_bytes(self.memory.reserve)
-        for key in ("sparse_latency_s", "sparse_bandwidth", "sparse_allreduce_bandwidth",
-                    "sparse_merge_rate"):
-            if getattr(self.sync, key) < 0:
-                raise ConfigError(f"sync.{key} = {getattr(self.sync, key)!r} must be >= 0 "
-                                  f"(0 = measure at start)")
-        if self.sync.sparse_explore < 0:
-            raise ConfigError(f"sync.sparse_explore = {self.sync.sparse_explore!r} must be >= 0 "
-                              f"(0 = never try a path the cost model did not pick)")
+        try:
+            parse_bytes(self.memory.reserve)
+        except ConfigError as exc:
+            raise ConfigError(f"memory.reserve: {exc}") from None
         if self.sync.sparse and self.sync.strategy != "dense":
             raise ConfigError(f"sync.sparse = true works with sync.strategy = \"dense\", not "
                               f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")
@@ -188,6 +195,7 @@ class Config:
                               f"integers (layers per stage)")
         if rb.edits and ":" not in rb.edits:
             raise ConfigError(f"rebalance.edits = {rb.edits!r} must be \"module:function\"")
+
     def check_hierarchical(self) -> None:
         """Check the ``[hierarchical]`` section (slice weights, memory sizes, node size)."""
         h = self.hierarchical
@@ -207,12 +215,10 @@ class Config:
             if isinstance(v, bool) or not isinstance(v, (int, str)) or parse_bytes(v) <= 0:
                 raise ConfigError(f"hierarchical.available_memory = {mem!r}: write a size such "
                                   f"as \"8GiB\", or a list with one size per local rank")
-        if h.ranks_per_node < 0:
-            raise ConfigError(f"hierarchical.ranks_per_node = {h.ranks_per_node} must be 0 "
-                              f"(ranks on one host form a node) or positive")
         if self.sync.strategy == "hierarchical" and self.rebalance.enabled:
             raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
                               "layers cannot migrate; set rebalance.enabled = false")
+
     def validate_tokenring(self) -> None:
         """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
         r, t = self.tokenring, self.train
@@ -297,38 +303,17 @@ class Config:
         return getattr(getattr(self, section), name)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Nested plain dict, section -> key -> value."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        """Nested plain dict, section -> key -> value (a copy: editing it leaves ``self``)."""
+        return {name: getattr(self, name).model_dump() for name in SECTIONS}
 
     def to_toml(self) -> str:
         """Serialise as TOML that :func:`load_config` reads back to an equal Config."""
-        lines: list[str] = []
-        for section, values in self.to_dict().items():
-            lines.append(f"[{section}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
-            lines.append("")
-        return "\n".join(lines)
+        return tomli_w.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
-        """Build from a nested dict, checking every key and type."""
-        sections = {}
-        for section, values in data.items():
-            if section not in SECTIONS:
-                raise ConfigError(_unknown(section, list(SECTIONS), "section"))
-            if not isinstance(values, dict):
-                raise ConfigError(f"[{section}] must be a table of keys, got {values!r}")
-            section_cls = SECTIONS[section]
-            hints = typing.get_type_hints(section_cls)
-            fields = [f.name for f in dataclasses.fields(section_cls)]
-            kwargs = {}
-            for key, value in values.items():
-                if key not in fields:
-                    raise ConfigError(_unknown(f"{section}.{key}",
-                                               [f"{section}.{f}" for f in fields], "key"))
-                kwargs[key] = _coerce(f"{section}.{key}", value, hints[key])
-            sections[section] = section_cls(**kwargs)
-        return cls(**sections)
+        """Build from a nested dict (section -> key -> value), checking every key and type."""
+        return cls(**data)
 
 
 def even_partition(n_layers: int, stages: int) -> list[int]:
@@ -336,38 +321,12 @@ def even_partition(n_layers: int, stages: int) -> list[int]:
     return [n_layers // stages + (1 if s < n_layers % stages else 0) for s in range(stages)]
 
 
-def _unknown(name: str, allowed: list[str], what: str) -> str:
-    close = difflib.get_close_matches(name, allowed, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"unknown config {what} {name!r}; {hint}allowed: {', '.join(allowed)}"
-
-
-def _coerce(key: str, value: Any, expected: Any) -> Any:
-    """Check ``value`` against the field type; ints are accepted where floats are expected."""
-    if expected is object:  # validated by the section (e.g. memory.limit: size or list)
-        return value
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    ok = (isinstance(value, expected) and not (expected is int and isinstance(value, bool)))
-    if not ok:
-        names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-                 list: "a list such as [3, 3]"}
-        raise ConfigError(f"{key} = {value!r} has the wrong type ({type(value).__name__}); "
-                          f"expected {names.get(expected, expected)}")
-    return value
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return repr(v)
-
-
 def _parse_override(item: str) -> tuple[str, Any]:
+    """``"section.key=value"`` -> ``("section.key", value)``, the value parsed as TOML.
+
+    Hand-written (tomllib parses the value): a lone value is not a TOML document, and bare
+    words such as ``gpipe`` are taken as strings rather than rejected.
+    """
     if "=" not in item:
         raise ConfigError(f"--set {item!r} is not of the form section.key=value "
                           f"(e.g. --set train.steps=10)")
@@ -413,14 +372,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def parse_bytes(text: str | int) -> int:
-    """Parse ``"512MB"``, ``"1.5GiB"`` or a plain integer into bytes."""
+    """Parse ``"512MB"``, ``"1.5GiB"`` or a plain integer into bytes (pydantic's ByteSize)."""
     if isinstance(text, int):
         return text
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("kmgtib")
     try:
-        return int(float(num) * units[s[len(num):]])
-    except (KeyError, ValueError):
+        return int(_BYTES.validate_python(text))
+    except ValidationError:
         raise ConfigError(f"{text!r} is not a size; write e.g. 512MB, 2GiB or 1048576") from None
+
+
+_BYTES = TypeAdapter(ByteSize)

@@ -1,37 +1,82 @@
-"""The sections of the run configuration: one dataclass per TOML section, a docstring under
-every field (the README's configuration table is generated from them by
-``tools/config_table.py``). Validation and loading live in :mod:`trainwright.config`.
+"""The sections of the run configuration: one pydantic model per TOML section, a docstring
+under every field (pydantic keeps it as the field's description, and the README's
+configuration table is generated from it by ``tools/config_table.py``).
+
+Types and per-field ranges are checked here (an int is accepted where a float is expected;
+a bool is not an int and a string is not a number); rules that involve several keys live
+on :class:`~trainwright.config.Config`. Every failure is raised as a one-line
+:class:`~trainwright.errors.ConfigError` naming ``section.key``, the value and what is allowed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
-__all__ = ["ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
-           "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
-           "RunConfig", "RuntimeConfig", "FaultConfig", "SECTIONS"]
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+)
+
+from trainwright.config.messages import Allowed, one_line
+
+__all__ = ["Section", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig",
+           "MemoryConfig", "SyncConfig", "HierarchicalConfig", "TokenRingConfig",
+           "RebalanceConfig", "RunConfig", "RuntimeConfig", "FaultConfig", "SECTIONS"]
+
+MEASURED = Allowed("must be >= 0 (0 = measure at start)")
 
 
-@dataclass(kw_only=True)
-class ModelConfig:
-    name: str = "gpt"
+class Section(BaseModel):
+    """Base of the section models: unknown keys and loose types are errors, assignments are
+    checked too, and a failure is raised as a one-line ConfigError."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
+                              use_attribute_docstrings=True)
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise one_line(exc, type(self), _name(type(self))) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise one_line(exc, type(self), _name(type(self))) from None
+
+
+def _name(cls: type) -> str:
+    """The TOML section name of a section class."""
+    return next((name for name, c in SECTIONS.items() if c is cls), cls.__name__)
+
+
+class ModelConfig(Section):
+    """``[model]``: the model to train, built in or from a factory."""
+
+    name: Literal["gpt", "mlp"] = "gpt"
     """Built-in model: ``"gpt"`` (embedding, blocks, head) or ``"mlp"``."""
     factory: str = ""
     """Your own model, ``"package.module:function"``; the function (given the Config if it
     takes an argument) returns an
     ``nn.Sequential``, a list of layers, or ``(module, example_args)`` to capture with
     ``torch.export`` and cut into layers. Overrides ``name``."""
-    n_blocks: int = 4
+    n_blocks: PositiveInt = 4
     """GPT: transformer blocks. MLP: hidden layers."""
-    d_model: int = 128
+    d_model: PositiveInt = 128
     """GPT: residual width. MLP: hidden width."""
-    n_heads: int = 4
+    n_heads: PositiveInt = 4
     """GPT: attention heads (must divide d_model)."""
-    context: int = 64
+    context: PositiveInt = 64
     """GPT: sequence length."""
-    d_in: int = 32
+    d_in: PositiveInt = 32
     """MLP: input features."""
-    n_classes: int = 10
+    n_classes: PositiveInt = 10
     """MLP: output classes."""
 
     @property
@@ -43,30 +88,32 @@ class ModelConfig:
         return self.n_blocks + (2 if self.name == "gpt" else 1)
 
 
-@dataclass(kw_only=True)
-class DataConfig:
-    name: str = "stdlib"
+class DataConfig(Section):
+    """``[data]``: where the batches come from."""
+
+    name: Literal["stdlib", "synthetic"] = "stdlib"
     """``"stdlib"`` (byte-level text of Python's own sources) or ``"synthetic"``."""
     factory: str = ""
     """Your own data, ``"package.module:function"`` called with the Config; returns an
     object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank)."""
-    max_bytes: int = 2_000_000
+    max_bytes: PositiveInt = 2_000_000
     """stdlib corpus: bytes to read."""
 
 
-@dataclass(kw_only=True)
-class TrainConfig:
-    steps: int = 120
+class TrainConfig(Section):
+    """``[train]``: steps, batches, loss, schedule and optimizer."""
+
+    steps: PositiveInt = 120
     """Optimizer steps to run (a resumed run continues up to this number)."""
-    batch_size: int = 32
+    batch_size: PositiveInt = 32
     """Global samples per step, over all data-parallel replicas."""
-    micro_batches: int = 4
+    micro_batches: PositiveInt = 4
     """Micro-batches per step per replica; must divide batch_size / dp."""
-    loss: str = "cross_entropy"
+    loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
-    schedule: str = "1f1b"
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
-    optimizer: str = "adamw"
+    optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: float = 3e-3
     """Learning rate (constant)."""
@@ -78,30 +125,32 @@ class TrainConfig:
     """Seed for model initialisation and data order."""
 
 
-@dataclass(kw_only=True)
-class ParallelConfig:
-    pp: int = 2
+class ParallelConfig(Section):
+    """``[parallel]``: pipeline stages, data-parallel replicas, backend."""
+
+    pp: PositiveInt = 2
     """Pipeline stages."""
-    dp: int = 1
+    dp: PositiveInt = 1
     """Data-parallel replicas of each stage."""
-    partition: list = field(default_factory=list)
+    partition: list[int] = []
     """Layers per stage, e.g. ``[3, 3]``; empty = as even as possible."""
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
     threads_per_rank: int = 0
     """Intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
-    bucket_mb: float = 25.0
+    bucket_mb: PositiveFloat = 25.0
     """Size of the data-parallel all-reduce buckets, MiB."""
 
 
-@dataclass(kw_only=True)
-class MemoryConfig:
-    limit: object = ""
+class MemoryConfig(Section):
+    """``[memory]``: activation limits and how to keep within them."""
+
+    limit: Any = ""  # a size, "auto", or a list: checked by Config.stage_limits
     """Activation bytes each stage may hold: ``"512MB"``, ``536870912``, a list with one
     value per stage, ``"auto"`` (CUDA: device memory minus ``reserve``), or ``""`` for none."""
-    planner: str = "greedy"
+    planner: Literal["greedy", "optimal"] = "greedy"
     """``"greedy"`` (seed 000's rule) or ``"optimal"`` (MILP, scipy HiGHS)."""
-    policies: list = field(default_factory=list)
+    policies: list[str] = []
     """Fixed per-layer policies (``"keep"``, ``"swap"``, ``"recompute"``), one per layer of
     the model, or one value for all; empty = planned from the limit."""
     host_bandwidth: float = 0.0
@@ -117,94 +166,99 @@ class MemoryConfig:
     """With ``peer_swap``: bytes/s between stages for the planner; 0 = measure at start."""
 
 
-@dataclass(kw_only=True)
-class SyncConfig:
-    strategy: str = "dense"
+class SyncConfig(Section):
+    """``[sync]``: how data-parallel replicas agree on gradients."""
+
+    strategy: Literal["dense", "hierarchical", "tokenring"] = "dense"
     """How data-parallel replicas agree on gradients: ``"dense"`` (bucketed all-reduce),
     ``"hierarchical"`` (seed 003, slices sized by memory) or ``"tokenring"`` (seed 002,
     plain data parallel without a barrier)."""
     sparse: bool = False
     """Send sparse (embedding) gradients as rows + height + values (seed 001)."""
-    sparse_path: str = "auto"
+    sparse_path: Literal["auto", "allgather", "broadcast", "dense"] = "auto"
     """With ``sparse``: ``"auto"`` (the cost model picks per parameter and step), or always
     ``"allgather"`` (padded to the largest count), ``"broadcast"`` (one per rank with rows)
     or ``"dense"`` (all-reduce of the full table)."""
-    sparse_latency_s: float = 0.0
+    sparse_latency_s: Annotated[NonNegativeFloat, MEASURED] = 0.0
     """Cost model: seconds per collective call; 0 = measure at start."""
-    sparse_bandwidth: float = 0.0
+    sparse_bandwidth: Annotated[NonNegativeFloat, MEASURED] = 0.0
     """Cost model: bytes/s a rank sends in an all-gather or broadcast; 0 = measure at start."""
-    sparse_allreduce_bandwidth: float = 0.0
+    sparse_allreduce_bandwidth: Annotated[NonNegativeFloat, MEASURED] = 0.0
     """Cost model: bytes/s of ring all-reduce traffic per rank; 0 = measure at start."""
-    sparse_merge_rate: float = 0.0
+    sparse_merge_rate: Annotated[NonNegativeFloat, MEASURED] = 0.0
     """Cost model: bytes/s of local scatter-add of gathered rows; 0 = measure at start."""
-    sparse_explore: float = 2.0
+    sparse_explore: Annotated[NonNegativeFloat, Allowed(
+        "must be >= 0 (0 = never try a path the cost model did not pick)")] = 2.0
     """Take a path never measured at the current transfer size once, when its estimate is
     within this factor of the cheapest, so the model learns its real cost; 0 = never."""
 
 
-@dataclass(kw_only=True)
-class HierarchicalConfig:
-    ranks_per_node: int = 0
+class HierarchicalConfig(Section):
+    """``[hierarchical]``: sharded sync over nodes (seed 003)."""
+
+    ranks_per_node: Annotated[NonNegativeInt, Allowed(
+        "must be 0 (ranks on one host form a node) or positive")] = 0
     """Ranks forming one node; 0 = ranks on the same host (set it to emulate nodes)."""
-    weights: object = "memory"
+    weights: Any = "memory"  # a name or a list: checked by Config.check_hierarchical
     """How each node cuts the gradient into one slice per local rank: ``"memory"`` (in
     proportion to free device memory), ``"memory_speed"`` (free memory times a measured
     matmul speed), ``"equal"``, or a list with one positive weight per local rank. Slice
     ``j`` is the same on every node: its weight is the smallest over the nodes' rank ``j``."""
-    available_memory: object = ""
+    available_memory: Any = ""  # a size or a list: checked by Config.check_hierarchical
     """CPU ranks: free memory per rank for ``weights = "memory"``: ``""`` (measured:
     MemAvailable / local ranks), a size such as ``"8GiB"``, or one size per local rank.
     CUDA ranks use ``torch.cuda.mem_get_info``."""
-    align: int = 64
+    align: PositiveInt = 64
     """Slice boundaries fall on multiples of this many elements (the last slice ends at the
     gradient's end)."""
-    chunks: int = 4
+    chunks: PositiveInt = 4
     """Pieces per slice, pipelined so the inter-node all-reduce of one piece overlaps the
     intra-node reduce-scatter of the next."""
 
 
-@dataclass(kw_only=True)
-class TokenRingConfig:
+class TokenRingConfig(Section):
+    """``[tokenring]``: barrier-free data parallel over a token ring (seed 002)."""
+
     close_fraction: float = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
-    nodes: int = 4
+    nodes: PositiveInt = 4
     """Nodes the local launcher starts; also the number of data shards (a node trains on
     shard ``index`` of every global batch, so ``train.batch_size`` must split into it)."""
-    min_nodes: int = 2
+    min_nodes: PositiveInt = 2
     """When fewer members remain, the ring stops, the first node saves the model and the
     run exits non-zero."""
     rendezvous: str = ""
     """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the node
     that binds it hosts formation. Empty = 127.0.0.1 on a free port (local launcher)."""
-    formation_quiet_s: float = 2.0
+    formation_quiet_s: PositiveFloat = 2.0
     """Formation closes after this long without a new join (or once ``nodes`` joined)."""
-    token_timeout_s: float = 2.0
+    token_timeout_s: PositiveFloat = 2.0
     """Quiet time after which the last broadcaster retransmits its token message."""
-    succession_s: float = 1.0
+    succession_s: PositiveFloat = 1.0
     """T: the k-th successor of a silent holder declares it lost after
     ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""
-    idle_hold_s: float = 0.02
+    idle_hold_s: PositiveFloat = 0.02
     """A holder keeps a token that went a full round without news this long, waiting for
     its own gradient, instead of spinning the token around an idle ring; a node whose
     gradient is ready sends a small *want* notice, and nobody keeps the token then."""
-    close_timeout_s: float = 120.0
+    close_timeout_s: PositiveFloat = 120.0
     """Deadline for a step to close and for the gradients of a closed step to arrive."""
-    batch_steps: int = 10
+    batch_steps: PositiveInt = 10
     """Steps per batch boundary: after each, the first node admits standby nodes."""
-    standby_timeout_s: float = 120.0
+    standby_timeout_s: PositiveFloat = 120.0
     """How long a standby node waits to be admitted before giving up."""
     slow_node: int = -1
     """Fault injection: this node index is slowed by ``slow_factor``: before each step it
     idles ``(slow_factor - 1)`` times its recent compute time (abandoning the step if the
     ring closes it meanwhile), so it also takes as little CPU as a slower machine."""
-    slow_factor: float = 1.0
+    slow_factor: PositiveFloat = 1.0
     """Fault injection: slowdown of ``slow_node``."""
     pace_s: float = 0.0
     """Emulation (benchmarks): pad every node's forward+backward to this many seconds (the
     slow node's to ``slow_factor`` times it) by idling between forward and backward, as if
     each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
     for the others, which hides the straggler; pacing removes that artefact."""
-    kill_nodes: list = field(default_factory=list)
+    kill_nodes: list[int] = []
     """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
     computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
     kill_step: int = -1
@@ -217,40 +271,42 @@ class TokenRingConfig:
     that replicas are bit-identical; costs a pass over the weights per step)."""
 
 
-@dataclass(kw_only=True)
-class RebalanceConfig:
+class RebalanceConfig(Section):
+    """``[rebalance]``: live layer migration between stages (seed 000)."""
+
     enabled: bool = False
     """Detect unbalanced stages and migrate layers live (seed 000)."""
-    check_every: int = 5
+    check_every: PositiveInt = 5
     """Steps between imbalance checks (each gathers the per-layer times on the last stage)."""
     threshold_rel: float = 0.1
     """Stages are balanced when ``(max - min) / max`` of their times is at most this."""
     threshold_s: float = 0.0
     """...and when ``max - min`` is at most this many seconds per micro-batch (0: unchecked)."""
-    patience: int = 2
+    patience: PositiveInt = 2
     """Consecutive unbalanced checks before a re-partition (hysteresis against noise)."""
     cooldown: int = 2
     """Checks ignored after a re-partition, while the new stage times settle."""
-    smoothing: float = 0.5
+    smoothing: PositiveFloat = 0.5
     """Weight of the newest check in the moving average of stage times."""
     min_gain: float = 0.05
     """Re-partition only when the new plan's largest stage time is at least this fraction
     below the current one (a move must pay for itself)."""
-    link_bandwidth: float = 1e9
+    link_bandwidth: PositiveFloat = 1e9
     """Bytes/s between neighbouring stages: prices a cut among balanced partitions."""
     switch_mb: int = 0
     """Micro-batch after whose forward the moving layers change stage (0 .. micro_batches-2)."""
     at_step: int = 0
     """Manual re-partition: move to ``to`` during this step (0: never)."""
-    to: list = field(default_factory=list)
+    to: list[int] = []
     """Manual re-partition target, layers per stage (with ``at_step``)."""
     edits: str = ""
     """Dynamic model hook ``"module:function"``: ``function(step)`` returns the layers to
     insert or remove before that step (see ``trainwright.pipeline.edit``)."""
 
 
-@dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Section):
+    """``[run]``: the run directory and what is written to it."""
+
     dir: str = "runs"
     """Parent folder of run directories."""
     name: str = ""
@@ -267,18 +323,20 @@ class RunConfig:
     """Write report.html at the end."""
 
 
-@dataclass(kw_only=True)
-class RuntimeConfig:
-    p2p_timeout_s: float = 300.0
+class RuntimeConfig(Section):
+    """``[runtime]``: deadlines of communication and liveness checks."""
+
+    p2p_timeout_s: PositiveFloat = 300.0
     """Deadline of one pipeline send or receive."""
-    peer_timeout_s: float = 10.0
+    peer_timeout_s: PositiveFloat = 10.0
     """A rank whose heartbeat is silent this long is declared lost."""
-    collective_timeout_s: float = 300.0
+    collective_timeout_s: PositiveFloat = 300.0
     """Process-group timeout for collectives."""
 
 
-@dataclass(kw_only=True)
-class FaultConfig:
+class FaultConfig(Section):
+    """``[fault]``: fault injection for tests of the pipeline runner."""
+
     kill_rank: int = -1
     """Testing: this rank SIGKILLs itself in the middle of step ``kill_step``."""
     kill_step: int = -1
@@ -288,7 +346,7 @@ class FaultConfig:
     of in the middle of the step."""
 
 
-SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
     "memory": MemoryConfig, "sync": SyncConfig, "hierarchical": HierarchicalConfig,
     "tokenring": TokenRingConfig, "rebalance": RebalanceConfig, "run": RunConfig,
