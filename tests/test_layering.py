@@ -142,3 +142,16 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     assert upward_imports(graph) == [
         "trainwright.plan.memory:3 imports trainwright.pipeline.store: plan/ is below pipeline/"]
     assert cycles(graph) == [["trainwright.pipeline.store", "trainwright.plan.memory"]]
+
+
+def test_the_architecture_doc_matches_the_tree():
+    """docs/architecture.md draws every layer and names only files that exist."""
+    import re
+
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    for layer in LAYERS[1:]:
+        assert f"{layer}/" in doc, f"docs/architecture.md does not draw {layer}/"
+    for path in set(re.findall(r"`((?:trainwright/)?[a-z_]+/[a-z_/]+\.py)", doc)):
+        where = ROOT.parent if path.startswith("tests/") else ROOT
+        rel = path.removeprefix("trainwright/")
+        assert (where / rel).is_file(), f"docs/architecture.md names {path}, which is not there"

@@ -2,6 +2,10 @@
 
 Each benchmark is a module ``trainwright.bench.NAME`` with ``main(args) -> dict`` (the
 JSON the CLI writes); :data:`BENCHMARKS` maps names to modules, imported only when run.
+Ours train through :class:`~trainwright.run.trainer.Trainer`; the peers (torch
+pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers`).
+
+May import every package but :mod:`trainwright.cli`.
 """
 
 from __future__ import annotations

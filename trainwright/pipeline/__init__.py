@@ -1,1 +1,15 @@
-"""The pipeline runtime: schedules as data, stages as lists of layers, the activation store."""
+"""The pipeline runtime: a stage as an ordered list of layers, each its own autograd segment.
+
+* :mod:`~trainwright.pipeline.runtime`: the executor of a stage's action list;
+* :mod:`~trainwright.pipeline.stage`, :mod:`~trainwright.pipeline.store`,
+  :mod:`~trainwright.pipeline.swap`: layer segments, the activation store (keep / swap /
+  recompute, byte accounting), host swap;
+* :mod:`~trainwright.pipeline.budget`: a memory limit -> per-layer policies;
+* :mod:`~trainwright.pipeline.repartition`, :mod:`~trainwright.pipeline.rebalance`,
+  :mod:`~trainwright.pipeline.edit`: seed 000's detection, live migration, model edits;
+* :mod:`~trainwright.pipeline.peerswap`, :mod:`~trainwright.pipeline.peer_setup`: seed 004's
+  peer swap at run time.
+
+May import: errors, schedule, plan, config, observe, model, dist, sync (not tokenring,
+run, bench, cli).
+"""

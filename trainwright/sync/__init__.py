@@ -4,6 +4,13 @@ A strategy is a :class:`GradSync`: the pipeline runtime calls :meth:`GradSync.sy
 schedule's ``SYNC`` action (after the last backward of a step) and :meth:`GradSync.step` at
 its ``STEP`` action. :func:`make_grad_sync` picks the strategy named by ``sync.strategy``
 (and ``sync.sparse``) in the configuration.
+
+* :mod:`~trainwright.sync.base`: the :class:`GradSync` interface and its hooks;
+* :mod:`~trainwright.sync.dense`: bucketed all-reduce (the naive oracle);
+* :mod:`~trainwright.sync.sparse` (+ ``rowsparse``, ``sparse_cost``): seed 001;
+* :mod:`~trainwright.sync.hierarchical` (+ ``hier_layout``, ``hier_shards``): seed 003.
+
+May import: errors, schedule, plan, config, observe, model, dist.
 """
 
 from __future__ import annotations
