@@ -155,8 +155,16 @@ class RunRecorder:
         self.loss: float | None = None
         self._t0 = time.perf_counter()
 
-    def step(self, step: int, stats: list, layer_costs: list[dict] | None) -> None:
-        """Record one step from every rank's stats (and the pipeline's layer costs)."""
+    def write(self, kind: str, **row) -> None:
+        """One more row of ``kind`` (e.g. ``model_edit``) in ``metrics.jsonl``."""
+        self.writer.write(kind, **row)
+
+    def step(self, step: int, stats: list, layer_costs: list[dict] | None,
+             stage_of: list[int] | None = None) -> None:
+        """Record one step from every rank's stats (and the pipeline's layer costs, labelled
+        by ``stage_of``, the stage of each layer now: a migration may have changed it)."""
+        if stage_of is not None:
+            self.stage_of = stage_of
         row = step_record(stats, self.batch_size)
         row["time"] = time.time()
         self.loss = row["loss"]

@@ -83,8 +83,6 @@ class PipelineRuntime:
         self.grad_sync, self.replica = grad_sync, replica
         self.fault = fault
         self.stage_index = actions[0].stage
-        self.pipeline_costs: list[dict] = []
-        """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, trace: bool = False,

@@ -1,7 +1,7 @@
 """Deciding that a pipeline is unbalanced, without reacting to timing noise.
 
 The last stage sees every stage's per-layer times once per step (see
-``PipelineRuntime.pipeline_costs``) and asks :class:`ImbalanceDetector` whether to
+``Trainer.pipeline_costs``) and asks :class:`ImbalanceDetector` whether to
 re-partition. Three things keep noise from causing thrashing:
 
 - **smoothing**: stage times are an exponential moving average over checks;

@@ -237,6 +237,8 @@ class Trainer:
         """Rank 0's recorder: metrics rows, progress bar, trace and report at the end."""
         cfg, topo, t = self.cfg, self.topo, self.cfg.train
         self.trace_events: list = []
+        self.pipeline_costs: list[dict] = []
+        """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
         self.recorder = None
         if topo.rank != 0 or not self.outputs:
             return
@@ -320,9 +322,9 @@ class Trainer:
         self.sync.attach([slot.module for slot in self.slots])
         self.budget.on_layers_changed()
         if self.recorder is not None:
-            self.recorder.writer.write("model_edit", step=step, partition=self.parts,
-                                       edits=[repr(e) for e in edits],
-                                       layer_names=list(self.catalog.names))
+            self.recorder.write("model_edit", step=step, partition=self.parts,
+                                edits=[repr(e) for e in edits],
+                                layer_names=list(self.catalog.names))
 
     def _migration_for(self, step: int) -> Migration | None:
         """The live migration this step performs, if the rebalancer planned one."""
@@ -352,12 +354,12 @@ class Trainer:
                      and step % rb.check_every == 0 and step < cfg.train.steps)
         if profile_now or check_now:
             tables = self._all_gather_pipeline([c.to_dict() for c in self.profiler.table()])
-            self.runtime.pipeline_costs = [c for table in tables for c in table]
+            self.pipeline_costs = [c for table in tables for c in table]
         if profile_now and self.budget.replan(why=f"after step {step}",
                                               only_if_over=True) is not None:
             stats.memory_plan = self._plan_record()
         if check_now:
-            stats.decision = self.rebalancer.check(step, self.runtime.pipeline_costs)
+            stats.decision = self.rebalancer.check(step, self.pipeline_costs)
         return profile_now
 
     def _record(self, step: int, stats: StepStats, costs_fresh: bool) -> None:
@@ -365,9 +367,9 @@ class Trainer:
         per-layer costs at profile steps)."""
         gathered = self._gather(stats)
         if self.recorder is not None:
-            self.recorder.stage_of = self.stage_of
             self.recorder.step(step, gathered,
-                               self.runtime.pipeline_costs if costs_fresh else None)
+                               self.pipeline_costs if costs_fresh else None,
+                               self.stage_of)
 
     def finish(self) -> float | None:
         """Gather the trace and write the report (rank 0); every rank waits for the end."""
