@@ -1,6 +1,8 @@
-"""A pipeline job without the worker's files: for tests and benchmarks of memory policies.
+"""The trainer on a given GPT, without run-directory outputs: for tests and benchmarks of
+memory policies.
 
-:func:`run_gpt_pipeline` trains the built-in GPT as one rank of an initialised default
+:func:`run_gpt_pipeline` trains the built-in GPT through
+:class:`~trainwright.run.trainer.Trainer` as one rank of an initialised default
 process group (one stage per rank, ``dp = 1``), with per-layer policies (keep / swap /
 recompute) and, optionally, seed 004 peer swap from a plan in the JSON form ``trainwright
 plan`` writes. It returns what the caller compares: the stage's parameters, the measured
