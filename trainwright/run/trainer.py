@@ -33,6 +33,7 @@ from trainwright.model.build import (
     split_microbatches,
 )
 from trainwright.model.clusters import model_clusters
+from trainwright.model.data import shard as take_shard
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.observe.telemetry import RunRecorder, atomic_write_text
 from trainwright.pipeline.budget import (
@@ -304,11 +305,8 @@ class Trainer:
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's share of the step's global batch, on the device."""
-        x, y = self.data.batch(step, self.cfg.train.batch_size)
-        index, count = self.shard
-        per = x.shape[0] // count
-        lo = index * per
-        return x[lo : lo + per].to(self.device), y[lo : lo + per].to(self.device)
+        x, y = take_shard(self.data.batch(step, self.cfg.train.batch_size), *self.shard)
+        return x.to(self.device), y.to(self.device)
 
     def _apply_model_edits(self, step: int) -> None:
         """Insert or remove layers as the config's edit hook asks for this step."""
