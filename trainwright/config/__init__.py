@@ -9,8 +9,6 @@ May import: :mod:`trainwright.errors`, :mod:`trainwright.plan` (policy names).
 """
 
 from trainwright.config.core import (
-    CHOICES,
-    POSITIVE,
     Config,
     even_partition,
     load_config,
@@ -35,5 +33,5 @@ from trainwright.errors import ConfigError
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
            "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
-           "RunConfig", "RuntimeConfig", "FaultConfig", "SECTIONS", "CHOICES", "POSITIVE",
+           "RunConfig", "RuntimeConfig", "FaultConfig", "SECTIONS",
            "load_config", "parse_bytes", "even_partition", "ConfigError"]

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from trainwright.config.messages import choices_of, one_line
+from trainwright.config.messages import one_line
 from trainwright.config.sections import (
     SECTIONS,
     DataConfig,
@@ -52,18 +52,6 @@ else:  # pragma: no cover
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
            "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
            "RunConfig", "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
-
-
-CHOICES: dict[str, tuple] = {
-    f"{section}.{name}": choices_of(f.annotation)
-    for section, cls in SECTIONS.items() for name, f in cls.model_fields.items()
-    if choices_of(f.annotation)}
-"""``section.key -> allowed values`` of every ``Literal`` field (read from the sections)."""
-POSITIVE: tuple[str, ...] = tuple(
-    f"{section}.{name}"
-    for section, cls in SECTIONS.items() for name, f in cls.model_fields.items()
-    if any(getattr(m, "gt", None) == 0 for m in f.metadata))
-"""Keys whose values must be positive (read from the sections' ``PositiveInt/Float``)."""
 
 
 class Config(BaseModel):
