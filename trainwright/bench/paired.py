@@ -1,0 +1,78 @@
+"""Paired rounds on a drifting machine: the one way every benchmark compares systems.
+
+These machines change speed by 15-30 % over minutes, so a system's median taken over
+rounds can come from a different round than its peer's. Every benchmark therefore:
+
+* runs its systems in rounds, in alternating (ABBA) order: ``round_order``;
+* takes, per round, the ratio of the two systems measured in that round: ``paired``;
+* reports the median of those paired ratios as the headline, with their spread;
+* names the machine it ran on: ``host_info``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Sequence
+
+
+def round_order(systems: Sequence[str], round_index: int) -> list[str]:
+    """Systems in the order to run them in round ``round_index``: forward, then reversed.
+
+    Alternating the order (ABBA) cancels a drift that is linear within a round.
+    """
+    names = list(systems)
+    return names if round_index % 2 == 0 else names[::-1]
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Min, max and the half-range relative to the median of ``values``."""
+    med = statistics.median(values)
+    lo, hi = min(values), max(values)
+    return {"min": round(lo, 4), "max": round(hi, 4),
+            "relative_half_range": round((hi - lo) / (2 * med), 4) if med else None}
+
+
+def paired(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
+    """Per-round ratios ``numerator[i] / denominator[i]`` and their median and spread.
+
+    Both sequences hold one figure per round, measured in the same round. The result
+    has ``paired_ratios`` (one per round), ``ratio`` (their median: the headline) and
+    ``ratio_spread``.
+    """
+    if len(numerator) != len(denominator) or not numerator:
+        raise ValueError(f"paired ratios need one figure per round from each system, got "
+                         f"{len(numerator)} and {len(denominator)}")
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+    return {"paired_ratios": [round(r, 4) for r in ratios],
+            "ratio": round(statistics.median(ratios), 4),
+            "ratio_spread": spread(ratios)}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_info() -> dict:
+    """The machine a benchmark ran on: CPU model, cores and library versions."""
+    import numpy
+    import torch
+    info = {"cpu_model": _cpu_model(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "platform": platform.platform()}
+    try:
+        import deepspeed
+        info["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        info["deepspeed"] = None
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
