@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainwright.dist import collective as coll
 from trainwright.errors import CommError
 from trainwright.schedule.actions import Action
 
@@ -165,7 +166,7 @@ class PeerSwap:
             piece = flat[start : start + c.nbytes]
             start += c.nbytes
             out = self._sent.setdefault((mb, c.rank), _Outgoing())
-            out.works.append(dist.isend(piece, dst=c.rank, group=self.group))
+            out.works.append(coll.isend(piece, dst=c.rank, group=self.group))
             out.buffers.append(piece)
             out.nbytes += c.nbytes
         self.sent_bytes += meta.nbytes
@@ -212,7 +213,7 @@ class PeerSwap:
             start = 0
             for c in meta.chunks:
                 if c.rank == peer:
-                    works.append(dist.irecv(bufs[key][start : start + c.nbytes], src=peer,
+                    works.append(coll.irecv(bufs[key][start : start + c.nbytes], src=peer,
                                             group=self.group))
                 start += c.nbytes
         self._fetch_works[(a.mb, peer)] = works
@@ -237,7 +238,7 @@ class PeerSwap:
             for c in meta.chunks:
                 if c.rank == self.rank:
                     b = torch.empty(c.nbytes, dtype=torch.uint8, device=self._device())
-                    works.append(dist.irecv(b, src=owner, group=self.group))
+                    works.append(coll.irecv(b, src=owner, group=self.group))
                     bufs.append(b)
         nbytes = sum(b.numel() for b in bufs)
         self.held_bytes += nbytes
@@ -250,7 +251,7 @@ class PeerSwap:
         owner = self._peer_rank(a)
         works, bufs = self._held.pop((owner, a.mb))
         self._wait(works, f"receive of micro-batch {a.mb} from rank {owner}")
-        sends = [dist.isend(b, dst=owner, group=self.group) for b in bufs]
+        sends = [coll.isend(b, dst=owner, group=self.group) for b in bufs]
         self._returning[(owner, a.mb)] = (sends, bufs)
 
     def peer_settle(self, a: Action) -> None:
