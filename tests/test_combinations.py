@@ -117,3 +117,41 @@ def test_number_between_layers_is_a_plan_error():
     model, args = number_across_layers()
     with pytest.raises(PlanError, match="needs .* from an earlier layer"):
         layers_from_export(model, args, dynamic_batch=True)
+
+
+def test_no_not_implemented_error_in_the_package():
+    """Every unsupported combination is refused at start with a ConfigError instead."""
+    from pathlib import Path
+
+    import trainwright
+
+    root = Path(trainwright.__file__).parent
+    hits = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if "NotImplementedError" in line]
+    assert not hits, hits
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pairs_without_a_test_of_their_own_equal_the_reference(tiny):
+    """Pairs of docs/combinations.md that no other test trains: GPipe with sparse and with
+    hierarchical sync, fixed recompute / swap policies with live migration and with sparse or
+    hierarchical sync; each run equals the single-process reference."""
+    from tests.test_pipeline import _check_against_reference, _train_jobs
+    from trainwright.dist.testing import run_workers
+    from trainwright.run.launch import create_run_dir
+
+    base = {"parallel.pp": 2, "parallel.dp": 2, "train.schedule": '"gpipe"',
+            "train.micro_batches": 2, "train.steps": 3}
+    cfgs = [tiny(**base, **{"sync.sparse": "true", "memory.policies": '["recompute"]',
+                            "rebalance.at_step": 2, "rebalance.to": "[1, 3]"}),
+            tiny(**base, **{"sync.strategy": '"hierarchical"', "hierarchical.ranks_per_node": 1,
+                            "hierarchical.align": 16, "memory.policies": '["swap"]'}),
+            tiny(**{**base, "train.schedule": '"1f1b"'},
+                 **{"memory.policies": '["swap", "keep", "recompute", "keep"]',
+                    "rebalance.at_step": 2, "rebalance.to": "[3, 1]"})]
+    dirs = [create_run_dir(c) for c in cfgs]
+    run_workers(_train_jobs, 4, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=280)
+    for cfg, run_dir in zip(cfgs, dirs, strict=True):
+        _check_against_reference(cfg, run_dir)
