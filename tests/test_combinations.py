@@ -36,6 +36,10 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
     (["rebalance.at_step=2", "rebalance.to=[6]"], r"rebalance.to = \[6\] must be 2"),
     (["parallel.dp=3"], r"does not split over parallel.dp = 3"),
     (["fault.kill_rank=5"], r"fault.kill_rank = 5 is not a rank of this job"),
+    (['sync.strategy="tokenring"', 'train.optimizer="sgd"', "rebalance.enabled=true"],
+     r"no stages to migrate layers between"),
+    (['sync.strategy="tokenring"', 'train.optimizer="sgd"', "memory.peer_swap=true",
+      'memory.limit="8MB"'], r"no stages to lend activation memory to"),
     (['model.factory="tests.factories:number_across_layers"'],
      r"model.factory = .*only tensors cross the cuts.*wrap the submodules"),
 ]
@@ -69,14 +73,21 @@ def _saved_run(tmp_path, **extra):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("extra, message", [
-    ({"sync.strategy": '"tokenring"', "tokenring.nodes": 2}, r"--resume is not supported with"),
-    ({"rebalance.edits": '"tests.factories:insert_heavy"'}, r"hold the edited model"),
+@pytest.mark.parametrize("extra, kind, message", [
+    ({"sync.strategy": '"tokenring"', "tokenring.nodes": 2}, None, r"--resume is not supported"),
+    ({"rebalance.edits": '"tests.factories:insert_heavy"'}, "model_edit",
+     r"moved layers between stages at step 3 .*start a new run"),
+    ({"rebalance.at_step": 3, "rebalance.to": "[3, 1]"}, "repartition",
+     r"moved layers between stages at step 3"),
 ])
-def test_refused_resume(extra, message, tmp_path, capsys):
+def test_refused_resume(extra, kind, message, tmp_path, capsys):
     run_dir = _saved_run(tmp_path, **extra)
+    if kind:  # what the first run recorded when its layers moved
+        (run_dir / "metrics.jsonl").write_text(
+            '{"kind": "step", "step": 2}\n' + f'{{"kind": "{kind}", "step": 3}}\n{{"kin')
+    before = sorted((p.name, p.stat().st_size) for p in run_dir.iterdir())
     _assert_refused(["run", "--resume", str(run_dir)], message, capsys, tmp_path)
-    assert [p.name for p in run_dir.iterdir()] == ["config.toml"]
+    assert sorted((p.name, p.stat().st_size) for p in run_dir.iterdir()) == before
 
 
 @pytest.mark.timeout(60)

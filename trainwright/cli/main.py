@@ -39,7 +39,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resume_dir = None
         cfg = load_config(args.config, args.set)
 
-    check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None)
+    check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None,
+                run_dir=resume_dir)
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
         return _run_tokenring(cfg)
     _preflight(cfg)

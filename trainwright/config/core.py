@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainwright.config.combinations import check_ring
 from trainwright.config.messages import one_line
 from trainwright.config.sections import (
     SECTIONS,
@@ -134,6 +135,7 @@ class Config(BaseModel):
                               f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")
         t = self.train
         if self.sync.strategy == "tokenring":
+            check_ring(self)
             self.validate_tokenring()
             return
         if t.batch_size % par.dp:

@@ -39,7 +39,7 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
         cfg = load_config(Path(resume) / "config.toml", list(overrides))
     else:
         cfg = load_config(config, list(overrides))
-    check_start(cfg, via="fit", resume=resume is not None)
+    check_start(cfg, via="fit", resume=resume is not None, run_dir=resume)
     named = build_layers(cfg)
     cfg.check_layers(len(named))
     check_limits(cfg, named)
