@@ -79,6 +79,8 @@ def _saved_run(tmp_path, **extra):
      r"moved layers between stages at step 3 .*start a new run"),
     ({"rebalance.at_step": 3, "rebalance.to": "[3, 1]"}, "repartition",
      r"moved layers between stages at step 3"),
+    ({"sync.strategy": '"hierarchical"', "parallel.dp": 2, "train.optimizer": '"adamw"'}, None,
+     r"would restart the sharded optimizer state"),
 ])
 def test_refused_resume(extra, kind, message, tmp_path, capsys):
     run_dir = _saved_run(tmp_path, **extra)

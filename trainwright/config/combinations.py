@@ -31,6 +31,10 @@ RING_UNDER_TORCHRUN = ("sync.strategy = 'tokenring' under torchrun would start a
                        "'dense' or 'hierarchical' with torchrun")
 RING_RESUME = ("--resume is not supported with sync.strategy = 'tokenring' (a ring run "
                "saves model.pt, not the per-step checkpoints a resume reads); start a new run")
+HIER_RESUME = ("--resume with sync.strategy = 'hierarchical' and a stateful optimizer "
+               "(adam, adamw or SGD momentum) would restart the sharded optimizer state, "
+               "which checkpoints do not hold yet; start a new run, or use sync.strategy = "
+               "'dense' for runs you resume")
 RING_STAGES = ("sync.strategy = 'tokenring' trains the whole model on every node, so "
                "there are no stages to {what}; remove {keys}, or use sync.strategy = 'dense' "
                "with a pipeline")
@@ -85,6 +89,10 @@ def check_start(cfg: Config, *, via: str, resume: bool = False,
         raise ConfigError(RING_VIA_FIT)
     if ring and via == "torchrun":
         raise ConfigError(RING_UNDER_TORCHRUN)
+    t = cfg.train
+    stateful = t.optimizer != "sgd" or t.momentum
+    if resume and cfg.sync.strategy == "hierarchical" and stateful:
+        raise ConfigError(HIER_RESUME)
     step = moved_at(run_dir) if resume else None
     if step is not None:
         raise ConfigError(f"--resume {run_dir}: this run moved layers between stages at step "
