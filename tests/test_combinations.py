@@ -3,6 +3,7 @@ what to use instead, exits 2 and writes nothing (``docs/combinations.md`` lists 
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -168,3 +169,6 @@ def test_pairs_without_a_test_of_their_own_equal_the_reference(tiny):
     run_workers(_train_jobs, 4, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=280)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         _check_against_reference(cfg, run_dir)
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        moves = [r["new"] for r in rows if r["kind"] == "repartition"]
+        assert moves == ([cfg.rebalance.to] if cfg.rebalance.at_step else []), moves
