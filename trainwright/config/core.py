@@ -203,9 +203,6 @@ class Config(BaseModel):
             if isinstance(v, bool) or not isinstance(v, (int, str)) or parse_bytes(v) <= 0:
                 raise ConfigError(f"hierarchical.available_memory = {mem!r}: write a size such "
                                   f"as \"8GiB\", or a list with one size per local rank")
-        if self.sync.strategy == "hierarchical" and self.rebalance.enabled:
-            raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
-                              "layers cannot migrate; set rebalance.enabled = false")
 
     def validate_tokenring(self) -> None:
         """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
