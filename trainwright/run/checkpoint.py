@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -221,7 +222,9 @@ def load_state(run_dir: Path, step: int, slots: list[LayerSlot], *, with_optim: 
         want[rng_key] = None
     elif rank is not None:
         missing.append("rng")
-    dcp.load(want, checkpoint_id=d, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # one process (load_model): DCP says so every time
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(want, checkpoint_id=d, no_dist=not dist.is_initialized())
     if with_optim:
         for slot in slots:
             if slot.optimizer is not None:
