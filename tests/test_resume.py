@@ -103,10 +103,18 @@ def test_hierarchical_and_sparse_sync_follow_a_live_migration(tmp_path):
         "hierarchical.ranks_per_node": 1, "hierarchical.weights": '"equal"', "train.optimizer": '"sgd"', "train.momentum": 0.9,
         "train.micro_batches": 2, "parallel.partition": "[1, 3]", "rebalance.to": "[3, 1]"})
     sparse = _cfg(tmp_path, **SPARSE, **mig, **{"rebalance.to": "[1, 4]"})
+    # a model edit (a layer inserted into stage 0 before step 3): hierarchical vs dense sync
+    edit = {**PP2DP2, "train.steps": 6, "train.micro_batches": 2, "train.momentum": 0.9,
+            "rebalance.edits": '"tests.factories:insert_heavy"'}
+    edits = [_cfg(tmp_path, **edit), _cfg(tmp_path, **HIER, **edit)]
     cfgs = [hier_adamw, hier_2nodes, sparse]
-    dirs = [create_run_dir(c) for c in cfgs]
-    seen = _run(tmp_path, [(c, d, False) for c, d in zip(cfgs, dirs, strict=True)], 280)
-    for cfg, run_dir in zip(cfgs, dirs, strict=True):
+    dirs = [create_run_dir(c) for c in cfgs + edits]
+    seen = _run(tmp_path, [(c, d, False) for c, d in zip(cfgs + edits, dirs, strict=True)],
+                280)
+    dense_losses, hier_losses = ([r["loss"] for r in _steps(d)] for d in dirs[3:])
+    assert len(hier_losses) == 6
+    torch.testing.assert_close(torch.tensor(hier_losses), torch.tensor(dense_losses))
+    for cfg, run_dir in zip(cfgs, dirs[:3], strict=True):
         reps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         reps = [r for r in reps if r["kind"] == "repartition"]
         assert reps and reps[-1]["new"] == cfg.rebalance.to, reps
