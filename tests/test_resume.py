@@ -100,8 +100,9 @@ def test_hierarchical_and_sparse_sync_follow_a_live_migration(tmp_path):
     mig = {"rebalance.at_step": 2, "train.steps": 4, **PP2DP2}
     hier_adamw = _cfg(tmp_path, **MLP_ADAMW, **HIER, **mig, **{"rebalance.to": "[1, 3]"})
     hier_2nodes = _cfg(tmp_path, **{**HIER, **mig,  # GPT, 2 nodes x 1, layers move back
-        "hierarchical.ranks_per_node": 1, "hierarchical.weights": '"equal"', "train.optimizer": '"sgd"', "train.momentum": 0.9,
-        "train.micro_batches": 2, "parallel.partition": "[1, 3]", "rebalance.to": "[3, 1]"})
+        "hierarchical.ranks_per_node": 1, "hierarchical.weights": '"equal"',
+        "train.optimizer": '"sgd"', "train.momentum": 0.9, "train.micro_batches": 2,
+        "parallel.partition": "[1, 3]", "rebalance.to": "[3, 1]"})
     sparse = _cfg(tmp_path, **SPARSE, **mig, **{"rebalance.to": "[1, 4]"})
     # a model edit (a layer inserted into stage 0 before step 3): hierarchical vs dense sync
     edit = {**PP2DP2, "train.steps": 6, "train.micro_batches": 2, "train.momentum": 0.9,
