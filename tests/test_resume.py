@@ -195,3 +195,53 @@ def _restart_without_optimizer_state(cfg: Config) -> torch.nn.Module:
         criterion(model(x), y).backward()
         opt.step()
     return model
+
+
+def test_checkpoint_round_trips_layers_registered_objects_and_rng(tmp_path):
+    """One process: what a checkpoint holds comes back (an LR scheduler registered as an
+    extra object, the RNG states), and a missing layer is named."""
+    from trainwright.model.build import build_layers, build_optimizer
+    from trainwright.pipeline.stage import LayerSlot
+
+    cfg = _cfg(tmp_path, **MLP_ADAMW)
+
+    def stage():
+        slots = [LayerSlot(i, n, m, build_optimizer(cfg, list(m.parameters())))
+                 for i, (n, m) in enumerate(build_layers(cfg))]
+        sched = torch.optim.lr_scheduler.StepLR(slots[0].optimizer, step_size=1, gamma=0.5)
+        return slots, sched
+
+    slots, sched = stage()
+    for s in slots:
+        for p in s.module.parameters():
+            p.grad = torch.randn_like(p)
+        s.optimizer.step()
+    sched.step()
+    objects = {"lr_scheduler": (sched, False)}
+    torch.manual_seed(123)
+    state = {**checkpoint.layer_state(slots), **checkpoint.rng_state(0),
+             **checkpoint.extra_state(objects, 0)}
+    checkpoint.save(tmp_path, 7, state)
+    checkpoint.write_meta(tmp_path, 7, dict(pp=1, dp=1, partition=[len(slots)]))
+    expected_draw = torch.rand(3)
+
+    torch.manual_seed(999)
+    fresh, fresh_sched = stage()
+    missing = checkpoint.load_state(tmp_path, 7, fresh, rank=0, mesh=(1, 1),
+                                    objects={"lr_scheduler": (fresh_sched, False)})
+    assert missing == []
+    torch.testing.assert_close(torch.rand(3), expected_draw, rtol=0, atol=0)
+    assert fresh_sched.state_dict() == sched.state_dict()
+    assert fresh[0].optimizer.param_groups[0]["lr"] == sched.get_last_lr()[0]
+    for a, b in zip(slots, fresh, strict=True):
+        for p, q in zip(a.module.parameters(), b.module.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+            sa, sb = a.optimizer.state[p], b.optimizer.state[q]
+            assert sa.keys() == sb.keys() == {"step", "exp_avg", "exp_avg_sq"}
+            for k in sa:
+                torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0)
+    # at another mesh the RNG states stay as they are, and the caller is told
+    assert checkpoint.load_state(tmp_path, 7, fresh, rank=0, mesh=(2, 1)) == ["rng"]
+    extra = LayerSlot(len(slots), "extra", torch.nn.Linear(2, 2))
+    with pytest.raises(FileNotFoundError, match=f"no model.layer{len(slots)}.weight"):
+        checkpoint.load_state(tmp_path, 7, [extra])

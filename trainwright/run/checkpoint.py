@@ -107,7 +107,9 @@ def save(run_dir: Path, step: int, state: dict) -> Path:
     default group when there is one (every rank calls it, each with its own entries)."""
     d = _dir(run_dir, step)
     d.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=d, no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save(state, checkpoint_id=d, no_dist=not dist.is_initialized())
     return d
 
 
