@@ -95,7 +95,7 @@ def _assert_bitwise(a: Path, b: Path, label: str) -> None:
     assert last == full, (label, full, last)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_hierarchical_and_sparse_sync_follow_a_live_migration(tmp_path):
     mig = {"rebalance.at_step": 2, "train.steps": 4, **PP2DP2}
     hier_adamw = _cfg(tmp_path, **MLP_ADAMW, **HIER, **mig, **{"rebalance.to": "[1, 3]"})
@@ -111,7 +111,7 @@ def test_hierarchical_and_sparse_sync_follow_a_live_migration(tmp_path):
     cfgs = [hier_adamw, hier_2nodes, sparse]
     dirs = [create_run_dir(c) for c in cfgs + edits]
     seen = _run(tmp_path, [(c, d, False) for c, d in zip(cfgs + edits, dirs, strict=True)],
-                280)
+                460)
     dense_losses, hier_losses = ([r["loss"] for r in _steps(d)] for d in dirs[3:])
     assert len(hier_losses) == 6
     torch.testing.assert_close(torch.tensor(hier_losses), torch.tensor(dense_losses))
@@ -127,14 +127,14 @@ def test_hierarchical_and_sparse_sync_follow_a_live_migration(tmp_path):
         assert seen[rank]["2"] == want, (rank, seen[rank])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
     cases = {
-        "dense adamw": dict(**MLP_ADAMW, **PP2DP2, **{"train.steps": 4}),
-        "sparse": dict(**SPARSE, **PP2DP2, **{"train.steps": 4}),
-        "hierarchical adamw": dict(**MLP_ADAMW, **HIER, **PP2DP2, **{"train.steps": 4}),
+        "dense adamw": dict(**MLP_ADAMW, **PP2DP2, **{"train.steps": 3}),
+        "sparse": dict(**SPARSE, **PP2DP2, **{"train.steps": 3}),
+        "hierarchical adamw": dict(**MLP_ADAMW, **HIER, **PP2DP2, **{"train.steps": 3}),
         "after a migration": dict(**MLP_ADAMW, **HIER, **PP2DP2, **{
-            "train.steps": 5, "rebalance.at_step": 2, "rebalance.to": "[1, 3]"}),
+            "train.steps": 4, "rebalance.at_step": 2, "rebalance.to": "[1, 3]"}),
     }
     jobs, checks = [], []
     for label, kw in cases.items():
@@ -142,7 +142,7 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
         (full, d_full, d_cut), more = _pair(tmp_path / label.replace(" ", "_"), stop, **kw)
         jobs += more
         checks.append((label, full, d_full, d_cut, stop))
-    _run(tmp_path, jobs, 280)
+    _run(tmp_path, jobs, 580)
     for label, full, d_full, d_cut, stop in checks:
         _assert_bitwise(d_full, d_cut, label)
         if full.rebalance.at_step:  # resumed at the partition the migration reached
@@ -154,7 +154,7 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
     got = load_model(checks[2][3])
     assert sum(p.numel() for p in got.parameters()) > 0
     meta = torch.distributed.checkpoint.FileSystemReader(
-        d := checks[2][3] / "checkpoints" / "step_000004").read_metadata().state_dict_metadata
+        d := checks[2][3] / "checkpoints" / "step_000003").read_metadata().state_dict_metadata
     for i, layer in enumerate(got):
         for name, p in layer.named_parameters():
             for key in ("exp_avg", "exp_avg_sq", "step"):
@@ -162,14 +162,14 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
             assert tuple(meta[f"optim.layer{i}.{name}.exp_avg"].size) == tuple(p.shape)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_resume_at_another_pipeline_and_replica_count(tmp_path):
     # saved with hierarchical sync at pp=2 x dp=2 (sharded Adam state), resumed with dense
     # sync at pp=4 x dp=1: each stage takes its layers' entries by name
     kw = dict(**MLP_ADAMW, **HIER, **PP2DP2, **{"train.steps": 4})
     other = {"parallel.pp": 4, "parallel.dp": 1, "sync.strategy": '"dense"'}
     (full, d_full, d_cut), jobs = _pair(tmp_path, 2, resume_cfg=other, **kw)
-    _run(tmp_path, jobs[1:], 200)
+    _run(tmp_path, jobs[1:], 460)
     resumed = load_config(d_cut / "config.toml")
     assert (resumed.parallel.pp, resumed.parallel.dp) == (4, 1)
     _check_against_reference(resumed, d_cut)
