@@ -39,10 +39,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.set)
 
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
-        if resume_dir is not None:
-            raise ConfigError("--resume is not supported with sync.strategy = 'tokenring'; "
-                              "start a new run")
-        return _run_tokenring(cfg)
+        return _run_tokenring(cfg, resume_dir)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.run.worker import run_worker
@@ -148,20 +145,26 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_tokenring(cfg) -> int:
-    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher."""
-    from trainwright.run.launch import create_run_dir
-    from trainwright.run.ring_node import launch_ring
+def _run_tokenring(cfg, resume_dir: Path | None) -> int:
+    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher, or one
+    node per process under torchrun."""
+    from trainwright.run.launch import create_run_dir, in_torchrun
+    from trainwright.run.ring_launch import launch_ring
 
-    run_dir = create_run_dir(cfg)
+    if in_torchrun():
+        from trainwright.run.ring_torchrun import run_torchrun_node
+        return run_torchrun_node(cfg, resume_dir)
+    run_dir = create_run_dir(cfg, resume_dir)
     r = cfg.tokenring
     print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
           f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
-    result = launch_ring(cfg, run_dir)
+    result = launch_ring(cfg, run_dir, resume=resume_dir is not None)
     if not result.ok:
         print(f"error: token ring run failed: {result.message()}. Outputs are in {run_dir}",
               file=sys.stderr)
         return 1
+    for line in result.warnings():
+        print(f"warning: {line}", file=sys.stderr)
     print(f"model: {run_dir / 'model.pt'}")
     print(f"run directory: {run_dir}")
     return 0

@@ -220,10 +220,6 @@ class Config(BaseModel):
         if t.batch_size % r.nodes:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
                               f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
-        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
-            raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
-                              "SGD); set train.optimizer=\"sgd\" with momentum and "
-                              "weight_decay 0")
         bad = [i for i in [*r.kill_nodes, r.slow_node] if i != -1 and not 0 <= i < r.nodes]
         if bad or not all(isinstance(i, int) for i in r.kill_nodes):
             raise ConfigError(f"tokenring fault injection names node {bad[0] if bad else '?'};"

@@ -263,6 +263,10 @@ class TokenRingConfig(Section):
     computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
     kill_step: int = -1
     """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
+    kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
+    """Fault injection: what ``kill_nodes`` do in ``kill_step``: ``"SIGKILL"`` (die) or
+    ``"SIGSTOP"`` (freeze without dying, as a hung host: the ring drops them and the local
+    launcher ends them once the ring has finished)."""
     restart_killed: bool = False
     """Fault injection: the local launcher restarts killed nodes once, as standby nodes
     that rejoin at the next batch boundary."""
