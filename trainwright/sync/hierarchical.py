@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -463,6 +464,12 @@ def pipeline_sync(cfg, topo) -> HierarchicalSync:
     hosts = host_names() if h.ranks_per_node == 0 else None
     layouts = [node_layout([d * topo.pp + s for d in range(topo.dp)], h.ranks_per_node, hosts)
                for s in range(topo.pp)]
+    logging.getLogger(__name__).info(
+        "hierarchical sync: each stage's replicas on %d node(s) x %d rank(s) (nodes from %s)",
+        layouts[0].nodes, layouts[0].ranks_per_node,
+        f"hierarchical.ranks_per_node = {h.ranks_per_node}" if h.ranks_per_node else
+        "torchrun's GROUP_RANK" if hosts and hosts[0].startswith("torchrun-node-") else
+        "host names")
     groups = create_groups(layouts, topo.rank)
     return HierarchicalSync(groups, lambda ps: build_optimizer(cfg, ps), h,
                             cfg.runtime.collective_timeout_s)
