@@ -120,3 +120,20 @@ def test_frozen_node_is_dropped_ended_and_the_command_exits(tmp_path, capfd):
     closes = {int(s): c for s, c in reps[0]["closes"].items()}
     assert all(2 not in closes[s] for s in range(4, 13))
     assert took < 60, f"the command took {took:.0f} s"
+
+
+@pytest.mark.timeout(120)
+def test_rejoined_node_gets_the_adamw_state_and_stays_identical(tmp_path):
+    """A node killed in step 3 and restarted is admitted at a batch boundary: its welcome
+    carries the weights and the AdamW moments, so its updates match the others' bit for bit."""
+    cfg = ring_cfg(tmp_path, **ADAMW, **{
+        "tokenring.close_fraction": 0.75, "tokenring.kill_nodes": [2],
+        "tokenring.kill_step": 3, "tokenring.restart_killed": "true",
+        "tokenring.batch_steps": 4, "train.steps": 16})
+    result = run_ring(cfg, timeout_s=100)
+    assert result.ok, result.message()
+    reps = result.reports
+    b = reps["2r"]["joined"][0]["applied"]
+    assert b % 4 == 0 and 4 <= b < 16
+    assert sorted(int(s) for s in reps["2r"]["hashes"]) == list(range(b + 1, 17))
+    assert_identical_replicas(reps, range(1, 17))
