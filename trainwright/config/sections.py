@@ -222,14 +222,17 @@ class TokenRingConfig(Section):
     close_fraction: float = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
     nodes: PositiveInt = 4
-    """Nodes the local launcher starts; also the number of data shards (a node trains on
-    shard ``index`` of every global batch, so ``train.batch_size`` must split into it)."""
+    """Nodes the local launcher starts (under torchrun: ``WORLD_SIZE``, one per process);
+    also the number of data shards (a node trains on shard ``index`` of every global batch,
+    so ``train.batch_size`` must split into it)."""
     min_nodes: PositiveInt = 2
     """When fewer members remain, the ring stops, the first node saves the model and the
     run exits non-zero."""
     rendezvous: str = ""
-    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the node
-    that binds it hosts formation. Empty = 127.0.0.1 on a free port (local launcher)."""
+    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the first
+    node (under torchrun: ``RANK`` 0, so an address of its host) binds it and hosts
+    formation. Empty = 127.0.0.1 on a free port (local launcher), or under torchrun a free
+    port on rank 0's host published through torchrun's store as ``MASTER_ADDR:port``."""
     formation_quiet_s: PositiveFloat = 2.0
     """Formation closes after this long without a new join (or once ``nodes`` joined)."""
     token_timeout_s: PositiveFloat = 2.0
@@ -259,8 +262,9 @@ class TokenRingConfig(Section):
     each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
     for the others, which hides the straggler; pacing removes that artefact."""
     kill_nodes: list[int] = []
-    """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
-    computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
+    """Fault injection: node indices that send themselves ``kill_signal`` in step
+    ``kill_step``, after computing their gradient (the ``[fault]`` section is for the
+    pipeline runner)."""
     kill_step: int = -1
     """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
