@@ -198,7 +198,8 @@ class HierarchicalConfig(Section):
 
     ranks_per_node: Annotated[NonNegativeInt, Allowed(
         "must be 0 (ranks on one host form a node) or positive")] = 0
-    """Ranks forming one node; 0 = ranks on the same host (set it to emulate nodes)."""
+    """Ranks forming one node; 0 = ranks of one torchrun agent (``GROUP_RANK``), else ranks
+    on the same host (set it to emulate nodes)."""
     weights: Any = "memory"  # a name or a list: checked by Config.check_hierarchical
     """How each node cuts the gradient into one slice per local rank: ``"memory"`` (in
     proportion to free device memory), ``"memory_speed"`` (free memory times a measured
