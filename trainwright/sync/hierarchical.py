@@ -1,8 +1,9 @@
 """Seed 003: hierarchical sharded gradient sync, slices sized by each device's memory.
 
 Ranks that share a host form a *node* (under torchrun: ranks of one agent, ``GROUP_RANK``;
-``hierarchical.ranks_per_node`` overrides that, to emulate nodes on one host). Every node cuts the flat gradient into one slice per local rank,
-sized in proportion to the ranks' free memory (optionally times their speed). One sync is:
+``hierarchical.ranks_per_node`` overrides that, to emulate nodes on one host). Every node
+cuts the flat gradient into one slice per local rank, sized in proportion to the ranks'
+free memory (optionally times their speed). One sync is:
 
 1. intra-node reduce-scatter: local rank ``j`` receives slice ``j`` of every other local
    rank's gradient and sums it (point-to-point ``isend`` / ``irecv``, uneven sizes);
