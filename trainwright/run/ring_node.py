@@ -116,7 +116,13 @@ class RingNode:
         pull, addr = self._bind()
         if self.role == "host":
             applied = self.trainer.start - 1  # > 0 after a resume
-            rdzv = Rendezvous(self.ctx, self.bind, r.nodes, r.formation_quiet_s)
+            try:
+                rdzv = Rendezvous(self.ctx, self.bind, r.nodes, r.formation_quiet_s)
+            except zmq.ZMQError as exc:
+                raise CommError(f"token ring rendezvous {self.bind}: cannot bind it on this "
+                                f"host ({exc}); tokenring.rendezvous must be a free port at an "
+                                f"address of the first node's host (under torchrun: RANK 0's)"
+                                ) from None
             members = rdzv.form(self.want, addr, r.min_nodes, r.standby_timeout_s)
             ring = self._ring(pull, Epoch((0, self.want), members), rendezvous=rdzv,
                               token=Token(applied + 1, [], min(members), 0), applied=applied)
