@@ -31,7 +31,6 @@ from trainwright.dist.topology import Topology
 from trainwright.errors import CommError
 from trainwright.observe.telemetry import atomic_write_text
 from trainwright.run import checkpoint
-from trainwright.run.ring_launch import RingResult, launch_ring
 from trainwright.run.trainer import Trainer
 from trainwright.tokenring.exchange import RingExchange, param_hash
 from trainwright.tokenring.membership import Epoch, Rendezvous, join_rendezvous, local_address
@@ -39,7 +38,7 @@ from trainwright.tokenring.ring import RingFailed, RingLeft, RingTimes, Token, T
 from trainwright.tokenring.state import restore, snapshot
 from trainwright.tokenring.wire import wait_welcome
 
-__all__ = ["launch_ring", "RingResult", "param_hash", "node_main", "RingNode"]
+__all__ = ["param_hash", "node_main", "RingNode"]
 
 log = logging.getLogger(__name__)
 EXIT_RING_FAILED = 3
