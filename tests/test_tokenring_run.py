@@ -119,7 +119,7 @@ def test_frozen_node_is_dropped_ended_and_the_command_exits(tmp_path, capfd):
     assert_identical_replicas(reps, range(1, 13))
     closes = {int(s): c for s, c in reps[0]["closes"].items()}
     assert all(2 not in closes[s] for s in range(4, 13))
-    assert took < 60, f"the command took {took:.0f} s"
+    assert took < 100, f"the command took {took:.0f} s"
 
 
 @pytest.mark.timeout(120)
