@@ -21,7 +21,6 @@ EXIT_CONFIG = 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from trainwright.config import load_config
     from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
     from trainwright.run.worker import resume_hint
 
@@ -33,10 +32,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR (the run keeps its config; "
                               "change keys with --set)")
-        cfg = load_config(resume_dir / "config.toml", args.set)
+        cfg = _load(resume_dir / "config.toml", args.set)
     else:
         resume_dir = None
-        cfg = load_config(args.config, args.set)
+        cfg = _load(args.config, args.set)
 
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
         return _run_tokenring(cfg, resume_dir)
@@ -64,6 +63,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     _finish_message(cfg, run_dir)
     return 0
+
+
+def _load(path, overrides: list[str]):
+    """The run's configuration (under torchrun a token ring has a node per process)."""
+    from trainwright.config import load_config
+    from trainwright.run.launch import in_torchrun
+
+    if in_torchrun():
+        from trainwright.run.ring_torchrun import load_torchrun_config
+        return load_torchrun_config(path, overrides)
+    return load_config(path, overrides)
 
 
 def _preflight(cfg) -> None:
