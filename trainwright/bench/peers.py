@@ -79,6 +79,7 @@ __all__ = [
     "init_process_group",
     "WorkerFn",
     "torch_pipelining_worker",
+    "torch_pipelining_train",
     "TORCH_SCHEDULES",
     "torch_stage_ids",
     "chunk_split",
@@ -231,70 +232,77 @@ def torch_pipelining_worker(
         out_path: where to write this rank's JSON result (and ``out_path + ".pt"``).
         schedule: one of :data:`TORCH_SCHEDULES`.
     """
-    import torch.distributed.pipelining as tpp
-
     torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)
     init_process_group(rank, world_size, master_port)
     try:
-        ids_here = torch_stage_ids(schedule, rank, world_size)
-        parts = spec.split if len(ids_here) == 1 else chunk_split(spec.split, 2)
-        n_stages = len(parts)
-        layers_all = spec.layers()
-        chunks = {sid: (sum(parts[:sid]), layers_all[sum(parts[:sid]): sum(parts[: sid + 1])])
-                  for sid in ids_here}
-        modules = {sid: nn.Sequential(*ls) for sid, (_, ls) in chunks.items()}
-        stages = [tpp.PipelineStage(modules[sid], sid, n_stages, torch.device("cpu"))
-                  for sid in ids_here]
-        has_first, has_last = 0 in ids_here, n_stages - 1 in ids_here
-        n_mb = spec.micro_batches
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # gradients of the full-batch mean loss; see the module docstring
-            return _mean_loss(logits, targets) / n_mb
-
-        cls = getattr(tpp, f"Schedule{schedule}")
-        kwargs: dict[str, Any] = {"n_microbatches": n_mb, "loss_fn": loss_fn}
-        if _accepts(cls.__init__, "scale_grads"):
-            kwargs["scale_grads"] = False
-        sched = cls(stages[0] if len(stages) == 1 else stages, **kwargs)
-        step_kwargs: dict[str, Any] = {}
-        if _accepts(sched.step, "return_outputs"):
-            step_kwargs["return_outputs"] = False
-        params = [p for m in modules.values() for p in m.parameters()]
-        optimizer = torch.optim.SGD(params, lr=spec.lr)
-        data = spec.data()
-
-        step_times: list[float] = []
-        losses: list[float] = []
-        for step in range(spec.steps):
-            ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
-            mb_losses: list[torch.Tensor] = []
-            dist.barrier()
-            t0 = time.perf_counter()
-            optimizer.zero_grad()
-            inputs = (ids,) if has_first else ()
-            if has_last:
-                sched.step(*inputs, target=targets, losses=mb_losses, **step_kwargs)
-            else:
-                sched.step(*inputs, **step_kwargs)
-            optimizer.step()
-            step_times.append(time.perf_counter() - t0)
-            if has_last:  # each entry is loss_mb / micro_batches: the sum is the mean
-                losses.append(torch.stack(mb_losses).sum().item())
-            logger.debug("torch pipelining rank %d step %d: %.3f s", rank, step, step_times[-1])
-
-        state = {k: v for start, ls in chunks.values()
-                 for k, v in _stage_state(ls, start).items()}
+        result, state = torch_pipelining_train(rank, world_size, spec, schedule)
         torch.save(state, out_path + ".pt")
-        flat = [m for _, ls in sorted(chunks.values(), key=lambda c: c[0]) for m in ls]
-        checksum = float(sum(p.detach().double().sum().item()
-                             for m in flat for p in m.parameters()))
-        Path(out_path).write_text(json.dumps({
-            "system": torch_system_name(schedule), "rank": rank, "step_times_s": step_times,
-            "losses": losses if has_last else None, "params_checksum": checksum}))
+        Path(out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def torch_pipelining_train(rank: int, world_size: int, spec: PipelineBenchSpec,
+                           schedule: str = "1F1B") -> tuple[dict, dict]:
+    """The body of :func:`torch_pipelining_worker` in an initialised process group.
+
+    Returns:
+        This rank's result (see the module docstring) and its final parameters.
+    """
+    import torch.distributed.pipelining as tpp
+
+    ids_here = torch_stage_ids(schedule, rank, world_size)
+    parts = spec.split if len(ids_here) == 1 else chunk_split(spec.split, 2)
+    n_stages = len(parts)
+    layers_all = spec.layers()
+    chunks = {sid: (sum(parts[:sid]), layers_all[sum(parts[:sid]): sum(parts[: sid + 1])])
+              for sid in ids_here}
+    modules = {sid: nn.Sequential(*ls) for sid, (_, ls) in chunks.items()}
+    stages = [tpp.PipelineStage(modules[sid], sid, n_stages, torch.device("cpu"))
+              for sid in ids_here]
+    has_first, has_last = 0 in ids_here, n_stages - 1 in ids_here
+    n_mb = spec.micro_batches
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # gradients of the full-batch mean loss; see the module docstring
+        return _mean_loss(logits, targets) / n_mb
+
+    cls = getattr(tpp, f"Schedule{schedule}")
+    kwargs: dict[str, Any] = {"n_microbatches": n_mb, "loss_fn": loss_fn}
+    if _accepts(cls.__init__, "scale_grads"):
+        kwargs["scale_grads"] = False
+    sched = cls(stages[0] if len(stages) == 1 else stages, **kwargs)
+    step_kwargs: dict[str, Any] = {}
+    if _accepts(sched.step, "return_outputs"):
+        step_kwargs["return_outputs"] = False
+    params = [p for m in modules.values() for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=spec.lr)
+    data = spec.data()
+
+    step_times: list[float] = []
+    losses: list[float] = []
+    for step in range(spec.steps):
+        ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
+        mb_losses: list[torch.Tensor] = []
+        dist.barrier()
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        inputs = (ids,) if has_first else ()
+        if has_last:
+            sched.step(*inputs, target=targets, losses=mb_losses, **step_kwargs)
+        else:
+            sched.step(*inputs, **step_kwargs)
+        optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+        if has_last:  # each entry is loss_mb / micro_batches: the sum is the mean
+            losses.append(torch.stack(mb_losses).sum().item())
+        logger.debug("torch pipelining rank %d step %d: %.3f s", rank, step, step_times[-1])
+
+    state = {k: v for start, ls in chunks.values() for k, v in _stage_state(ls, start).items()}
+    checksum = float(sum(p.detach().double().sum().item() for p in params))
+    return {"system": torch_system_name(schedule), "rank": rank, "step_times_s": step_times,
+            "losses": losses if has_last else None, "params_checksum": checksum}, state
 
 
 def torch_system_name(schedule: str) -> str:
