@@ -20,7 +20,7 @@ from __future__ import annotations
 from trainwright.errors import PlanError
 
 __all__ = ["Action", "KINDS", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
-           "SCHEDULES", "SPLIT_BACKWARD", "max_in_flight"]
+           "SCHEDULES", "SPLIT_BACKWARD", "max_in_flight", "max_waiting_w"]
 
 from trainwright.schedule.base import COMPUTE, KINDS, Action, _check, _with_comm
 from trainwright.schedule.zero_bubble import zb_h1, zb_h2
@@ -90,6 +90,19 @@ def max_in_flight(actions: list[Action]) -> int:
     for a in actions:
         live += (a.kind == "F") - (a.kind == release)
         peak = max(peak, live)
+    return peak
+
+
+def max_waiting_w(actions: list[Action]) -> int:
+    """Most micro-batches at once whose ``B`` has started and whose ``W`` is not done (0 for
+    schedules without ``W``)."""
+    live, peak = 0, 0
+    for a in actions:
+        if a.kind == "B" and any(x.kind == "W" for x in actions):
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == "W":
+            live -= 1
     return peak
 
 
