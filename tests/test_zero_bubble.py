@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,15 @@ def test_memory_planner_counts_what_waits_for_w():
     assert [max_waiting_w(a) for a in build_schedule("1f1b", 4, 8)] == [0] * 4
     waits = [max_waiting_w(a) for a in sched]
     assert all(1 <= w <= max_in_flight(a) for w, a in zip(waits, sched, strict=True))
+
+
+@pytest.mark.timeout(180)
+def test_plan_auto_picks_the_schedule_of_least_predicted_step(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--schedule", "auto", "--pp", "2", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    tried = [t for t in plan["depths_tried"] if "step_s" in t]
+    assert {t["schedule"] for t in tried} == {"1f1b", "gpipe", *ZB}
+    best = min(tried, key=lambda t: (not t["fits"], t["step_s"]))
+    assert plan["schedule"] == best["schedule"]
+    assert main(["schedule", "--schedule", "zb-h2", "--pp", "3", "--micro-batches", "6"]) == 0
