@@ -11,9 +11,10 @@ serves both passes:
   its node. Then the outputs are dropped: only the boundary nodes and what lies below them
   (the weight side, with the tensors it saved) stay alive.
 * **W** runs autograd from the boundary nodes (``GradientEdge``) with the kept gradients
-  to the parameters only, and adds the results to ``.grad``. A boundary node below another
-  boundary node gets its kept gradient back from a pre-hook instead of the sum (its share
-  from the node above was already in it), so nothing counts twice.
+  to the parameters, once per group of parameters hanging from the same boundary nodes
+  (so only the weight side runs), and adds the results to ``.grad``. Within a group, a
+  boundary node below another gets its kept gradient back from a pre-hook instead of the
+  sum (its share from the node above was already in it), so nothing counts twice.
 
 Segments whose inputs need no gradient (token ids) do all their work in W; segments
 without parameters do all of it in B. Saved tensors of swapped or recomputed layers live
@@ -33,15 +34,13 @@ __all__ = ["WeightWork", "backward_input", "backward_weight"]
 
 @dataclass
 class WeightWork:
-    """What W needs: the parameters and where their gradients start."""
+    """What W needs: per group of parameters, where their gradients start."""
 
     params: list[torch.Tensor]
-    edges: list = field(default_factory=list)
-    """``GradientEdge`` roots of W."""
-    grads: list = field(default_factory=list)
-    """The gradient entering each edge."""
-    clamps: list = field(default_factory=list)
-    """``(node, kept grad_outputs)`` of boundary nodes (more than one: pre-hooks in W)."""
+    groups: list = field(default_factory=list)
+    """``(edges, grads, params, clamps)`` per group: ``GradientEdge`` roots, the gradient
+    entering each, the parameters reached from them, and ``(node, kept grad_outputs)``
+    pre-hooks for boundary nodes (only when the group has several)."""
 
 
 def _node(t: torch.Tensor):
@@ -110,28 +109,31 @@ def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
     if not outs:
         return tuple(None for _ in inputs), work
     if not want:  # nothing to send back: all of it is weight work
-        work.edges = [GradientEdge(_node(o), o.output_nr) for o in outs]
-        work.grads = gs
+        edges = [GradientEdge(_node(o), o.output_nr) for o in outs]
+        work.groups = [(edges, gs, params, [])]
         return tuple(None for _ in inputs), work
-    boundary, loose = _boundary(outs, want, params)
+    groups, roots_only = _groups(outs, want, params)
+    nodes = list({n: None for g_nodes, _ in groups for n in g_nodes})
     kept: dict = {}
-    handles = [n.register_prehook(lambda g, n=n: kept.__setitem__(n, g)) for n in boundary]
+    handles = [n.register_prehook(lambda g, n=n: kept.__setitem__(n, g)) for n in nodes]
     try:
         got = torch.autograd.grad(outs, want, gs, retain_graph=bool(params), allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    for node in boundary:
-        for i, g in enumerate(kept.get(node, ())):
-            if g is not None:
-                work.edges.append(GradientEdge(node, i))
-                work.grads.append(g)
-        if node in kept and len(boundary) > 1:
-            work.clamps.append((node, kept[node]))
+    for g_nodes, g_params in groups:
+        edges, grads = [], []
+        for node in g_nodes:
+            for i, g in enumerate(kept.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        clamps = [(n, kept[n]) for n in g_nodes if n in kept] if len(g_nodes) > 1 else []
+        work.groups.append((edges, grads, g_params, clamps))
     for o, g in zip(outs, gs, strict=True):
-        if _node(o) in loose:
-            work.edges.append(GradientEdge(_node(o), o.output_nr))
-            work.grads.append(g)
+        if _node(o) in roots_only:
+            work.groups.append(([GradientEdge(_node(o), o.output_nr)], [g],
+                                roots_only[_node(o)], []))
     it = iter(got)
     result = tuple(next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None
                    for t in inputs)
@@ -141,36 +143,45 @@ def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
     return result, work
 
 
-def _boundary(outs: list, want: list, params: list) -> tuple[list, set]:
-    """Boundary nodes between the input side and the weight side, and root nodes that
-    lead to parameters only (their output gradient starts W directly)."""
+def _groups(outs: list, want: list, params: list) -> tuple[list, dict]:
+    """Parameters grouped by the boundary nodes they hang from, and root nodes that lead to
+    parameters only (root -> those parameters).
+
+    One W call per group asks for that group's parameters only, so autograd runs just the
+    weight side below its boundary nodes; one call for all would also re-run the input side
+    between a higher layer's boundary and a lower layer's parameters."""
     roots = list({_node(o): None for o in outs})
     parents = _parents(roots)
     input_side, _ = _closure([_node(t) for t in want], parents)
-    boundary: dict = {}
-    loose = set()
+    by_nodes: dict[frozenset, list] = {}
+    roots_only: dict = {}
     for p in params:
         reached, touched = _closure([_node(p)], parents, stop=input_side)
-        boundary.update(dict.fromkeys(touched))
-        loose |= {r for r in roots if r in reached and r not in input_side}
-    return list(boundary), loose
+        if touched:
+            by_nodes.setdefault(frozenset(touched), []).append(p)
+        for r in roots:
+            if r in reached and r not in input_side:
+                roots_only.setdefault(r, []).append(p)
+    return [(list(k), v) for k, v in by_nodes.items()], roots_only
 
 
 def backward_weight(work: WeightWork) -> None:
     """W: accumulate the parameters' gradients from what :func:`backward_input` left."""
-    if not work.params or not work.edges:
-        return
-    handles = [n.register_prehook(lambda _g, k=k: k) for n, k in work.clamps]
-    try:
-        got = torch.autograd.grad(work.edges, work.params, work.grads, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    for p, g in zip(work.params, got, strict=True):
-        if g is None:
+    for edges, grads, params, clamps in work.groups:
+        if not edges or not params:
             continue
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad += g
-    work.edges, work.grads, work.clamps = [], [], []
+        handles = [n.register_prehook(lambda _g, k=k: k) for n, k in clamps]
+        try:
+            got = torch.autograd.grad(edges, params, grads, allow_unused=True,
+                                      retain_graph=True)
+        finally:
+            for h in handles:
+                h.remove()
+        for p, g in zip(params, got, strict=True):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+    work.groups = []
