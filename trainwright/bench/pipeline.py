@@ -40,6 +40,7 @@ from trainwright.bench import peers
 from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
+from trainwright.dist import collective as coll
 
 __all__ = ["OUR_SCHEDULES", "spec_config", "trace_steps", "run", "main"]
 
@@ -95,7 +96,7 @@ def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> d
     cfg = spec_config(spec, run_dir, schedule)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    coll.barrier()
     Trainer(cfg, run_dir).fit()
     if rank != 0:
         return {}
