@@ -34,6 +34,12 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
      r"no stages to migrate layers between"),
     (['sync.strategy="tokenring"', 'train.optimizer="sgd"', "memory.peer_swap=true",
       'memory.limit="8MB"'], r"no stages to lend activation memory to"),
+    (['train.schedule="zb-h1"', "memory.peer_swap=true", 'memory.limit="8MB"'],
+     r"peer_swap = true works with train.schedule = \"1f1b\" or \"gpipe\", not 'zb-h1'"),
+    (['train.schedule="zb-h2"', "rebalance.enabled=true"],
+     r"live migration .* works with train.schedule = \"1f1b\" or \"gpipe\", not 'zb-h2'"),
+    (['train.schedule="zb-h1"', 'rebalance.edits="tests.factories:insert_heavy"'],
+     r"live migration .* not 'zb-h1'"),
     (['model.factory="tests.factories:number_across_layers"'],
      r"model.factory = .*only tensors cross the cuts.*wrap the submodules"),
 ]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainwright.errors import ConfigError, PlanError
 from trainwright.observe.telemetry import atomic_write_text, setup_logging
+from trainwright.schedule.actions import SCHEDULES
 
 __all__ = ["main"]
 
@@ -200,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=_cmd_report)
 
     sch = sub.add_parser("schedule", help="print a pipeline schedule as a step x stage grid")
-    sch.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sch.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     sch.add_argument("--pp", type=int, default=4)
     sch.add_argument("--micro-batches", type=int, default=8)
     sch.add_argument("--actions", action="store_true", help="also list every stage's actions")
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--steps", type=int, default=None, help="steps per run (default: spec)")
     ben.add_argument("--stages", type=int, default=None,
                      help="pipeline stages, where the benchmark has them (default: spec)")
+    ben.add_argument("--spec", action="append", metavar="KEY=VALUE",
+                     help="pipeline: change a scalar of the workload (e.g. d_model=128)")
     ben.add_argument("--loopback", action="store_true",
                      help="hierarchical: run on 127.0.0.1 instead of the emulated network")
     ben.add_argument("--link", metavar="RATE",

@@ -116,6 +116,7 @@ class Config(BaseModel):
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
         self._validate_peer_swap()
+        self._validate_schedule()
         if self.fault.kill_rank >= self.world_size:
             raise ConfigError(f"fault.kill_rank = {self.fault.kill_rank} is not a rank of this "
                               f"job; ranks are 0..{self.world_size - 1} (parallel.pp * dp)")
@@ -163,6 +164,19 @@ class Config(BaseModel):
             raise ConfigError("memory.peer_swap = true fixes which stage holds which tensor "
                               "at start, so layers cannot migrate; set rebalance.enabled = "
                               "false (and no rebalance.at_step / edits)")
+
+    def _validate_schedule(self) -> None:
+        """Live migration and peer swap weave their actions into GPipe and 1F1B only."""
+        sch, rb = self.train.schedule, self.rebalance
+        if sch in ("1f1b", "gpipe"):
+            return
+        if self.memory.peer_swap:
+            raise ConfigError(f"memory.peer_swap = true works with train.schedule = \"1f1b\" "
+                              f"or \"gpipe\", not {sch!r}; pick one of those or turn it off")
+        if rb.enabled or rb.at_step or rb.edits:
+            raise ConfigError(f"live migration (rebalance.enabled / at_step / edits) works "
+                              f"with train.schedule = \"1f1b\" or \"gpipe\", not {sch!r}; "
+                              f"pick one of those or turn rebalancing off")
 
     def _validate_rebalance(self) -> None:
         rb, m = self.rebalance, self.train.micro_batches

@@ -130,8 +130,10 @@ class TrainConfig(Section):
     """Micro-batches per step per replica; must divide batch_size / dp."""
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2"] = "1f1b"
+    """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, or zero bubble (backward split into input
+    and weight gradients): ``"zb-h1"`` (1F1B's peak memory, less bubble) or ``"zb-h2"``
+    (more micro-batches in flight, least bubble). See docs/schedules.md."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: PositiveFloat = 3e-3

@@ -329,6 +329,7 @@ class Trainer:
         self._apply_model_edits(step)
         migration = self._migration_for(step)
         x, y = self._batch(step)
+        self.stage.fast = self._fast_step(step, migration)
         m, first = self.cfg.train.micro_batches, self.topo.stage == 0
         stats = self.runtime.run_step(
             step, split_microbatches(x, m) if first else None,
@@ -346,6 +347,16 @@ class Trainer:
         if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
             self.save_checkpoint(step)
         return stats
+
+    def _fast_step(self, step: int, migration: Migration | None) -> bool:
+        """Whether this step may fuse consecutive ``keep`` layers, unmeasured: nothing
+        needs per-layer figures (first and profile steps, memory limits, peer swap,
+        rebalancing) and no policy change or migration is pending."""
+        cfg = self.cfg
+        return not (step == self.start or step % cfg.run.profile_every == 0
+                    or step == cfg.train.steps or self.budget.limit is not None
+                    or self.peer_plan is not None or self.rebalancer is not None
+                    or migration is not None)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's share of the step's global batch, on the device."""
