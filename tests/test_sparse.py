@@ -434,7 +434,7 @@ def test_bench_sparse_runs_at_tiny_size():
     assert sum(at["trainwright", 0.01]["path_counts"].values()) == 2 * 2
     # the headline: paired per-round ratios of auto against DDP at 1 %
     ours, ddp = at["trainwright", 0.01]["sync_s_rounds"], at["ddp_sparse", 0.01]["sync_s_rounds"]
-    want = [a / max(b, 1e-9) for a, b in zip(ours, ddp)]
+    want = [a / max(b, 1e-9) for a, b in zip(ours, ddp, strict=True)]
     assert result["paired_ratios"] == [round(x, 4) for x in want]
     assert result["ratio_vs_ddp_sparse_at_1pct"] == round(statistics.median(want), 4)
     assert result["ratio_vs_ddp_sparse_at_1pct_spread"] == result["ratio_spread"]
@@ -442,7 +442,7 @@ def test_bench_sparse_runs_at_tiny_size():
                                                                      "dense")) for i in range(2)]
     auto_hi = at["trainwright", 0.5]["sync_s_rounds"]
     assert result["auto_vs_best_forced"]["0.5"]["ratio"] == round(
-        statistics.median([a / b for a, b in zip(auto_hi, best)]), 4)
+        statistics.median([a / b for a, b in zip(auto_hi, best, strict=True)]), 4)
     assert result["auto_vs_best_forced_max"] == max(
         v["ratio"] for v in result["auto_vs_best_forced"].values())
     assert summarise(rows, spec)["ratio"] == result["ratio"]

@@ -166,7 +166,7 @@ def _system_steps(name: str, steps: int, ids, gout, world: int, mods) -> dict:
             ours.weight.grad = None
             sync = syncs[name.removeprefix("forced_")]
             out["fb"].append(_timed(lambda: ours(ids).backward(gout)))
-            out["sync"].append(_timed(lambda: sync.sync([ours.weight])))
+            out["sync"].append(_timed(lambda s=sync: s.sync([ours.weight])))
             choice = sync.last[0]
             out["taken"].append(dict(path=choice.path, explored=choice.explored,
                                      cheapest=min(choice.estimates_s, key=choice.estimates_s.get)
@@ -377,8 +377,8 @@ def main(args) -> dict:
     repeats = getattr(args, "repeats", None) or default.repeats
     steps = getattr(args, "steps", None) or default.steps
     link = getattr(args, "link", None)
-    return run(SparseBenchSpec(repeats=repeats, steps=steps, network="netns" if link else "loopback",
-                               link_rate=link or "1gbit"))
+    return run(SparseBenchSpec(repeats=repeats, steps=steps, link_rate=link or "1gbit",
+                               network="netns" if link else "loopback"))
 
 
 if __name__ == "__main__":
