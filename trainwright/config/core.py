@@ -214,6 +214,13 @@ class Config(BaseModel):
             raise ConfigError(f"tokenring.pace_s = {r.pace_s} must be >= 0 (0 = no pacing)")
         if not 0 < r.close_fraction <= 1:
             raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
+        if not 0 <= r.close_grace_s <= r.close_timeout_s:
+            raise ConfigError(f"tokenring.close_grace_s = {r.close_grace_s} must be in [0, "
+                              f"tokenring.close_timeout_s = {r.close_timeout_s}] (0 = close at "
+                              f"the fraction at once)")
+        if not 0 <= r.slow_probability <= 1:
+            raise ConfigError(f"tokenring.slow_probability = {r.slow_probability} must be in "
+                              f"[0, 1] (0 = no transient stragglers)")
         if r.min_nodes > r.nodes:
             raise ConfigError(f"tokenring.min_nodes = {r.min_nodes} is more than tokenring.nodes"
                               f" = {r.nodes}; use at most {r.nodes}")

@@ -269,6 +269,20 @@ class TokenRingConfig(Section):
     record_hashes: bool = True
     """Record a SHA-256 of the parameters after every step in ``node<i>.json`` (to check
     that replicas are bit-identical; costs a pass over the weights per step)."""
+    close_grace_s: float = 0.05
+    """A step closes as soon as every member contributed; once the contributions meet
+    ``close_fraction`` it closes after this many more seconds even without the rest, so a
+    node that is only a little late is not thrown away (0 = close at the fraction at once,
+    the seed's plain rule). Set it to a small share of a step's compute time."""
+    slow_probability: float = 0.0
+    """Emulation (benchmarks): in every step every node is independently ``slow_factor``
+    times slower with this probability (transient stragglers), from a pattern seeded by
+    ``slow_seed`` (:func:`trainwright.tokenring.exchange.transient_slow`)."""
+    slow_seed: int = 0
+    """Seed of the transient-straggler pattern (the same for every system compared)."""
+    record_weights: bool = False
+    """Benchmarks: the first node also saves the parameters after every step
+    (``weights_per_step.pt``), to measure accuracy curves without pausing training."""
 
 
 class RebalanceConfig(Section):
