@@ -269,11 +269,14 @@ def slow_pattern(spec: StragglerSpec) -> list[list[int]]:
             for s in range(1, spec.steps + 1)]
 
 
-def run(spec: StragglerSpec, repeats: int = 5, runs: tuple = RUNS) -> dict:
+def run(spec: StragglerSpec, repeats: int = 5, runs: tuple = RUNS,
+        partial: Path | None = None) -> dict:
     """Every (system, scenario) pair of ``runs`` in ``repeats`` ABBA rounds; returns the
-    benchmark JSON (ratios whose two runs were not measured are left out)."""
+    benchmark JSON (ratios whose two runs were not measured are left out). With
+    ``partial``, the summary of the rounds done so far is written there after each round."""
     from trainwright.bench.paired import round_order
     from trainwright.observe.progress import StepProgress
+    from trainwright.observe.telemetry import atomic_write_text
 
     got: dict[tuple[str, str], list[dict]] = {k: [] for k in runs}
     bar = StepProgress(repeats * len(runs))
@@ -284,6 +287,8 @@ def run(spec: StragglerSpec, repeats: int = 5, runs: tuple = RUNS) -> dict:
                 got[key].append(_one_run(spec, *key, Path(tmp)))
                 done += 1
                 bar.update(done, None, 0.0)
+            if partial is not None:
+                atomic_write_text(partial, json.dumps(summarise(got, spec, rnd + 1), indent=1))
     bar.close()
     return summarise(got, spec, repeats)
 
@@ -367,4 +372,5 @@ def main(args) -> dict:
     spec = StragglerSpec()
     if args.steps:
         spec.steps = args.steps
-    return run(spec, repeats=args.repeats or 5)
+    partial = Path(f"{args.json}.partial") if getattr(args, "json", None) else None
+    return run(spec, repeats=args.repeats or 5, partial=partial)
