@@ -129,6 +129,48 @@ def test_tokenring_config_errors(tmp_path):
         ring_cfg(tmp_path, **{"tokenring.kill_nodes": [7]})
     with pytest.raises(ConfigError, match="min_nodes"):
         ring_cfg(tmp_path, **{"tokenring.min_nodes": 5})
+    with pytest.raises(ConfigError, match="tokenring.close_grace_s = -1"):
+        ring_cfg(tmp_path, **{"tokenring.close_grace_s": -1})
+    with pytest.raises(ConfigError, match="tokenring.slow_probability = 1.5"):
+        ring_cfg(tmp_path, **{"tokenring.slow_probability": 1.5})
+
+
+@pytest.mark.timeout(30)
+def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
+    import zmq
+
+    from trainwright.tokenring.ring import RingTimes, Token, TokenRing
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("tcp://127.0.0.1:*")
+    epoch = Epoch((0, 0), {i: f"tcp://127.0.0.1:{9000 + i}" for i in range(4)})
+    ring = TokenRing(ctx, 0, pull, epoch, close_fraction=0.5, min_nodes=2, total_steps=10,
+                     times=RingTimes(close_grace_s=0.3))
+    try:
+        assert not ring._may_close(Token(1, [0], 0, 1))  # below the fraction: never
+        assert ring._may_close(Token(2, [0, 1, 2, 3], 0, 1))  # everyone in: at once
+        half = Token(3, [0, 2], 0, 1)
+        assert not ring._may_close(half)  # the fraction is met: the grace starts now
+        time.sleep(0.35)
+        assert ring._may_close(half)  # ... and closes the step without the late nodes
+    finally:
+        pull.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_transient_straggler_pattern_is_seeded_and_shared(tmp_path):
+    from trainwright.tokenring.exchange import is_slow, transient_slow
+
+    draws = [transient_slow(7, s, n, 0.2) for s in range(1, 501) for n in range(4)]
+    assert draws == [transient_slow(7, s, n, 0.2) for s in range(1, 501) for n in range(4)]
+    assert 0.15 < sum(draws) / len(draws) < 0.25  # independent draws at p = 0.2
+    assert draws != [transient_slow(8, s, n, 0.2) for s in range(1, 501) for n in range(4)]
+    assert not any(transient_slow(7, s, 0, 0.0) for s in range(100))
+    cfg = ring_cfg(tmp_path, **{"tokenring.slow_node": 3, "tokenring.slow_factor": 3.0})
+    assert all(is_slow(cfg.tokenring, 3, s) for s in range(1, 20))
+    assert not any(is_slow(cfg.tokenring, 1, s) for s in range(1, 20))
 
 
 # ---------------------------------------------------------------- 4 node processes
