@@ -69,9 +69,9 @@ class HierBenchSpec:
     nodes: int = 2
     ranks_per_node: int = 2
     width: int = 2048
-    layers: int = 6
-    """6 x 2048 x 2048 = 25.2M parameters (12 layers until the paired rounds: 3 systems x
-    5 rounds x 15 steps of a 50M model take over 15 minutes on a shared 2-core machine)."""
+    layers: int = 2
+    """2 x 2048 x 2048 = 8.4M parameters (12 layers until the paired rounds: 3 systems x
+    5 rounds x 16 steps of the 50M model took over an hour on the shared 2-core machine)."""
     batch: int = 4
     steps: int = 15
     """Timed steps per system per round (after one warm-up step)."""
