@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, emulated, run_ranks
+from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
 
@@ -96,12 +97,12 @@ def _ids(spec: SparseBenchSpec, rank: int, density: float) -> torch.Tensor:
 
 def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    coll.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def _timed(fn) -> float:
-    dist.barrier()
+    coll.barrier()
     t0 = time.perf_counter()
     fn()
     return _slowest(time.perf_counter() - t0)
@@ -154,7 +155,7 @@ def _system_steps(name: str, steps: int, ids, gout, world: int, mods) -> dict:
         if name == "dense_allreduce":
             dense.weight.grad = None
             out["fb"].append(_timed(lambda: dense(ids).backward(gout)))
-            out["sync"].append(_timed(lambda: (dist.all_reduce(dense.weight.grad),
+            out["sync"].append(_timed(lambda: (coll.all_reduce(dense.weight.grad),
                                                dense.weight.grad.div_(world))))
         elif name == "ddp_sparse":  # its sync runs inside backward: with minus without
             ddp.module.weight.grad = None
@@ -187,7 +188,7 @@ def _warm_and_check(ids, gout, world: int, mods) -> None:
     ours, dense, ddp, syncs = mods
     dense.weight.grad = None
     dense(ids).backward(gout)
-    dist.all_reduce(dense.weight.grad)
+    coll.all_reduce(dense.weight.grad)
     dense.weight.grad.div_(world)
     for sync in syncs.values():
         ours.weight.grad = None
@@ -223,7 +224,7 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
         progress(f"density {density:.1%}")
     unique = torch.tensor([ids.unique().numel()], dtype=torch.int64)
     every = [torch.zeros_like(unique) for _ in range(world)]
-    dist.all_gather(every, unique)
+    coll.all_gather(every, unique)
     counts = [int(c) for c in every]
     w, row_bytes = world, spec.dim * 4
     sent = {
@@ -324,7 +325,7 @@ def worker(tmp: str, rank: int) -> None:
                             timeout=datetime.timedelta(seconds=data["timeout_s"]))
     _bench_rank(rank, spec.world, spec, str(Path(tmp) / "result.json"),
                 str(Path(tmp) / "progress"))
-    dist.barrier()
+    coll.barrier()
     dist.destroy_process_group()
     exit_now(0)
 

@@ -191,9 +191,9 @@ def _tokenring(spec: StragglerSpec, scenario: str, tmp: Path) -> dict:
 
 
 def _ddp_worker(rank: int, world: int, spec_d: dict, scenario: str, out: str) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from trainwright.dist import collective as coll
     from trainwright.tokenring.exchange import transient_slow
 
     spec = StragglerSpec(**spec_d)
@@ -212,7 +212,7 @@ def _ddp_worker(rank: int, world: int, spec_d: dict, scenario: str, out: str) ->
     fwd_bwd_per_fwd = statistics.median(ratios)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr)
-    dist.barrier()
+    coll.barrier()
     start, ends, snaps = time.time(), [], []
     for step in range(1, spec.steps + 1):
         t0 = time.perf_counter()
