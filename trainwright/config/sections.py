@@ -299,10 +299,30 @@ class TokenRingConfig(Section):
     record_hashes: bool = True
     """Record a SHA-256 of the parameters after every step in ``node<i>.json`` (to check
     that replicas are bit-identical; costs a pass over the weights per step)."""
+    close_grace_s: Annotated[NonNegativeFloat,
+                             Allowed("must be >= 0 (0 = close at the fraction at once)")] = 0.05
+    """A step closes as soon as every member contributed; once the contributions meet
+    ``close_fraction`` it closes after this many more seconds even without the rest, so a
+    node that is only a little late is not thrown away (0 = close at the fraction at once,
+    the seed's plain rule). Set it to a small share of a step's compute time."""
+    slow_probability: Annotated[UNIT, Allowed("must be in [0, 1] (0 = no transient "
+                                              "stragglers)")] = 0.0
+    """Emulation (benchmarks): in every step every node is independently ``slow_factor``
+    times slower with this probability (transient stragglers), from a pattern seeded by
+    ``slow_seed`` (:func:`trainwright.tokenring.exchange.transient_slow`)."""
+    slow_seed: Annotated[int, Field(ge=0, lt=2**32), Allowed("must be in 0 .. 2**32 - 1")] = 0
+    """Seed of the transient-straggler pattern (the same for every system compared)."""
+    record_weights: bool = False
+    """Benchmarks: the first node also saves the parameters after every step
+    (``weights_per_step.pt``), to measure accuracy curves without pausing training."""
 
     @model_validator(mode="after")
     def _node_indices(self) -> TokenRingConfig:
         """Node counts and indices agree with ``nodes``, whether or not the ring is used."""
+        if self.close_grace_s > self.close_timeout_s:
+            raise ConfigError(f"tokenring.close_grace_s = {self.close_grace_s} is more than "
+                              f"tokenring.close_timeout_s = {self.close_timeout_s}; use a grace "
+                              f"of a small share of a step's time")
         if self.min_nodes > self.nodes:
             raise ConfigError(f"tokenring.min_nodes = {self.min_nodes} is more than "
                               f"tokenring.nodes = {self.nodes}; use at most {self.nodes}")

@@ -47,7 +47,8 @@ EXIT_NODE_ERROR = 4
 def _times(cfg: Config) -> RingTimes:
     r = cfg.tokenring
     return RingTimes(token_timeout_s=r.token_timeout_s, succession_s=r.succession_s,
-                     idle_hold_s=r.idle_hold_s, close_timeout_s=r.close_timeout_s)
+                     idle_hold_s=r.idle_hold_s, close_timeout_s=r.close_timeout_s,
+                     close_grace_s=r.close_grace_s)
 
 
 def _node_config(cfg: Config) -> Config:
@@ -185,6 +186,8 @@ class RingNode:
         model = nn.Sequential(*[slot.module for slot in self.trainer.stage.slots])
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, path)
+        if self.exchange.snapshots:  # tokenring.record_weights
+            torch.save(self.exchange.snapshots, self.run_dir / "weights_per_step.pt")
         return path
 
     def write_stats(self, status: str, reason: str = "") -> None:
@@ -201,6 +204,8 @@ class RingNode:
                "events": [e for g in rings for e in g.stats.events],
                "closes": {str(k): v for k, v in sorted(closes.items())},
                "close_time": {str(k): v for k, v in sorted(times.items())},
+               "step_start": {str(k): v for k, v in self.exchange.step_start.items()},
+               "applied_time": {str(k): v for k, v in self.exchange.applied_time.items()},
                "gaps": sum(g.stats.gaps for g in rings),
                "fetches": sum(g.stats.fetches for g in rings),
                "retransmissions": sum(g.stats.retransmissions for g in rings),

@@ -3,7 +3,10 @@
 A token circulates over the ring members. Only its holder broadcasts: a holder whose
 gradient for the token's step is ready sends it to every member as raw tensor frames and
 adds itself to the token's contributions; a holder not ready passes the token at once.
-When the contributions cover ``close_fraction`` of the members, the holder closes the step:
+When every member has contributed, the holder closes the step at once; when the
+contributions cover ``close_fraction`` of the members (the seed's rule: the floor), it closes
+it once ``close_grace_s`` has passed since that quorum, so a node only a little late is not
+thrown away:
 ``close(step, contributors)`` travels inside every later token (a window of recent closes),
 so a node that misses one message still learns every close. Every node applies exactly the
 listed contributors, summed in index order, ``w <- w - lr * sum / n``: replicas stay
@@ -61,6 +64,7 @@ class RingTimes:
     idle_hold_s: float = 0.02
     close_timeout_s: float = 120.0
     fetch_after_s: float = 0.3
+    close_grace_s: float = 0.0
 
 
 def contributors_needed(close_fraction: float, members: int) -> int:
@@ -150,6 +154,8 @@ class TokenRing:
         self._wanted_sent = 0
         self._finishing = self._done_sent = False
         self.close_time: dict[int, float] = {}
+        self._quorum_at: dict[int, float] = {}
+        """Per step: when this node first saw its contributions reach the fraction rule."""
         self._early = list(early or [])
         self._ever = set(epoch.members)
         self._stop = threading.Event()
@@ -472,6 +478,7 @@ class TokenRing:
             return
         self.tok = tok
         self._last_heard = time.monotonic()
+        self._may_close(tok)  # starts this node's grace clock once the quorum is reached
 
     # ---------------------------------------------------------------- holder
     def _act(self) -> None:
@@ -490,11 +497,12 @@ class TokenRing:
             t.idle = 0
             self.stats.contributed.append(step)
         elif (t.idle >= len(self.epoch.members) and not self._wanted(t)
+              and not self._may_close(t)
               and time.monotonic() - self._hold_since < self.times.idle_hold_s):
             return  # an idle ring that nobody waits for: keep the token rather than spin it
         else:
             t.idle += 1
-        if len(t.contribs) >= contributors_needed(self.close_fraction, len(self.epoch.members)):
+        if self._may_close(t):
             self.closes[t.step] = sorted(t.contribs)
             self.close_time[t.step] = time.time()
             t.step, t.contribs, t.idle = t.step + 1, [], 0
@@ -504,6 +512,21 @@ class TokenRing:
         t.holder = self.epoch.successor(self.index)
         t.hop += 1
         self._send_token()
+
+    def _may_close(self, t: Token) -> bool:
+        """The close rule: every member contributed, or the contributions met the fraction
+        rule (the floor) at least ``close_grace_s`` ago, so that a node only a little later
+        than the others is not thrown away. The grace runs on each node's own clock from
+        when it first saw the quorum (no clock agreement between hosts needed)."""
+        members = len(self.epoch.members)
+        if len(t.contribs) >= members:
+            return True
+        if len(t.contribs) < contributors_needed(self.close_fraction, members):
+            return False
+        since = self._quorum_at.setdefault(t.step, time.monotonic())
+        for old in [k for k in self._quorum_at if k < t.step - CLOSE_WINDOW]:
+            del self._quorum_at[old]
+        return time.monotonic() - since >= self.times.close_grace_s
 
     def _wanted(self, t: Token) -> bool:
         """Whether a member said its gradient for the token's step is ready."""
