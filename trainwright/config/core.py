@@ -29,6 +29,7 @@ from trainwright.config.messages import one_line
 from trainwright.config.sections import (
     SECTIONS,
     DataConfig,
+    EvalConfig,
     FaultConfig,
     HierarchicalConfig,
     MemoryConfig,
@@ -41,6 +42,7 @@ from trainwright.config.sections import (
     TokenRingConfig,
     TrainConfig,
 )
+from trainwright.config.training_rules import check_training_extras
 from trainwright.errors import ConfigError
 from trainwright.plan.memory import POLICIES
 
@@ -77,6 +79,7 @@ class Config(BaseModel):
     run: RunConfig = Field(default_factory=RunConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     def __init__(self, **sections: Any) -> None:
         try:
@@ -115,6 +118,7 @@ class Config(BaseModel):
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
         self._validate_peer_swap()
+        check_training_extras(self)
         bad = [x for x in self.memory.policies if x not in POLICIES]
         if bad:
             raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")

@@ -8,7 +8,7 @@ from torch import nn
 
 from trainwright.config import load_config
 from trainwright.errors import TrainwrightError
-from trainwright.model.build import build_layers
+from trainwright.model.build import build_layers, check_data
 from trainwright.pipeline.budget import check_limits
 from trainwright.pipeline.stage import LayerSlot
 from trainwright.run import checkpoint
@@ -38,6 +38,7 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
         cfg = load_config(Path(resume) / "config.toml", list(overrides))
     else:
         cfg = load_config(config, list(overrides))
+    check_data(cfg)
     named = build_layers(cfg)
     cfg.check_layers(len(named))
     check_limits(cfg, named)

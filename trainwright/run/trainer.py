@@ -33,7 +33,7 @@ from trainwright.model.build import (
     split_microbatches,
 )
 from trainwright.model.clusters import model_clusters
-from trainwright.model.data import shard as take_shard
+from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.observe.telemetry import RunRecorder, atomic_write_text
 from trainwright.pipeline.budget import (
@@ -52,6 +52,9 @@ from trainwright.pipeline.runtime import PipelineRuntime, StepStats, kill_self_a
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.run import checkpoint
+from trainwright.run.evaluate import check_eval_data, maybe_evaluate
+from trainwright.run.precision import autocast_factory
+from trainwright.run.update import make_update_step, save_update_state
 from trainwright.schedule.actions import build_schedule
 from trainwright.sync import GradSync, make_grad_sync
 
@@ -147,6 +150,7 @@ class Trainer:
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=s == 0,
                            loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
                            loss_scale=1.0 / cfg.train.micro_batches)
+        self.stage.autocast = autocast_factory(cfg.train.precision, self.device)
 
     def _setup_schedule(self, named: NamedLayers, peer_plan: dict | None, peer_group) -> None:
         """Every stage's action list; seed 004's peer-swap actions woven in when planned."""
@@ -179,6 +183,10 @@ class Trainer:
         """The gradient exchange across replicas, told which layers this stage holds."""
         self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
         self.sync.attach([slot.module for slot in self.slots])
+        self.update = make_update_step(self.cfg, self.sync, self.stage, self.topo, self.start,
+                                       self.run_dir, self.device)
+        if self.cfg.eval.every:
+            check_eval_data(self.data)
 
     def _p2p(self, group) -> P2P:
         topo, rt = self.topo, self.cfg.runtime
@@ -202,7 +210,7 @@ class Trainer:
             self.stage, self.actions, self._p2p(topo.pp_group),
             prev_rank=topo.rank_of(s - 1) if s > 0 else None,
             next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
-            grad_sync=self.sync, replica=topo.replica, fault=fault, extensions=self.extensions)
+            grad_sync=self.update, replica=topo.replica, fault=fault, extensions=self.extensions)
 
     def _setup_rebalancer(self, named: NamedLayers) -> None:
         """Seed 000's detector, partitioner and live migration, when anything can move."""
@@ -297,16 +305,20 @@ class Trainer:
         self.trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         costs_fresh = self._profile_and_check(step, stats)
+        stats.update = getattr(self.update, "last", {})
         self._record(step, stats, costs_fresh)
+        maybe_evaluate(self, step)
         every = self.cfg.run.checkpoint_every
         if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
             self._checkpoint(step)
         return stats
 
-    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's share of the step's global batch, on the device."""
-        x, y = take_shard(self.data.batch(step, self.cfg.train.batch_size), *self.shard)
-        return x.to(self.device), y.to(self.device)
+    def _batch(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This replica's share of the step's global batch, on the device: the inputs on the
+        first stage, the targets on the last (None where the stage needs none)."""
+        x, y = read_share(self.data, step, self.cfg.train.batch_size, *self.shard,
+                          inputs=self.topo.stage == 0, targets=self.stage.is_last)
+        return tuple(None if t is None else t.to(self.device) for t in (x, y))
 
     def _apply_model_edits(self, step: int) -> None:
         """Insert or remove layers as the config's edit hook asks for this step."""
@@ -408,6 +420,8 @@ class Trainer:
         topo = self.topo
         if topo.replica == 0:
             checkpoint.save_stage(self.run_dir, step, topo.stage, self.stage.slots)
+        if topo.rank == 0:
+            save_update_state(self.update, self.run_dir, step)
         if dist.is_initialized():
             dist.barrier()  # every stage file exists before `latest` moves
         if topo.rank == 0:
