@@ -97,7 +97,9 @@ class DataConfig(Section):
     (your text files, ``path``)."""
     factory: str = ""
     """Your own data, ``"package.module:function"`` called with the Config; returns an
-    object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank)."""
+    object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank), or a
+    ``torch.utils.data.Dataset`` / ``IterableDataset`` of ``(input, target)`` items (or a
+    ``(train, validation)`` pair), sharded per replica as ``DistributedSampler`` does."""
     max_bytes: PositiveInt = 2_000_000
     """stdlib corpus: bytes to read."""
     path: str = ""
@@ -127,7 +129,7 @@ class TrainConfig(Section):
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: float = 3e-3
-    """Learning rate (constant)."""
+    """Learning rate (the peak, with ``lr_schedule`` and ``warmup_steps``)."""
     momentum: float = 0.0
     """SGD momentum."""
     weight_decay: float = 0.0
@@ -381,8 +383,9 @@ class FaultConfig(Section):
 
 
 SECTIONS: dict[str, type[Section]] = {
-    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig,
+    "parallel": ParallelConfig,
     "memory": MemoryConfig, "sync": SyncConfig, "hierarchical": HierarchicalConfig,
     "tokenring": TokenRingConfig, "rebalance": RebalanceConfig, "run": RunConfig,
-    "runtime": RuntimeConfig, "fault": FaultConfig, "eval": EvalConfig,
+    "runtime": RuntimeConfig, "fault": FaultConfig,
 }
