@@ -65,3 +65,13 @@ def insert_heavy(step: int) -> list:
     if step == 3:
         return [InsertLayer(at=1, build=lambda: Heavy(32, 24), name="heavy")]
     return []
+
+
+def regression_datasets(cfg):
+    """A ``(train, validation)`` pair of ``TensorDataset``\\ s of ``Regression``-style rows."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    x = torch.randn(100, 16, generator=g)
+    y = torch.sin(x[:, :4]) + 0.1 * x[:, 4:8]
+    return TensorDataset(x[:80], y[:80]), TensorDataset(x[80:], y[80:])
