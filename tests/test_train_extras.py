@@ -405,3 +405,9 @@ def test_update_state_goes_into_the_checkpoint_and_back(tmp_path):
     again = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 4, tmp_path,
                              torch.device("cpu"))
     assert again.clock.lr == first.clock.lr and again.scaler.get_scale() == 123.0
+    # a resume that raises train.steps follows the new curve from the resumed step
+    longer = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=2",
+                                "train.steps=16", "train.precision=fp16", "parallel.pp=1"])
+    extended = make_update_step(longer, BucketedAllReduce(None, 1), stage, topo, 4, tmp_path,
+                                torch.device("cpu"))
+    assert extended.clock.lr == LRClock(longer.train, 3).lr != first.clock.lr

@@ -11,6 +11,7 @@ clears the gradients of a skipped step. What it did is in :attr:`UpdateStep.last
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from trainwright.run.precision import PipelineGradScaler
 from trainwright.sync.base import GradSync
 
 __all__ = ["UpdateStep", "make_update_step", "save_update_state", "state_path"]
+
+log = logging.getLogger(__name__)
 
 
 class UpdateStep(GradSync):
@@ -41,6 +44,8 @@ class UpdateStep(GradSync):
         t = cfg.train
         self.inner, self.stage, self.pp_group = inner, stage, pp_group
         self.clip_norm = t.clip_norm
+        self.schedule = [t.lr_schedule, t.lr, t.min_lr, t.warmup_steps, t.steps]
+        """The settings the schedule was built from (a resume with others rebuilds it)."""
         self.clock = LRClock(t, done_steps)
         self.scaler = None
         if t.precision == "fp16":
@@ -89,12 +94,18 @@ class UpdateStep(GradSync):
 
     def state_dict(self) -> dict:
         """Schedule and loss-scaler state for the checkpoint."""
-        return {"lr_scheduler": self.clock.state_dict(),
+        return {"schedule": list(self.schedule), "lr_scheduler": self.clock.state_dict(),
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from :meth:`state_dict`."""
-        self.clock.load_state_dict(state["lr_scheduler"])
+        """Continue from :meth:`state_dict`. A schedule saved under other settings (e.g. a
+        resume that raised ``train.steps``) is not loaded: the clock built from the current
+        settings and fast-forwarded to the resumed step stands."""
+        if state.get("schedule") == self.schedule:
+            self.clock.load_state_dict(state["lr_scheduler"])
+        else:
+            log.info("the learning-rate schedule settings changed since the checkpoint (%s -> "
+                     "%s); following the new ones", state.get("schedule"), self.schedule)
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
 
