@@ -107,6 +107,8 @@ class Trainer:
         self.topo = mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
         self.build_layers = layers or (lambda: build_layers(cfg))
         self.data = data if data is not None else build_data(cfg)
+        if cfg.eval.every:
+            check_eval_data(self.data)
         self.shard = shard or (self.topo.replica, self.topo.dp)
         named = self._setup_layers(resume)
         self._setup_stage(profiler or LayerProfiler())
@@ -180,13 +182,12 @@ class Trainer:
         return plan
 
     def _setup_grad_sync(self, grad_sync: GradSync | None) -> None:
-        """The gradient exchange across replicas, told which layers this stage holds."""
+        """The gradient exchange across replicas, told which layers this stage holds, and the
+        optimizer step around it (loss-scale check, clipping, learning rate)."""
         self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
         self.sync.attach([slot.module for slot in self.slots])
         self.update = make_update_step(self.cfg, self.sync, self.stage, self.topo, self.start,
                                        self.run_dir, self.device)
-        if self.cfg.eval.every:
-            check_eval_data(self.data)
 
     def _p2p(self, group) -> P2P:
         topo, rt = self.topo, self.cfg.runtime
