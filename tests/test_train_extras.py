@@ -151,15 +151,26 @@ def _pp2_configs(root: Path) -> dict:
                             "rebalance.to": "[1, 3]", "train.momentum": 0.9,
                             "train.min_lr": 0.0}),          # + migration with momentum state
         "fp16": tiny(**{"train.precision": '"fp16"', "train.steps": 3}),
+        "resumed": tiny(**{**common, "train.steps": 4, "run.checkpoint_every": 2,
+                           "eval.every": 0, "train.momentum": 0.9}),
     }
 
 
 def _pp2_worker(rank: int, world: int, jobs: dict) -> None:
+    import torch.distributed as dist
+
+    from trainwright.run import checkpoint
+
     for name, (cfg, run_dir) in jobs.items():
         if name == "fp16":
             _fp16_inf_job(rank, world, cfg, run_dir)
-        else:
-            train(cfg, Path(run_dir))
+            continue
+        train(cfg, Path(run_dir))
+        if name == "resumed":  # go back to the checkpoint of step 2 and resume from there
+            if rank == 0:
+                checkpoint.mark_latest(Path(run_dir), 2)
+            dist.barrier()
+            train(cfg, Path(run_dir), resume=True)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +209,23 @@ def test_schedule_survives_a_live_migration(pp2_runs):
     cfg, run_dir = pp2_runs["migrated"]
     _check(cfg, run_dir)
     assert [r["step"] for r in _rows(run_dir, "repartition")] == [2]
+
+
+@pytest.mark.timeout(480)
+def test_resume_continues_the_schedule(pp2_runs):
+    """Resumed from step 2 of 4: steps 3-4 get the same lr (and loss) as the first time, and
+    the final weights equal the reference's."""
+    cfg, run_dir = pp2_runs["resumed"]
+    rows = _rows(run_dir, "step")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4]
+    for a, b in ((rows[2], rows[4]), (rows[3], rows[5])):
+        assert a["lr"] == b["lr"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    ref = reference(cfg)
+    torch.testing.assert_close(torch.tensor([r["lr"] for r in rows[4:]], dtype=torch.float64),
+                               torch.tensor(ref["lr"][2:], dtype=torch.float64))
+    for (name, a), (_, b) in zip(load_model(run_dir).named_parameters(),
+                                 ref["model"].named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _dp2_configs(tiny) -> list:
