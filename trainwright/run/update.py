@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +53,9 @@ class UpdateStep(GradSync):
             self.scaler = PipelineGradScaler((device or torch.device("cpu")).type)
             stage.loss_gradient = self.scaler.loss_gradient
         self.last: dict = {}
+        self.norm_skip: Callable[[], list] = list
+        """This rank's parameters the global norm must not count (e.g. the second copy of a
+        tied weight, whose gradient another stage already counts)."""
 
     def sync(self, params: list) -> None:
         """The wrapped exchange's sync."""
@@ -74,7 +78,9 @@ class UpdateStep(GradSync):
             skip = self.scaler.unscale_and_agree(opts)
             row["skipped"] = skip
         if self.clip_norm > 0 and not skip:
-            norm = global_grad_norm(params, self.pp_group, self.inner)
+            skip_ids = {id(p) for p in self.norm_skip()}
+            norm = global_grad_norm([p for p in params if id(p) not in skip_ids],
+                                    self.pp_group, self.inner)
             row["grad_norm"] = norm
             row["clip_coef"] = scale_gradients(params, self.clip_norm, norm, self.inner)
         if skip:
