@@ -54,7 +54,7 @@ from trainwright.pipeline.store import ActivationStore
 from trainwright.run import checkpoint
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
-from trainwright.run.update import make_update_step, save_update_state
+from trainwright.run.update import UpdateStep, make_update_step, save_update_state
 from trainwright.schedule.actions import build_schedule
 from trainwright.sync import GradSync, make_grad_sync
 
@@ -306,7 +306,7 @@ class Trainer:
         self.trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         costs_fresh = self._profile_and_check(step, stats)
-        stats.update = getattr(self.update, "last", {})
+        stats.update = self.update.last if isinstance(self.update, UpdateStep) else {}
         self._record(step, stats, costs_fresh)
         maybe_evaluate(self, step)
         every = self.cfg.run.checkpoint_every
