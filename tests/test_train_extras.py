@@ -62,6 +62,7 @@ def reference(cfg) -> dict:
     opt = build_optimizer(cfg, list(model.parameters()))
     lrs = _torch_scheduler(cfg.train, opt)
     data, criterion, t = build_data(cfg), loss_fn(cfg), cfg.train
+    scaler = torch.amp.GradScaler("cpu", enabled=t.precision == "fp16")
     out = {"model": model, "loss": [], "lr": [], "grad_norm": [], "eval": {}}
     for step in range(1, t.steps + 1):
         x, y = data.batch(step, t.batch_size)
@@ -69,12 +70,14 @@ def reference(cfg) -> dict:
             logits = model(x)
         loss = criterion(logits.float() if t.precision != "fp32" else logits, y)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         if t.clip_norm:
             out["grad_norm"].append(
                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)))
         out["lr"].append(opt.param_groups[0]["lr"])
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         lrs.step()
         out["loss"].append(loss.item())
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == t.steps):
@@ -151,6 +154,7 @@ def _pp2_configs(root: Path) -> dict:
                             "rebalance.to": "[1, 3]", "train.momentum": 0.9,
                             "train.min_lr": 0.0}),          # + migration with momentum state
         "fp16": tiny(**{"train.precision": '"fp16"', "train.steps": 3}),
+        "fp16_clip": tiny(**{**common, "train.precision": '"fp16"'}),
         "resumed": tiny(**{**common, "train.steps": 4, "run.checkpoint_every": 2,
                            "eval.every": 0, "train.momentum": 0.9}),
     }
@@ -202,6 +206,12 @@ def test_text_folder_run_equals_plain_torch(pp2_runs):
 def test_bf16_with_recompute_equals_autocast_reference(pp2_runs):
     """Autocast in every layer's forward and in its recompute: loss within 1e-3 relative."""
     _check(*pp2_runs["bf16"], loss_rtol=1e-3, param_tol=2e-2)
+
+
+@pytest.mark.timeout(480)
+def test_fp16_with_loss_scaling_equals_gradscaler_reference(pp2_runs):
+    """fp16 autocast + GradScaler on the reference, agreed scaling in the pipeline."""
+    _check(*pp2_runs["fp16_clip"], loss_rtol=1e-3, param_tol=2e-2)
 
 
 @pytest.mark.timeout(480)
