@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from trainwright.dist import collective as coll
+
 __all__ = ["local_square_sum", "global_grad_norm", "scale_gradients"]
 
 
@@ -35,7 +37,7 @@ def local_square_sum(params: list, sync=None) -> torch.Tensor:
         lo, hi = sync.owned
         total = _square_sum(flat[lo:hi]).cpu().reshape(1)
         if sync.groups.layout.ranks_per_node > 1:
-            dist.all_reduce(total, group=sync.groups.intra_group)
+            coll.all_reduce(total, group=sync.groups.intra_group)
         return total
     parts = [_square_sum(p.grad).cpu() for p in params if p.grad is not None]
     return torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, dtype=torch.float64)
@@ -45,7 +47,7 @@ def global_grad_norm(params: list, pp_group=None, sync=None) -> float:
     """The L2 norm of every gradient of the model (all stages), the same on every rank."""
     total = local_square_sum(params, sync)
     if dist.is_initialized():
-        dist.all_reduce(total, group=pp_group)
+        coll.all_reduce(total, group=pp_group)
     return float(total.sqrt())
 
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from trainwright.dist import collective as coll
+
 __all__ = ["DTYPES", "autocast_factory", "PipelineGradScaler"]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -68,7 +70,7 @@ class PipelineGradScaler(torch.amp.GradScaler):
         for r in records:
             found += r.float().cpu()
         if dist.is_initialized():
-            dist.all_reduce(found, group=group)
+            coll.all_reduce(found, group=group)
         verdict = float(found.item()) > 0
         for r in records:  # update() reads these: every rank backs off (or grows) alike
             r.fill_(1.0 if verdict else 0.0)
