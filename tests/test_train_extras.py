@@ -401,6 +401,10 @@ BAD_DATA = [
      r"^error: train.warmup_steps = 5 leaves no step"),
     (["train.precision=fp16", "sync.strategy=hierarchical", "parallel.dp=2"],
      r'^error: train.precision = "fp16"'),
+    (['data.factory="tests.factories:Regression"', "eval.every=2"],
+     r"^error: eval.every > 0 needs held-out data"),
+    (["train.clip_norm=0.5", "sync.strategy=tokenring", "train.optimizer=sgd"],
+     r'^error: train.clip_norm is not available with sync.strategy = "tokenring"'),
 ]
 
 
