@@ -427,29 +427,27 @@ def test_bad_data_and_training_keys_are_one_line_exit_2(sets, message, tmp_path,
     assert not out.exists(), "nothing may be written for a bad config"
 
 
-def test_update_state_goes_into_the_checkpoint_and_back(tmp_path):
-    """A resumed rank continues the schedule and the loss scale from update_state.pt."""
+def test_update_state_round_trip_and_changed_schedule():
+    """The state a checkpoint keeps (Trainer.register_state) continues the schedule and the
+    loss scale; a resume that raised train.steps follows the new curve instead."""
     from types import SimpleNamespace
 
-    from trainwright.run.update import make_update_step, save_update_state
+    from trainwright.run.update import make_update_step
     from trainwright.sync.dense import BucketedAllReduce
 
     cfg = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=2",
                              "train.steps=8", "train.precision=fp16", "parallel.pp=1"])
     stage = SimpleNamespace(parameters=lambda: [], loss_gradient=None)
-    topo = SimpleNamespace(pp_group=None)
-    first = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 1, tmp_path,
-                             torch.device("cpu"))
+    topo, cpu = SimpleNamespace(pp_group=None), torch.device("cpu")
+    first = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 1, cpu)
     for _ in range(3):
         first.step([])
     first.scaler.update(new_scale=123.0)
-    save_update_state(first, tmp_path, 3)
-    again = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 4, tmp_path,
-                             torch.device("cpu"))
+    again = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 4, cpu)
+    again.load_state_dict(first.state_dict())
     assert again.clock.lr == first.clock.lr and again.scaler.get_scale() == 123.0
-    # a resume that raises train.steps follows the new curve from the resumed step
     longer = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=2",
                                 "train.steps=16", "train.precision=fp16", "parallel.pp=1"])
-    extended = make_update_step(longer, BucketedAllReduce(None, 1), stage, topo, 4, tmp_path,
-                                torch.device("cpu"))
+    extended = make_update_step(longer, BucketedAllReduce(None, 1), stage, topo, 4, cpu)
+    extended.load_state_dict(first.state_dict())
     assert extended.clock.lr == LRClock(longer.train, 3).lr != first.clock.lr

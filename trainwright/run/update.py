@@ -12,9 +12,7 @@ clears the gradients of a skipped step. What it did is in :attr:`UpdateStep.last
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -24,7 +22,7 @@ from trainwright.run.lr import LRClock
 from trainwright.run.precision import PipelineGradScaler
 from trainwright.sync.base import GradSync
 
-__all__ = ["UpdateStep", "make_update_step", "save_update_state", "state_path"]
+__all__ = ["UpdateStep", "make_update_step"]
 
 log = logging.getLogger(__name__)
 
@@ -116,31 +114,11 @@ class UpdateStep(GradSync):
             self.scaler.load_state_dict(state["grad_scaler"])
 
 
-def state_path(run_dir: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` keeps the schedule and loss-scaler state (next to the
-    stage files, written by rank 0 before ``latest`` moves)."""
-    return Path(run_dir) / "checkpoints" / f"step_{step:06d}" / "update_state.pt"
-
-
-def make_update_step(cfg: Config, inner: GradSync, stage, topo, start: int, run_dir: Path,
+def make_update_step(cfg: Config, inner: GradSync, stage, topo, start: int,
                      device: torch.device) -> GradSync:
-    """The :class:`UpdateStep` around ``inner`` (the token ring keeps its own step), resumed
-    from the checkpoint of step ``start - 1`` when there is one."""
+    """The :class:`UpdateStep` around ``inner`` (the token ring keeps its own step), its
+    schedule at step ``start``; a resumed trainer then loads the checkpoint's
+    :meth:`UpdateStep.state_dict` (``Trainer.register_state``)."""
     if cfg.sync.strategy == "tokenring":
         return inner
-    update = UpdateStep(cfg, inner, stage, topo.pp_group, start - 1, device)
-    path = state_path(run_dir, start - 1)
-    if start > 1 and path.exists():
-        update.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    return update
-
-
-def save_update_state(update: GradSync, run_dir: Path, step: int) -> None:
-    """Write ``update``'s state into the checkpoint of ``step`` (atomically; rank 0)."""
-    if not isinstance(update, UpdateStep):
-        return
-    path = state_path(run_dir, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(update.state_dict(), tmp)
-    os.replace(tmp, path)
+    return UpdateStep(cfg, inner, stage, topo.pp_group, start - 1, device)
