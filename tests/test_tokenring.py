@@ -19,7 +19,8 @@ from trainwright.config import load_config
 from trainwright.errors import ConfigError
 from trainwright.model.build import build_data, build_layers, loss_fn
 from trainwright.run.launch import create_run_dir
-from trainwright.run.ring_node import launch_ring, param_hash
+from trainwright.run.ring_launch import launch_ring
+from trainwright.run.ring_node import param_hash
 from trainwright.tokenring.membership import Epoch, announce_delay, ring_distance
 from trainwright.tokenring.ring import contributors_needed, sum_canonical
 from trainwright.tokenring.wire import pack, unpack
@@ -119,8 +120,7 @@ def test_canonical_sum_is_order_independent_bitwise():
 
 @pytest.mark.timeout(30)
 def test_tokenring_config_errors(tmp_path):
-    with pytest.raises(ConfigError, match="train.optimizer"):
-        ring_cfg(tmp_path, **{"train.optimizer": '"adamw"'})
+    ring_cfg(tmp_path, **{"train.optimizer": '"adamw"'})  # any torch.optim optimizer
     with pytest.raises(ConfigError, match="does not split into tokenring.nodes"):
         ring_cfg(tmp_path, **{"train.batch_size": 30})
     with pytest.raises(ConfigError, match="close_fraction"):

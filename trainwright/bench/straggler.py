@@ -123,7 +123,7 @@ def _model(cfg) -> nn.Sequential:
 def _tokenring(spec: StragglerSpec, steps: int, warmup: int, straggler: bool, tmp: Path
                ) -> dict:
     from trainwright.run.launch import create_run_dir
-    from trainwright.run.ring_node import launch_ring
+    from trainwright.run.ring_launch import launch_ring
 
     cfg = _config(spec, steps, straggler, tmp)
     run_dir = create_run_dir(cfg)

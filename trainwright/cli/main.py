@@ -21,7 +21,6 @@ EXIT_CONFIG = 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from trainwright.config import load_config
     from trainwright.config.combinations import check_start
     from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
     from trainwright.run.worker import resume_hint
@@ -34,15 +33,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR (the run keeps its config; "
                               "change keys with --set)")
-        cfg = load_config(resume_dir / "config.toml", args.set)
+        cfg = _load(resume_dir / "config.toml", args.set)
     else:
         resume_dir = None
-        cfg = load_config(args.config, args.set)
+        cfg = _load(args.config, args.set)
 
     check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None,
                 run_dir=resume_dir)
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
-        return _run_tokenring(cfg)
+        return _run_tokenring(cfg, resume_dir)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.run.worker import run_worker
@@ -67,6 +66,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     _finish_message(cfg, run_dir)
     return 0
+
+
+def _load(path, overrides: list[str]):
+    """The run's configuration (under torchrun a token ring has a node per process)."""
+    from trainwright.config import load_config
+    from trainwright.run.launch import in_torchrun
+
+    if in_torchrun():
+        from trainwright.run.ring_torchrun import load_torchrun_config
+        return load_torchrun_config(path, overrides)
+    return load_config(path, overrides)
 
 
 def _preflight(cfg) -> None:
@@ -151,20 +161,26 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_tokenring(cfg) -> int:
-    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher."""
-    from trainwright.run.launch import create_run_dir
-    from trainwright.run.ring_node import launch_ring
+def _run_tokenring(cfg, resume_dir: Path | None) -> int:
+    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher, or one
+    node per process under torchrun."""
+    from trainwright.run.launch import create_run_dir, in_torchrun
+    from trainwright.run.ring_launch import launch_ring
 
-    run_dir = create_run_dir(cfg)
+    if in_torchrun():
+        from trainwright.run.ring_torchrun import run_torchrun_node
+        return run_torchrun_node(cfg, resume_dir)
+    run_dir = create_run_dir(cfg, resume_dir)
     r = cfg.tokenring
     print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
           f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
-    result = launch_ring(cfg, run_dir)
+    result = launch_ring(cfg, run_dir, resume=resume_dir is not None)
     if not result.ok:
         print(f"error: token ring run failed: {result.message()}. Outputs are in {run_dir}",
               file=sys.stderr)
         return 1
+    for line in result.warnings():
+        print(f"warning: {line}", file=sys.stderr)
     print(f"model: {run_dir / 'model.pt'}")
     print(f"run directory: {run_dir}")
     return 0

@@ -212,10 +212,6 @@ class Config(BaseModel):
         if t.batch_size % r.nodes:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
                               f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
-        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
-            raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
-                              "SGD); set train.optimizer=\"sgd\" with momentum and "
-                              "weight_decay 0")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).

@@ -244,7 +244,8 @@ class HierarchicalConfig(Section):
 
     ranks_per_node: Annotated[NonNegativeInt, Allowed(
         "must be 0 (ranks on one host form a node) or positive")] = 0
-    """Ranks forming one node; 0 = ranks on the same host (set it to emulate nodes)."""
+    """Ranks forming one node; 0 = ranks of one torchrun agent (``GROUP_RANK``), else ranks
+    on the same host (set it to emulate nodes)."""
     weights: Any = "memory"  # a name or a list: checked by Config.check_hierarchical
     """How each node cuts the gradient into one slice per local rank: ``"memory"`` (in
     proportion to free device memory), ``"memory_speed"`` (free memory times a measured
@@ -268,14 +269,17 @@ class TokenRingConfig(Section):
     close_fraction: Annotated[float, Field(gt=0, le=1), Allowed("must be in (0, 1]")] = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
     nodes: PositiveInt = 4
-    """Nodes the local launcher starts; also the number of data shards (a node trains on
-    shard ``index`` of every global batch, so ``train.batch_size`` must split into it)."""
+    """Nodes the local launcher starts (under torchrun: ``WORLD_SIZE``, one per process);
+    also the number of data shards (a node trains on shard ``index`` of every global batch,
+    so ``train.batch_size`` must split into it)."""
     min_nodes: PositiveInt = 2
     """When fewer members remain, the ring stops, the first node saves the model and the
     run exits non-zero."""
     rendezvous: str = ""
-    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the node
-    that binds it hosts formation. Empty = 127.0.0.1 on a free port (local launcher)."""
+    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the first
+    node (under torchrun: ``RANK`` 0, so an address of its host) binds it and hosts
+    formation. Empty = 127.0.0.1 on a free port (local launcher), or under torchrun a free
+    port on rank 0's host published through torchrun's store as ``MASTER_ADDR:port``."""
     formation_quiet_s: PositiveFloat = 2.0
     """Formation closes after this long without a new join (or once ``nodes`` joined)."""
     token_timeout_s: PositiveFloat = 2.0
@@ -305,10 +309,15 @@ class TokenRingConfig(Section):
     each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
     for the others, which hides the straggler; pacing removes that artefact."""
     kill_nodes: list[NonNegativeInt] = []
-    """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
-    computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
+    """Fault injection: node indices that send themselves ``kill_signal`` in step
+    ``kill_step``, after computing their gradient (the ``[fault]`` section is for the
+    pipeline runner)."""
     kill_step: NEVER_OR_STEP = -1
     """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
+    kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
+    """Fault injection: what ``kill_nodes`` do in ``kill_step``: ``"SIGKILL"`` (die) or
+    ``"SIGSTOP"`` (freeze without dying, as a hung host: the ring drops them and the local
+    launcher ends them once the ring has finished)."""
     restart_killed: bool = False
     """Fault injection: the local launcher restarts killed nodes once, as standby nodes
     that rejoin at the next batch boundary."""

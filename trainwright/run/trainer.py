@@ -357,7 +357,7 @@ class Trainer:
         maybe_evaluate(self, step)
         every = self.cfg.run.checkpoint_every
         if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
-            self._checkpoint(step)
+            self.save_checkpoint(step)
         return stats
 
     def _batch(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -466,7 +466,7 @@ class Trainer:
                 "added_time_s": plan.added_time_s, "host_bandwidth": budget.host_bandwidth,
                 "layers": budget.rows()}
 
-    def _checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int) -> None:
         """Every rank writes its layers' state, RNG states and registered objects (DCP,
         collective); rank 0 then records the partition and moves ``latest``."""
         topo = self.topo

@@ -18,12 +18,14 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from trainwright.config import TokenRingConfig
 from trainwright.sync.base import GradSync
 from trainwright.tokenring.ring import TokenRing, sum_canonical
+from trainwright.tokenring.state import snapshot
 
 __all__ = ["RingExchange", "param_hash"]
 
@@ -44,10 +46,14 @@ class RingExchange(GradSync):
         index: this node's index.
         restarted: this process replaces a node killed by fault injection (it is not killed
             again).
+        on_applied: called with ``(step, slots)`` after each applied step (the node
+            writes checkpoints there).
     """
 
-    def __init__(self, cfg: TokenRingConfig, index: int, restarted: bool = False):
+    def __init__(self, cfg: TokenRingConfig, index: int, restarted: bool = False,
+                 on_applied: Callable[[int, list], None] | None = None):
         self.cfg, self.index, self.restarted = cfg, index, restarted
+        self.on_applied = on_applied
         self.ring: TokenRing | None = None
         self.hashes: dict[int, str] = {}
         """Parameter hash after every applied step (``tokenring.record_hashes``)."""
@@ -91,7 +97,7 @@ class RingExchange(GradSync):
             target = r.pace_s * (r.slow_factor if self.index == r.slow_node else 1.0)
             ring.wait_closed(step, target - compute)
         if step == r.kill_step and self.index in r.kill_nodes and not self.restarted:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, r.kill_signal))
         if not ring.closed(step):
             ring.offer(step, grads)
         ring.wait_close(step)
@@ -106,7 +112,8 @@ class RingExchange(GradSync):
         return self.last_applied
 
     def _apply(self, step: int, slots: list) -> None:
-        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer."""
+        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer
+        (any ``torch.optim`` optimizer: the ring only decides what goes into ``p.grad``)."""
         ring = self.ring
         contributors = ring.close_of(step)
         acc = sum_canonical(ring.gradients(step, contributors))
@@ -118,4 +125,10 @@ class RingExchange(GradSync):
             self.hashes[step] = param_hash(params)
         self.last_applied = step
         every = self.cfg.batch_steps
-        ring.note_applied(step, params if ring.wants_weights(step, every) else None, every)
+        if ring.wants_weights(step, every):  # admitting: parameters and optimizer state
+            tensors, skeleton = snapshot(slots)
+            ring.note_applied(step, tensors, every, extra={"state": skeleton})
+        else:
+            ring.note_applied(step, None, every)
+        if self.on_applied is not None:
+            self.on_applied(step, slots)

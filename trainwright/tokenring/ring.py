@@ -236,9 +236,10 @@ class TokenRing:
                     self.stats.fetches += len(missing)
 
     def note_applied(self, step: int, weights: list[torch.Tensor] | None = None,
-                     admit_every: int = 0) -> None:
+                     admit_every: int = 0, extra: dict | None = None) -> None:
         """The trainer applied ``step``. On the first node at a batch boundary
-        (``step % admit_every == 0``) standby nodes are admitted with ``weights``."""
+        (``step % admit_every == 0``) standby nodes are admitted with ``weights`` (and
+        ``extra`` in their welcome header: where the optimizer state is among them)."""
         with self.cv:
             self.applied = step
             for key in [k for k in self.grads if k[0] <= step - RETAIN_STEPS]:
@@ -246,7 +247,7 @@ class TokenRing:
             if (weights is not None and admit_every and step % admit_every == 0
                     and step < self.total and self.rdzv is not None
                     and self.epoch.first() == self.index and self.rdzv.standby):
-                self._admit = ([w.detach().clone() for w in weights], step)
+                self._admit = ([w.detach().clone() for w in weights], step, extra)
 
     def wants_weights(self, step: int, admit_every: int) -> bool:
         """Whether :meth:`note_applied` for ``step`` should get a weight snapshot."""
@@ -269,13 +270,13 @@ class TokenRing:
             s.close(0)
         self.pull.close(0)
 
-    def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor]
-                     ) -> None:
+    def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor],
+                     extra: dict | None = None) -> None:
         """Send ``idx`` the membership, the closes after ``applied`` and the weights (before
-        :meth:`start`, or from the thread)."""
+        :meth:`start`, or from the thread); ``extra`` goes into the header."""
         closes = {str(s): c for s, c in self.closes.items() if s > applied}
-        self._send(idx, addr, {"t": "welcome", "ep": self.epoch.to_json(), "applied": applied,
-                               "closes": closes}, weights)
+        self._send(idx, addr, {**(extra or {}), "t": "welcome", "ep": self.epoch.to_json(),
+                               "applied": applied, "closes": closes}, weights)
 
     def expect_from(self, src: int, inc: int, seq: int) -> None:
         """Continue the sequence check of ``(src, inc)`` after a message read outside."""
@@ -510,7 +511,7 @@ class TokenRing:
                    for node, step in self._wants.items())
 
     def _admit_standby(self) -> None:
-        weights, step = self._admit
+        weights, step, extra = self._admit
         self._admit = None
         new = self.rdzv.take_standby(exclude=set(self.epoch.members))
         if not new:
@@ -522,7 +523,7 @@ class TokenRing:
                                   "key": list(self.epoch.key), "t": time.time()})
         log.info("token ring: node(s) %s rejoin after step %d", sorted(new), step)
         for i, addr in new.items():
-            self.send_welcome(i, addr, step, weights)
+            self.send_welcome(i, addr, step, weights, extra)
 
     # ---------------------------------------------------------------- failures
     def _check_silence(self) -> None:
