@@ -121,3 +121,13 @@ def token_model(cfg):
         tok=nn.Embedding(256, d), pos=PosTable(4 * cfg.model.context, d),
         mix1=nn.Sequential(nn.Linear(d, d), nn.Tanh()),
         mix2=nn.Sequential(nn.Linear(d, d), nn.Tanh()), head=nn.Linear(d, 256)))
+
+
+def regression_datasets(cfg):
+    """A ``(train, validation)`` pair of ``TensorDataset``\\ s of ``Regression``-style rows."""
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(cfg.train.seed)
+    x = torch.randn(100, 16, generator=g)
+    y = torch.sin(x[:, :4]) + 0.1 * x[:, 4:8]
+    return TensorDataset(x[:80], y[:80]), TensorDataset(x[80:], y[80:])

@@ -82,6 +82,9 @@ def _load(path, overrides: list[str]):
 
 def _preflight(cfg) -> None:
     """Checks that need the model built: layer count of a factory model, memory limits."""
+    from trainwright.model.build import check_data
+
+    check_data(cfg)
     if not cfg.model.factory and not any(v is not None for v in cfg.stage_limits()):
         return
     from trainwright.model.build import build_layers

@@ -30,6 +30,7 @@ from trainwright.config.messages import one_line
 from trainwright.config.sections import (
     SECTIONS,
     DataConfig,
+    EvalConfig,
     FaultConfig,
     HierarchicalConfig,
     MemoryConfig,
@@ -42,6 +43,7 @@ from trainwright.config.sections import (
     TokenRingConfig,
     TrainConfig,
 )
+from trainwright.config.training_rules import check_training_extras
 from trainwright.errors import ConfigError
 from trainwright.plan.memory import POLICIES
 
@@ -78,6 +80,7 @@ class Config(BaseModel):
     run: RunConfig = Field(default_factory=RunConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     def __init__(self, **sections: Any) -> None:
         try:
@@ -117,6 +120,7 @@ class Config(BaseModel):
                               f"{m.d_model}; pick a divisor of {m.d_model}")
         self._validate_peer_swap()
         self._validate_schedule()
+        check_training_extras(self)
         if self.fault.kill_rank >= self.world_size:
             raise ConfigError(f"fault.kill_rank = {self.fault.kill_rank} is not a rank of this "
                               f"job; ranks are 0..{self.world_size - 1} (parallel.pp * dp)")

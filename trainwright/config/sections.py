@@ -31,7 +31,8 @@ from trainwright.errors import ConfigError
 
 __all__ = ["Section", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig",
            "MemoryConfig", "SyncConfig", "HierarchicalConfig", "TokenRingConfig",
-           "RebalanceConfig", "RunConfig", "RuntimeConfig", "FaultConfig", "SECTIONS"]
+           "RebalanceConfig", "EvalConfig", "RunConfig", "RuntimeConfig", "FaultConfig",
+           "SECTIONS"]
 
 MEASURED = Allowed("must be >= 0 (0 = measure at start)")
 
@@ -110,13 +111,25 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """``[data]``: where the batches come from."""
 
-    name: Literal["stdlib", "synthetic"] = "stdlib"
-    """``"stdlib"`` (byte-level text of Python's own sources) or ``"synthetic"``."""
+    name: Literal["stdlib", "synthetic", "text"] = "stdlib"
+    """``"stdlib"`` (byte-level text of Python's own sources), ``"synthetic"``, or ``"text"``
+    (your text files, ``path``)."""
     factory: str = ""
     """Your own data, ``"package.module:function"`` called with the Config; returns an
-    object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank)."""
+    object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank), or a
+    ``torch.utils.data.Dataset`` / ``IterableDataset`` of ``(input, target)`` items (or a
+    ``(train, validation)`` pair), sharded per replica as ``DistributedSampler`` does."""
     max_bytes: PositiveInt = 2_000_000
     """stdlib corpus: bytes to read."""
+    path: str = ""
+    """``name = "text"``: a text file, a glob (``"corpus/*.txt"``) or a folder (every file
+    under it, recursively), read in sorted order."""
+    tokenizer: str = ""
+    """``name = "text"``: a local ``transformers`` tokenizer folder (``AutoTokenizer``) or a
+    ``tokenizers`` JSON file; empty = bytes (vocabulary 256)."""
+    val_fraction: Annotated[NonNegativeFloat, Allowed("must be in [0, 1)")] = 0.1
+    """``name = "text"`` (and ``"stdlib"`` when ``eval.every`` > 0): share of the tokens, at
+    the end of the corpus, held out for evaluation."""
 
 
 class TrainConfig(Section):
@@ -137,13 +150,27 @@ class TrainConfig(Section):
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: PositiveFloat = 3e-3
-    """Learning rate (constant)."""
+    """Learning rate (the peak, with ``lr_schedule`` and ``warmup_steps``)."""
     momentum: Annotated[float, Field(ge=0, lt=1), Allowed("must be in [0, 1)")] = 0.0
     """SGD momentum."""
     weight_decay: NonNegativeFloat = 0.0
     """Weight decay of the optimizer."""
     seed: Annotated[int, Field(ge=0, lt=2**32), Allowed("must be in 0 .. 2**32 - 1")] = 0
     """Seed for model initialisation and data order."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """``"fp32"``, or autocast of every layer's forward (recompute included) to ``"bf16"``
+    or ``"fp16"`` (with a loss scaler whose overflow check all ranks agree on); weights and
+    optimizer state stay fp32."""
+    clip_norm: NonNegativeFloat = 0.0
+    """Clip gradients to this global norm over every stage and replica (as
+    ``torch.nn.utils.clip_grad_norm_``); 0 = no clipping."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: ``"constant"``, ``"cosine"`` (to ``min_lr`` at the last step) or
+    ``"linear"`` (to ``min_lr``), through ``torch.optim.lr_scheduler``."""
+    warmup_steps: NonNegativeInt = 0
+    """Linear warm-up: step ``k <= warmup_steps`` uses ``lr * k / warmup_steps``."""
+    min_lr: NonNegativeFloat = 0.0
+    """Learning rate reached at the last step by the ``cosine`` and ``linear`` schedules."""
 
 
 class ParallelConfig(Section):
@@ -367,6 +394,15 @@ class RebalanceConfig(Section):
     insert or remove before that step (see ``trainwright.pipeline.edit``)."""
 
 
+class EvalConfig(Section):
+    """``[eval]``: forward-only evaluation on held-out data."""
+
+    every: NonNegativeInt = 0
+    """Evaluate after every N training steps (and after the last one); 0 = never."""
+    batches: PositiveInt = 4
+    """Held-out global batches (of ``train.batch_size``) per evaluation."""
+
+
 class RunConfig(Section):
     """``[run]``: the run directory and what is written to it."""
 
@@ -410,7 +446,8 @@ class FaultConfig(Section):
 
 
 SECTIONS: dict[str, type[Section]] = {
-    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
+    "model": ModelConfig, "data": DataConfig, "train": TrainConfig, "eval": EvalConfig,
+    "parallel": ParallelConfig,
     "memory": MemoryConfig, "sync": SyncConfig, "hierarchical": HierarchicalConfig,
     "tokenring": TokenRingConfig, "rebalance": RebalanceConfig, "run": RunConfig,
     "runtime": RuntimeConfig, "fault": FaultConfig,

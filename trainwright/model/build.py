@@ -20,9 +20,16 @@ from trainwright.model.data import CharCorpus, SyntheticRegression, SyntheticTok
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.model.graph import layers_from_export, layers_from_sequential
 from trainwright.model.mlp import mlp_layers
+from trainwright.model.text_data import (
+    TokenWindows,
+    check_eval_data,
+    load_tokenizer,
+    read_text_tokens,
+    wrap_dataset,
+)
 
 __all__ = ["build_layers", "build_optimizer", "build_data", "loss_fn", "split_microbatches",
-           "load_factory", "cross_entropy"]
+           "load_factory", "cross_entropy", "vocab_size", "check_data"]
 
 
 def load_factory(spec: str, key: str) -> Callable:
@@ -65,7 +72,7 @@ def build_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
     if m.factory:
         return _factory_layers(cfg)
     if m.name == "gpt":
-        layers = gpt_layers(GPTConfig(vocab=256, context=m.context, d_model=m.d_model,
+        layers = gpt_layers(GPTConfig(vocab=vocab_size(cfg), context=m.context, d_model=m.d_model,
                                       n_heads=m.n_heads, n_blocks=m.n_blocks))
         names = ["embed", *(f"block{i}" for i in range(m.n_blocks)), "head"]
     else:
@@ -86,16 +93,43 @@ def build_optimizer(cfg: Config, params: list[nn.Parameter]) -> torch.optim.Opti
     return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
 
 
+def vocab_size(cfg: Config) -> int:
+    """Token ids the built-in GPT embeds: the tokenizer's vocabulary, else 256 (bytes)."""
+    d = cfg.data
+    if d.name == "text" and d.tokenizer and not d.factory:
+        return load_tokenizer(d.tokenizer)[1]
+    return 256
+
+
 def build_data(cfg: Config):
-    """The dataset: an object with ``batch(step, batch_size) -> (inputs, targets)``."""
-    m, seed = cfg.model, cfg.train.seed
-    if cfg.data.factory:
-        return load_factory(cfg.data.factory, "data.factory")(cfg)
+    """The dataset: an object with ``batch(step, batch_size) -> (inputs, targets)`` (and
+    ``eval_batch(index, batch_size)`` for held-out data; ``share`` to read one replica's
+    part)."""
+    m, d, seed = cfg.model, cfg.data, cfg.train.seed
+    if d.factory:
+        return wrap_dataset(load_factory(d.factory, "data.factory")(cfg), seed,
+                            cfg.parallel.dp)
     if m.name == "mlp":
         return SyntheticRegression(m.d_in, m.n_classes, seed=seed)
-    if cfg.data.name == "synthetic":
+    if d.name == "synthetic":
         return SyntheticTokens(256, m.context, seed=seed)
-    return CharCorpus(stdlib_corpus(cfg.data.max_bytes), m.context, seed=seed)
+    if d.name == "text":
+        return TokenWindows(lambda: read_text_tokens(d.path, d.tokenizer), m.context, seed,
+                            d.val_fraction)
+    if cfg.eval.every:  # held-out windows from the end of the corpus
+        return TokenWindows(lambda: stdlib_corpus(d.max_bytes), m.context, seed,
+                            d.val_fraction)
+    return CharCorpus(stdlib_corpus(d.max_bytes), m.context, seed=seed)
+
+
+def check_data(cfg: Config) -> None:
+    """Checks of the data that need it opened: the tokenizer loads, held-out batches exist
+    when ``eval.every`` is set. Raises ConfigError (before any process starts)."""
+    d = cfg.data
+    if d.name == "text" and d.tokenizer and not d.factory:
+        load_tokenizer(d.tokenizer)
+    if cfg.eval.every:
+        check_eval_data(build_data(cfg))
 
 
 def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

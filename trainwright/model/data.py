@@ -79,6 +79,10 @@ class SyntheticTokens:
         ids = torch.randint(0, self.vocab, (batch_size, self.context), generator=gen)
         return ids, self.perm[ids]
 
+    def eval_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch ``index``: fresh draws, from seeds no training step uses."""
+        return self.batch(-1 - index, batch_size)
+
 
 class SyntheticRegression:
     """Gaussian inputs labelled by a fixed random linear teacher (classification targets)."""
@@ -93,6 +97,10 @@ class SyntheticRegression:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         x = torch.randn(batch_size, self.d_in, generator=gen)
         return x, (x @ self.teacher).argmax(dim=1)
+
+    def eval_batch(self, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out batch ``index``: fresh draws, from seeds no training step uses."""
+        return self.batch(-1 - index, batch_size)
 
 
 def shard(batch: tuple[torch.Tensor, ...], index: int, parts: int) -> tuple[torch.Tensor, ...]:

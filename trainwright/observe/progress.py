@@ -26,10 +26,11 @@ class StepProgress:
         if not self._plain:
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} samples/s"),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eval]}"),
+                TextColumn("{task.fields[rate]} samples/s"),
                 TimeRemainingColumn(), console=console, transient=False)
             self._task = self._bar.add_task("train", total=total, completed=done, loss="-",
-                                            rate="-")
+                                            rate="-", eval="")
             self._bar.start()
 
     def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
@@ -41,6 +42,14 @@ class StepProgress:
             self._last_print = step
             self._console.print(f"step {step}/{self._total}  loss {text}  "
                                 f"{samples_per_s:.1f} samples/s", highlight=False)
+
+    def show_eval(self, loss: float, perplexity: float | None = None) -> None:
+        """Show the latest held-out loss (and perplexity) next to the training loss."""
+        text = f"eval {loss:.4f}" + (f" ppl {perplexity:.2f}" if perplexity is not None else "")
+        if self._bar is not None:
+            self._bar.update(self._task, eval=text)
+        else:
+            self._console.print(text, highlight=False)
 
     def close(self) -> None:
         """Stop redrawing."""

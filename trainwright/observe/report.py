@@ -52,6 +52,8 @@ class RunMetrics:
     """``repartition`` records (live layer migrations), in step order."""
     decisions: list[dict] = field(default_factory=list)
     """``imbalance`` records (re-partition plans made on the last stage)."""
+    evals: list[dict] = field(default_factory=list)
+    """``eval`` records (held-out loss), sorted by step; a step logged twice keeps the last."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -73,6 +75,7 @@ def load_metrics(path: str | Path) -> RunMetrics:
         return out
     numbered = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
     by_step: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
     for k, (lineno, line) in enumerate(numbered):
         try:
             rec = json.loads(line)
@@ -96,7 +99,10 @@ def load_metrics(path: str | Path) -> RunMetrics:
             out.repartitions.append(rec)
         elif kind == "imbalance":
             out.decisions.append(rec)
+        elif kind == "eval" and isinstance(rec.get("step"), int):
+            evals[rec["step"]] = rec
     out.steps = [by_step[s] for s in sorted(by_step)]
+    out.evals = [evals[s] for s in sorted(evals)]
     if not numbered:
         out.notes.append(f"{path.name} is empty: the run stopped before its first record.")
     return out
@@ -177,6 +183,7 @@ def _summary(run_dir: Path, m: RunMetrics) -> list[tuple[str, str]]:
         ("steps logged", str(len(m.steps))),
         ("first loss", _fmt(losses[0]) if losses else "n/a"),
         ("last loss", _fmt(losses[-1]) if losses else "n/a"),
+        *_eval_rows(m.evals),
         ("median samples/s", f"{statistics.median(tput):.1f}" if tput else "n/a"),
         ("mean bubble fraction", f"{statistics.fmean(bub):.1%}" if bub else "n/a"),
     ]
@@ -191,6 +198,17 @@ def _summary(run_dir: Path, m: RunMetrics) -> list[tuple[str, str]]:
     else:
         rows.append(("finished", "no end record: the run crashed or is still going"))
     return rows
+
+
+def _eval_rows(evals: list[dict]) -> list[tuple[str, str]]:
+    """Summary rows of the held-out evaluation: its last loss (and perplexity)."""
+    if not evals:
+        return []
+    last = evals[-1]
+    text = f"{_fmt(last.get('loss'))} after step {last.get('step')}"
+    if plots.num(last.get("perplexity")) is not None:
+        text += f" (perplexity {_fmt(last['perplexity'])})"
+    return [("last eval loss", text), ("evaluations", str(len(evals)))]
 
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
@@ -300,8 +318,9 @@ def _build_html(run_dir: Path) -> str:
     parts += [
         _section(
             "Loss and throughput",
-            "Solid line: training loss per step (left axis); dashed: samples/s (right).",
-            lambda: plots.loss_plot(m.steps),
+            "Solid line: training loss per step (left axis), squares: held-out eval loss; "
+            "dashed: samples/s (right).",
+            lambda: plots.loss_plot(m.steps, m.evals),
             no_steps,
         ),
         _section(

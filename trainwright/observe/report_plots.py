@@ -75,11 +75,12 @@ def _byte_unit(max_bytes: float) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def loss_plot(steps: list[dict]) -> str | None:
+def loss_plot(steps: list[dict], evals: list[dict] | None = None) -> str | None:
     """Loss against step, with samples/s on a second y axis.
 
     Args:
         steps: ``"step"`` records sorted by step.
+        evals: ``"eval"`` records (held-out loss), drawn as a second loss line.
 
     Returns:
         A base64 PNG, or ``None`` when no step has a loss.
@@ -92,6 +93,11 @@ def loss_plot(steps: list[dict]) -> str | None:
     ax = fig.add_subplot()
     marker = "o" if len(pts) <= 40 else None
     lines = ax.plot(*zip(*pts, strict=True), color="C0", marker=marker, ms=3, label="loss")
+    held = [(e["step"], num(e.get("loss"))) for e in evals or []]
+    held = [(x, y) for x, y in held if y is not None]
+    if held:
+        lines += ax.plot(*zip(*held, strict=True), color="C2", marker="s", ms=4,
+                         label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="C0")
     ax.grid(alpha=0.3)

@@ -71,9 +71,11 @@ def step_record(stats: list, samples: int) -> dict:
         cuda = [s.cuda_max_allocated_bytes for s in mine if s.cuda_max_allocated_bytes]
         if cuda:
             stages[-1]["cuda_max_allocated_bytes"] = max(cuda)
+    update = next((s.update for s in stats if getattr(s, "update", None)), {})
     return {
         "step": stats[0].step,
         "loss": statistics.fmean(losses) if losses else None,
+        **update,
         "step_time_s": wall,
         "samples_per_s": samples / wall if wall > 0 else 0.0,
         "bubble_fraction": statistics.fmean(s.idle_s / s.wall_s for s in stats if s.wall_s > 0),
@@ -153,6 +155,7 @@ class RunRecorder:
             from trainwright.observe.progress import StepProgress
             self.progress = StepProgress(steps, start - 1)
         self.loss: float | None = None
+        self.eval_loss: float | None = None
         self._t0 = time.perf_counter()
 
     def write(self, kind: str, **row) -> None:
@@ -185,12 +188,21 @@ class RunRecorder:
         if self.progress is not None:
             self.progress.update(step, self.loss, row["samples_per_s"])
 
+    def eval(self, row: dict) -> None:
+        """Record an evaluation (``step``, ``loss``, ``perplexity``...): an ``eval`` row, and
+        the progress bar shows it."""
+        self.eval_loss = row["loss"]
+        self.writer.write("eval", **row)
+        if self.progress is not None:
+            self.progress.show_eval(row["loss"], row.get("perplexity"))
+
     def finish(self, events: dict[int, list], names: dict[int, str], report: bool) -> None:
         """Close the progress bar, write trace.json, the ``end`` row and the report."""
         if self.progress is not None:
             self.progress.close()
         write_trace(self.run_dir / "trace.json", events, names)
         self.writer.write("end", steps=self.steps, final_loss=self.loss,
+                          final_eval_loss=self.eval_loss,
                           wall_s=time.perf_counter() - self._t0)
         self.writer.close()
         if report:

@@ -49,6 +49,8 @@ class StepStats:
     """What this stage did in a layer migration during the step (None: no migration)."""
     decision: dict | None = None
     """A re-partition decided on this (last) stage after the step."""
+    update: dict = field(default_factory=dict)
+    """The optimizer step's figures (``lr``, ``grad_norm``, ``loss_scale``, ``skipped``)."""
 
     @property
     def idle_s(self) -> float:

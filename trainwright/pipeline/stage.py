@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,11 @@ class Stage:
         no plan needs per-layer figures and no policy change or migration is pending)."""
         self._weight_work: dict[int, list] = {}
         """Micro-batch -> segments whose weight gradients (W) are still to compute."""
+        self.autocast: Callable | None = None
+        """Mixed precision: a factory of the autocast context every layer's forward (and
+        recompute) runs in; the loss is then taken in fp32. None: full precision."""
+        self.loss_gradient: Callable | None = None
+        """``loss -> tensor`` to start backward from instead of 1 (fp16 loss scaling)."""
         for s in self.slots:
             self._adopt(s)
 
@@ -128,9 +133,11 @@ class Stage:
 
     def _run(self, slot: LayerSlot, inp: tuple, is_last_layer: bool,
              target: torch.Tensor | None) -> tuple:
-        out = as_tuple(slot.module(inp[0] if len(inp) == 1 else inp))
+        with self.autocast() if self.autocast is not None else nullcontext():
+            out = as_tuple(slot.module(inp[0] if len(inp) == 1 else inp))
         if is_last_layer and self.loss_fn is not None:
-            out = (self.loss_fn(out[0], target) * self.loss_scale,)
+            logits = out[0].float() if self.autocast is not None else out[0]
+            out = (self.loss_fn(logits, target) * self.loss_scale,)
         return out
 
     def _runs(self) -> list[list[int]]:
@@ -147,6 +154,19 @@ class Stage:
                 runs.append([i])
             fusable_prev = fusable
         return runs
+
+    def infer(self, inputs: tuple, target: torch.Tensor | None = None) -> tuple:
+        """Forward only (evaluation): every layer under ``torch.no_grad``, nothing held.
+
+        Returns:
+            The last layer's outputs, or ``(loss,)`` on the last stage given ``target``.
+        """
+        x = as_tuple(inputs)
+        last = len(self.slots) - 1
+        with torch.no_grad():
+            for i, slot in enumerate(self.slots):
+                x = self._run(slot, x, i == last and target is not None, target)
+        return x
 
     def forward(self, mb: int, inputs: tuple, target: torch.Tensor | None = None) -> tuple:
         """Run every layer on micro-batch ``mb`` under its policy and hold the segments.
@@ -234,6 +254,9 @@ class Stage:
                 outputs = self._run(slot, seg.inputs, seg.layer == loss_layer, seg.target)
             transient = cap.activation_bytes
             self.profiler.saved(slot.index, transient)
+        holds_loss = loss_layer is not None and loss_layer in (seg.span or (seg.layer,))
+        if grads is None and holds_loss and self.loss_gradient is not None:
+            grads = (self.loss_gradient(outputs[0]),)
         t0 = time.perf_counter()
         if split:
             params = [p for index in (seg.span or (seg.layer,))

@@ -10,7 +10,7 @@ from torch import nn
 from trainwright.config import load_config
 from trainwright.config.combinations import check_start
 from trainwright.errors import TrainwrightError
-from trainwright.model.build import build_layers
+from trainwright.model.build import build_layers, check_data
 from trainwright.pipeline.budget import check_limits
 from trainwright.pipeline.stage import LayerSlot
 from trainwright.run import checkpoint
@@ -47,6 +47,7 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
     else:
         cfg = load_config(config, list(overrides))
     check_start(cfg, via="fit", resume=resume is not None, run_dir=resume)
+    check_data(cfg)
     named = build_layers(cfg)
     cfg.check_layers(len(named))
     if cfg.sync.strategy == "tokenring":

@@ -34,7 +34,7 @@ from trainwright.model.build import (
     split_microbatches,
 )
 from trainwright.model.clusters import model_clusters
-from trainwright.model.data import shard as take_shard
+from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.observe.telemetry import RunRecorder, atomic_write_text
 from trainwright.pipeline.budget import (
@@ -53,6 +53,9 @@ from trainwright.pipeline.runtime import PipelineRuntime, StepStats, kill_self_a
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.run import checkpoint
+from trainwright.run.evaluate import check_eval_data, maybe_evaluate
+from trainwright.run.precision import autocast_factory
+from trainwright.run.update import UpdateStep, make_update_step
 from trainwright.schedule.actions import build_schedule
 from trainwright.sync import GradSync, make_grad_sync
 
@@ -105,6 +108,8 @@ class Trainer:
         self.topo = mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
         self.build_layers = layers or (lambda: build_layers(cfg))
         self.data = data if data is not None else build_data(cfg)
+        if cfg.eval.every:
+            check_eval_data(self.data)
         self.shard = shard or (self.topo.replica, self.topo.dp)
         self.checkpointed: dict[str, tuple[object, bool]] = {}
         """Objects whose ``state_dict()`` checkpoints hold (see :meth:`register_state`)."""
@@ -191,6 +196,7 @@ class Trainer:
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=s == 0,
                            loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
                            loss_scale=1.0 / cfg.train.micro_batches)
+        self.stage.autocast = autocast_factory(cfg.train.precision, self.device)
 
     def _setup_schedule(self, named: NamedLayers, peer_plan: dict | None, peer_group) -> None:
         """Every stage's action list; seed 004's peer-swap actions woven in when planned."""
@@ -220,9 +226,14 @@ class Trainer:
         return plan
 
     def _setup_grad_sync(self, grad_sync: GradSync | None) -> None:
-        """The gradient exchange across replicas, told which layers this stage holds."""
+        """The gradient exchange across replicas, told which layers this stage holds, and the
+        optimizer step around it (loss-scale check, clipping, learning rate)."""
         self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
         self.sync.attach([slot.module for slot in self.stage.slots])
+        self.update = make_update_step(self.cfg, self.sync, self.stage, self.topo, self.start,
+                                       self.device)
+        if isinstance(self.update, UpdateStep):  # LR schedule and loss scale: in checkpoints
+            self.register_state("update", self.update)
 
     def _p2p(self, group) -> P2P:
         topo, rt = self.topo, self.cfg.runtime
@@ -246,7 +257,7 @@ class Trainer:
             self.stage, self.actions, self._p2p(topo.pp_group),
             prev_rank=topo.rank_of(s - 1) if s > 0 else None,
             next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
-            grad_sync=self.sync, replica=topo.replica, fault=fault, extensions=self.extensions)
+            grad_sync=self.update, replica=topo.replica, fault=fault, extensions=self.extensions)
 
     def _setup_rebalancer(self, named: NamedLayers) -> None:
         """Seed 000's detector, partitioner and live migration, when anything can move."""
@@ -342,7 +353,9 @@ class Trainer:
         self.trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         costs_fresh = self._profile_and_check(step, stats)
+        stats.update = self.update.last if isinstance(self.update, UpdateStep) else {}
         self._record(step, stats, costs_fresh)
+        maybe_evaluate(self, step)
         every = self.cfg.run.checkpoint_every
         if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
             self.save_checkpoint(step)
@@ -358,10 +371,12 @@ class Trainer:
                     or self.peer_plan is not None or self.rebalancer is not None
                     or migration is not None)
 
-    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This replica's share of the step's global batch, on the device."""
-        x, y = take_shard(self.data.batch(step, self.cfg.train.batch_size), *self.shard)
-        return x.to(self.device), y.to(self.device)
+    def _batch(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This replica's share of the step's global batch, on the device: the inputs on the
+        first stage, the targets on the last (None where the stage needs none)."""
+        x, y = read_share(self.data, step, self.cfg.train.batch_size, *self.shard,
+                          inputs=self.topo.stage == 0, targets=self.stage.is_last)
+        return tuple(None if t is None else t.to(self.device) for t in (x, y))
 
     def _apply_model_edits(self, step: int) -> None:
         """Insert or remove layers as the config's edit hook asks for this step."""
