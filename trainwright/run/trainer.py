@@ -51,6 +51,13 @@ from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, StepStats, kill_self_at
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
+from trainwright.pipeline.tied import (
+    counts_after,
+    expect_partition,
+    owned_parameters,
+    prepare_ties,
+    wrap_tied,
+)
 from trainwright.run import checkpoint
 from trainwright.schedule.actions import build_schedule
 from trainwright.sync import GradSync, make_grad_sync
@@ -120,14 +127,15 @@ class Trainer:
         cfg, s = self.cfg, self.topo.stage
         named = self.build_layers()
         cfg.check_layers(len(named))
+        self.ties = prepare_ties(cfg, named)  # tied weights: one copy per holder across stages
         self.parts = cfg.partition(len(named))
         first = sum(self.parts[:s])
-        self.slots = []
+        self.slots, seen = [], set()
         for i in range(first, first + self.parts[s]):
             name, module = named[i]
             module.to(self.device)
             self.slots.append(LayerSlot(i, name, module, self.make_optimizer(
-                list(module.parameters()))))
+                owned_parameters(module, seen))))
         self.start = 1
         done = checkpoint.latest_step(self.run_dir) if resume else None
         if done is not None:
@@ -177,7 +185,8 @@ class Trainer:
 
     def _setup_grad_sync(self, grad_sync: GradSync | None) -> None:
         """The gradient exchange across replicas, told which layers this stage holds."""
-        self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
+        self.sync = wrap_tied(grad_sync or make_grad_sync(self.cfg, self.topo), self.ties,
+                              self.topo, self.stage, self.parts)
         self.sync.attach([slot.module for slot in self.slots])
 
     def _p2p(self, group) -> P2P:
@@ -331,6 +340,7 @@ class Trainer:
         ms = self.rebalancer.migration_for(step)
         if ms is None:
             return None
+        expect_partition(self.sync, counts_after(self.rebalancer.counts, ms.moves))
         return Migration(ms, self.topo.stage, self.stage, self.rebalancer.ctrl,
                          self.topo.rank_of, self.catalog, self.make_optimizer, self.device)
 
