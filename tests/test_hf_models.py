@@ -163,13 +163,13 @@ _MIGRATE = {"rebalance.at_step": 3, "train.steps": 5}
 _MATRIX = {
     4: [("gpt2", {"parallel.pp": 4}),
         ("llama", {"parallel.pp": 4, "train.schedule": '"gpipe"'}),
-        ("gpt2", {"parallel.pp": 2, "parallel.dp": 2, "memory.policies": '"recompute"'}),
+        ("gpt2", {"parallel.pp": 2, "parallel.dp": 2, "memory.policies": '["recompute"]'}),
         ("llama", {"parallel.pp": 2, "parallel.dp": 2}),
         # the tied head moves from stage 3 to stage 2: the tie's group becomes stages {0, 2}
         ("tied_sequential", {"parallel.pp": 4, "parallel.partition": "[1, 1, 2, 2]",
                              "rebalance.to": "[1, 1, 3, 1]", **_MIGRATE})],
     2: [("gpt2", {"parallel.pp": 2, "train.schedule": '"gpipe"', "train.steps": 5}),
-        ("llama", {"parallel.pp": 2, "memory.policies": '"recompute"'}),
+        ("llama", {"parallel.pp": 2, "memory.policies": '["recompute"]'}),
         ("llama_tied", {"parallel.pp": 2, "train.optimizer": '"adamw"', "train.lr": 0.01,
                         "train.steps": 5}),
         # the tied head moves to stage 0, next to the embedding: the tie becomes local
@@ -212,3 +212,32 @@ def test_one_stage_steps_a_shared_weight_once(tiny, tmp_path):
     ref, ref_losses = train_reference(cfg)
     torch.testing.assert_close(shared, ref[0].weight)
     torch.testing.assert_close(torch.tensor(_losses(trainer.run_dir)), torch.tensor(ref_losses))
+
+
+# ------------------------------------------------------------------ export
+@pytest.mark.timeout(600)
+def test_export_gives_a_from_pretrained_folder_with_the_trained_weights(tmp_path, capsys):
+    import trainwright
+    from tests.conftest import tiny_overrides
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+    run_dir = trainwright.fit(overrides=tiny_overrides(tmp_path / "runs", **HF, **{
+        "model.factory": '"tests.hf_models:gpt2"', "parallel.pp": 2}))
+    out = tmp_path / "exported"
+    assert cli(["export", str(run_dir), "--to", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors"}
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(hf, GPT2LMHeadModel)
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()  # still tied
+    ids = torch.randint(0, 256, (3, 8))
+    pipeline = trainwright.load_model(run_dir)  # the trained layers as nn.Sequential
+    with torch.no_grad():
+        expected = pipeline(ids)
+        torch.testing.assert_close(hf(ids).logits, expected)
+        original = trainwright.load_model(run_dir, original=True)
+        assert isinstance(original, GPT2LMHeadModel)
+        torch.testing.assert_close(original(ids).logits, expected)
+    capsys.readouterr()
+    assert cli(["export", str(run_dir), "--to", str(out)]) == 2  # not empty: nothing written
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--to" in err, err
