@@ -115,11 +115,16 @@ def save_model_dir(module: nn.Module, out_dir: Path) -> list[Path]:
     Returns:
         The files written.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
-    before = set(out_dir.iterdir())
     if is_transformers_model(module):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        before = set(out_dir.iterdir())
         module.save_pretrained(out_dir)
-    else:
+        return sorted(set(out_dir.iterdir()) - before)
+    try:
         from safetensors.torch import save_model
-        save_model(module, str(out_dir / "model.safetensors"))
-    return sorted(set(out_dir.iterdir()) - before)
+    except ImportError:
+        raise ConfigError("trainwright export writes safetensors; install it with "
+                          "`pip install safetensors` (or trainwright[hf])") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(module, str(out_dir / "model.safetensors"))
+    return [out_dir / "model.safetensors"]
