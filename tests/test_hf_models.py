@@ -217,9 +217,10 @@ def test_one_stage_steps_a_shared_weight_once(tiny, tmp_path):
 # ------------------------------------------------------------------ export
 @pytest.mark.timeout(600)
 def test_export_gives_a_from_pretrained_folder_with_the_trained_weights(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
     import trainwright
     from tests.conftest import tiny_overrides
-    from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
     run_dir = trainwright.fit(overrides=tiny_overrides(tmp_path / "runs", **HF, **{
         "model.factory": '"tests.hf_models:gpt2"', "parallel.pp": 2}))

@@ -22,8 +22,8 @@ from trainwright.model.graph import layers_from_export, layers_from_sequential
 from trainwright.model.hf import captured
 from trainwright.model.mlp import mlp_layers
 
-__all__ = ["build_layers", "build_model", "build_optimizer", "build_data", "loss_fn", "split_microbatches",
-           "load_factory", "cross_entropy"]
+__all__ = ["build_layers", "build_model", "build_optimizer", "build_data", "loss_fn",
+           "split_microbatches", "load_factory", "cross_entropy"]
 
 
 def load_factory(spec: str, key: str) -> Callable:
