@@ -242,3 +242,34 @@ def test_export_gives_a_from_pretrained_folder_with_the_trained_weights(tmp_path
     assert cli(["export", str(run_dir), "--to", str(out)]) == 2  # not empty: nothing written
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--to" in err, err
+
+
+def test_a_tie_counts_once_in_a_global_norm(tiny):
+    """Copies that all hold the whole gradient: skipping ``duplicate_copies`` gives the
+    single-process model's gradient norm (what global clipping needs)."""
+    from trainwright.model.ties import find_ties, untie
+    from trainwright.pipeline.tied import duplicate_copies
+
+    cfg = _cfg(tiny, "tied_sequential")
+    shared = build_layers(cfg)
+    ids = torch.randint(0, 256, (4, 8))
+    _chain([m for _, m in shared], ids).square().mean().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(nn.Sequential(*(m for _, m in shared))
+                                              .parameters(), float("inf"))
+    ties = find_ties(shared)
+    slots = [LayerSlot(i, n, m) for i, (n, m) in enumerate(shared)]
+    assert duplicate_copies(ties, slots) == []  # one object on one stage counts once
+    copies = build_layers(cfg)
+    untie(copies, ties)
+    _chain([m for _, m in copies], ids).square().mean().backward()
+    tied = [m.get_parameter(p) for i, p in ties[0].members for m in [copies[i][1]]]
+    total = sum(p.grad for p in tied)
+    for p in tied:  # what TiedGradSync hands every copy
+        p.grad = total.clone()
+    slots = [LayerSlot(i, n, m) for i, (n, m) in enumerate(copies)]
+    skip = {id(p) for p in duplicate_copies(ties, slots)}
+    assert skip == {id(tied[1])}
+    norm = torch.linalg.vector_norm(torch.stack([
+        torch.linalg.vector_norm(p.grad) for _, m in copies for p in m.parameters()
+        if id(p) not in skip]))
+    torch.testing.assert_close(norm, ref_norm)

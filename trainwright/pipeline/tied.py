@@ -36,7 +36,7 @@ from trainwright.model.ties import Tie, find_ties, untie
 from trainwright.sync.base import GradSync
 
 __all__ = ["check_ties", "prepare_ties", "owned_parameters", "TiedGradSync", "wrap_tied",
-           "expect_partition", "counts_after"]
+           "expect_partition", "counts_after", "duplicate_copies"]
 
 
 def check_ties(cfg: Config, named: list[tuple[str, nn.Module]]) -> list[Tie]:
@@ -70,6 +70,30 @@ def owned_parameters(module: nn.Module, seen: set[int]) -> list[nn.Parameter]:
     out = [p for p in module.parameters() if id(p) not in seen]
     seen.update(id(p) for p in out)
     return out
+
+
+def duplicate_copies(ties: list[Tie], slots: list) -> list[nn.Parameter]:
+    """This stage's copies of tied weights that a global statistic must skip.
+
+    After :class:`TiedGradSync` every copy holds the whole gradient of the shared weight, so
+    a sum over all stages (the global gradient norm for clipping) counts a tie once only
+    by skipping every copy but the one of the tie's first layer (as Megatron-LM does).
+
+    Args:
+        ties: the model's ties.
+        slots: this stage's ``LayerSlot`` list.
+    """
+    local = {s.index: s.module for s in slots}
+    first = {id(local[t.members[0][0]].get_parameter(t.members[0][1]))
+             for t in ties if t.members[0][0] in local}
+    out: dict[int, nn.Parameter] = {}
+    for tie in ties:
+        for index, pname in tie.members[1:]:
+            if index in local:
+                p = local[index].get_parameter(pname)
+                if id(p) not in first:  # one stage, one object: it counts (once)
+                    out[id(p)] = p
+    return list(out.values())
 
 
 def counts_after(counts: list[int], moves) -> list[int]:
