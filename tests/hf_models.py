@@ -50,9 +50,10 @@ def llama(cfg):
 
 
 def llama_tied(cfg):
-    """``LlamaForCausalLM`` with ``tie_word_embeddings``: no biases, so AdamW compares tightly
-    (GPT-2's attention key bias has an exactly-zero gradient that Adam turns float noise
-    into full-size steps on)."""
+    """``LlamaForCausalLM`` with ``tie_word_embeddings``: it has no biases, so AdamW compares
+    tightly. GPT-2's fused qkv bias holds the key bias, whose gradient is zero in exact
+    arithmetic; Adam turns float noise there into full-size steps (tests/test_pipeline.py
+    notes the same for the built-in GPT), so GPT-2 is compared with SGD."""
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(llama_config(cfg, tied=True))
