@@ -96,8 +96,7 @@ def _slim(res: dict) -> dict:
 def _accuracy_worker(rank: int, world: int, spec: PlannerBenchSpec, schedule: str,
                      tensor_rows: list, measure_links: bool, out_dir: str) -> None:
     """All-keep run, then the limited run planned from its measured peaks (rank 0 plans)."""
-    import torch.distributed as dist
-
+    from trainwright.dist import collective as coll
     from trainwright.run.harness import run_gpt_pipeline
 
     torch.set_num_threads(1)
@@ -107,7 +106,7 @@ def _accuracy_worker(rank: int, world: int, spec: PlannerBenchSpec, schedule: st
     _warm_up(spec, world)
     keep = run_gpt_pipeline(spec.job(world, schedule))
     peaks: list = [None] * world
-    dist.all_gather_object(peaks, max(keep["peak_bytes"]))
+    coll.all_gather_object(peaks, max(keep["peak_bytes"]))
     budgets = _budgets(spec, peaks)
     plan = _plan(tensor_rows, spec, world, schedule, budgets, ("peer", "recompute"))
     limited = run_gpt_pipeline(spec.job(world, schedule), policies=_layer_policies(plan),

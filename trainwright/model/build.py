@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwright.config import Config
-from trainwright.errors import ConfigError
+from trainwright.errors import ConfigError, PlanError
 from trainwright.model.data import CharCorpus, SyntheticRegression, SyntheticTokens, stdlib_corpus
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.model.graph import layers_from_export, layers_from_sequential
@@ -50,9 +50,12 @@ def _factory_layers(cfg: Config) -> tuple[list[tuple[str, nn.Module]], nn.Module
     if isinstance(made, tuple):  # (module, example_args): capture and cut with torch.export
         model, example_args = made
         args = (example_args,) if isinstance(example_args, torch.Tensor) else tuple(example_args)
-        with captured(model, len(args)):
-            layers = layers_from_export(model, args, group_by=cfg.model.group_by,
-                                        dynamic_batch=True)
+        try:
+            with captured(model, len(args)):
+                layers = layers_from_export(model, args, group_by=cfg.model.group_by,
+                                            dynamic_batch=True)
+        except PlanError as exc:
+            raise ConfigError(f"model.factory = {cfg.model.factory!r}: {exc}") from None
     else:
         layers = layers_from_sequential(made)
         model = made if isinstance(made, nn.Module) else nn.Sequential(*layers)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.config import Config
+from trainwright.dist import collective
 from trainwright.dist.topology import Topology
 from trainwright.errors import ConfigError
 from trainwright.model.ties import Tie, find_ties, untie
@@ -154,7 +155,7 @@ class TiedGradSync(GradSync):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in copies]
         total = torch.stack([g.to_dense() if g.is_sparse else g for g in grads]).sum(0)
         if len(ranks) > 1:
-            dist.all_reduce(total, group=self._groups[ranks])
+            collective.all_reduce(total, group=self._groups[ranks])
         for p in copies:
             p.grad = total.clone() if len(copies) > 1 else total
 
