@@ -172,6 +172,14 @@ class TiedGradSync(GradSync):
         """Pass the stage's layers on to the inner exchange."""
         self.inner.attach(modules)
 
+    def layers_changing(self, slots: list) -> None:
+        """As the inner exchange."""
+        self.inner.layers_changing(slots)
+
+    def full_state(self, slots: list):
+        """The inner exchange's context (its layers' optimizers hold their full state)."""
+        return self.inner.full_state(slots)
+
     def begin_step(self, step: int) -> bool:
         """As the inner exchange."""
         return self.inner.begin_step(step)
