@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -13,20 +15,50 @@ TINY = dict(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batches=4,
             micro_batch_size=2, split=[2, 2], steps=3, warmup=1)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_bench_pipeline_runs_and_systems_do_the_same_work():
-    result = run(PipelineBenchSpec(**TINY), repeats=1, deepspeed=False)
-    for key in ("trainwright_samples_per_s", "torch_pipelining_samples_per_s", "ratio",
-                "bubble_fraction", "bubble_bound"):
-        assert key in result
-    assert result["ratio"] > 0
-    assert 0 <= result["bubble_fraction"] < 1
-    assert result["bubble_bound"] == pytest.approx(1 / 5, abs=1e-3)
-    rows = {r["system"]: r for r in result["rows"]}
-    # same weights, same batches, same optimizer: the loss curves must agree
-    torch.testing.assert_close(torch.tensor(rows["trainwright_1f1b"]["losses_last_repeat"]),
-                               torch.tensor(rows["torch_pipelining_1f1b"]["losses_last_repeat"]),
-                               atol=1e-4, rtol=1e-4)
+    from trainwright.bench.paired import paired
+    from trainwright.bench.pipeline import systems
+
+    result = run(PipelineBenchSpec(**TINY), repeats=2, micro_batches=(4,), overhead=False)
+    res = result["by_micro_batches"]["4"]
+    rows = {r["system"]: r for r in res["rows"]}
+    assert set(rows) == set(systems())  # every schedule of both systems, failures included
+    ok = {k: r for k, r in rows.items() if "error" not in r}
+    assert {"trainwright_1f1b", "trainwright_zb-h1", "torch_pipelining_1f1b"} <= set(ok)
+    # the headline is the median of the paired per-round ratios of the two best systems
+    best_o, best_t = res["best_ours"], res["best_torch"]
+    step = {k: statistics.median(r["step_ms_per_round"]) for k, r in ok.items()}
+    assert best_o == min((k for k in step if k.startswith("trainwright_")), key=step.get)
+    assert best_t == min((k for k in step if k.startswith("torch_pipelining_")), key=step.get)
+    again = paired(rows[best_t]["step_ms_per_round"], rows[best_o]["step_ms_per_round"])
+    assert res["ratio_vs_best_torch"] == pytest.approx(again["ratio"], rel=2e-3)
+    assert len(res["paired_ratios"]) == 2 and "relative_half_range" in res["ratio_spread"]
+    assert result["ratio_vs_best_torch"]["4"] == res["ratio_vs_best_torch"]
+    for name in ("trainwright_1f1b", "trainwright_zb-h1"):
+        assert 0 <= rows[name]["bubble_fraction"] < 1
+        assert len(rows[name]["idle_s_per_rank"]) == 2
+        assert rows[name]["step_vs_compute_bound"] > 0
+    assert res["zb_bubble_vs_1f1b"] == pytest.approx(min(
+        rows[k]["bubble_fraction"] / rows["trainwright_1f1b"]["bubble_fraction"]
+        for k in ("trainwright_zb-h1", "trainwright_zb-h2")), rel=2e-3)
+    assert res["bubble_bound_1f1b"] == pytest.approx(1 / 5, abs=1e-3)
+    assert "cpu_model" in result["host"]
+    # same weights, same batches, same optimizer: every loss curve agrees
+    ref = torch.tensor(rows["torch_pipelining_1f1b"]["losses_last_round"])
+    for name, row in ok.items():
+        torch.testing.assert_close(torch.tensor(row["losses_last_round"]), ref,
+                                   atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.timeout(120)
+def test_stage_overhead_row_pairs_rounds():
+    from trainwright.bench.stage_overhead import measure
+
+    res = measure(PipelineBenchSpec(**TINY), rounds=2, steps=1)
+    assert len(res["paired_ratios"]) == 2
+    pr = [a / b for a, b in zip(res["rows"]["ours_fast"], res["rows"]["plain"], strict=True)]
+    assert res["ratio"] == pytest.approx(statistics.median(pr), rel=2e-3)
 
 
 @pytest.mark.timeout(60)

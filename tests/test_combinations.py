@@ -9,7 +9,6 @@ import re
 import pytest
 
 from tests.conftest import tiny_overrides
-from trainwright import fit
 from trainwright.cli import main
 from trainwright.config import load_config
 from trainwright.errors import ConfigError, PlanError
@@ -23,7 +22,6 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
      r"remove memory.policies"),
     (["memory.peer_swap=true", 'memory.limit="8MB"', "rebalance.at_step=2", "rebalance.to=[3, 3]"],
      r"layers cannot migrate"),
-    (['sync.strategy="tokenring"', 'train.optimizer="adamw"'], r"set train.optimizer=\"sgd\""),
     (['sync.strategy="tokenring"', "train.batch_size=30", 'train.optimizer="sgd"'],
      r"does not split into tokenring.nodes"),
     (["rebalance.enabled=true", "train.micro_batches=1"], r"needs train.micro_batches >= 2"),
@@ -36,6 +34,12 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
      r"no stages to migrate layers between"),
     (['sync.strategy="tokenring"', 'train.optimizer="sgd"', "memory.peer_swap=true",
       'memory.limit="8MB"'], r"no stages to lend activation memory to"),
+    (['train.schedule="zb-h1"', "memory.peer_swap=true", 'memory.limit="8MB"'],
+     r"peer_swap = true works with train.schedule = \"1f1b\" or \"gpipe\", not 'zb-h1'"),
+    (['train.schedule="zb-h2"', "rebalance.enabled=true"],
+     r"live migration .* works with train.schedule = \"1f1b\" or \"gpipe\", not 'zb-h2'"),
+    (['train.schedule="zb-h1"', 'rebalance.edits="tests.factories:insert_heavy"'],
+     r"live migration .* not 'zb-h1'"),
     (['model.factory="tests.factories:number_across_layers"'],
      r"model.factory = .*only tensors cross the cuts.*wrap the submodules"),
 ]
@@ -70,7 +74,6 @@ def _saved_run(tmp_path, **extra):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("extra, kind, message", [
-    ({"sync.strategy": '"tokenring"', "tokenring.nodes": 2}, None, r"--resume is not supported"),
     ({"rebalance.edits": '"tests.factories:insert_heavy"'}, "model_edit",
      r"edited its model at step 3 .*start a new run"),
 ])
@@ -82,26 +85,6 @@ def test_refused_resume(extra, kind, message, tmp_path, capsys):
     before = sorted((p.name, p.stat().st_size) for p in run_dir.iterdir())
     _assert_refused(["run", "--resume", str(run_dir)], message, capsys, tmp_path)
     assert sorted((p.name, p.stat().st_size) for p in run_dir.iterdir()) == before
-
-
-@pytest.mark.timeout(60)
-def test_token_ring_under_torchrun_is_refused(tmp_path, capsys, monkeypatch):
-    """Each torchrun rank would start a ring of its own."""
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    argv = ["run"]
-    for item in tiny_overrides(tmp_path / "runs", **{"sync.strategy": '"tokenring"',
-                                                     "tokenring.nodes": 2}):
-        argv += ["--set", item]
-    _assert_refused(argv, r"under torchrun would start a separate local ring", capsys, tmp_path)
-
-
-@pytest.mark.timeout(60)
-def test_token_ring_through_fit_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"trainwright.fit does not start yet; run `trainwright"):
-        fit(overrides=tiny_overrides(tmp_path / "runs", **{"sync.strategy": '"tokenring"',
-                                                          "tokenring.nodes": 2}))
-    assert not (tmp_path / "runs").exists()
 
 
 def test_pipeline_sync_for_the_ring_names_the_launcher(tiny):

@@ -1,25 +1,30 @@
-"""``trainwright bench hierarchical``: seed 003's sync against flat all-reduce and FSDP2 HSDP.
+"""``trainwright bench hierarchical``: seed 003's sync end to end, against torch DDP and FSDP2.
+
+The question: on 2 nodes x 2 ranks joined by a 1 Gbit/s link, how long does a whole
+training step (forward + backward + gradient sync + optimizer) take with our hierarchical
+sync, against what a user would run instead?
 
 The benchmark builds its own two-tier network (:mod:`trainwright.bench.netns`: one network
 namespace per rank, 2 nodes x 2 ranks, 1 Gbit/s between nodes, unshaped inside a node),
 starts one process per rank inside its namespace (gloo bound to ``eth0`` with
-``GLOO_SOCKET_IFNAME``), and in one run, interleaved over ``repeats`` rounds, times:
+``GLOO_SOCKET_IFNAME``), and times, in ``repeats`` rounds with the systems in ABBA order
+(:func:`~trainwright.bench.paired.round_order`):
 
 - ``trainwright_hierarchical``: :class:`~trainwright.sync.hierarchical.HierarchicalSync`
   (P2P reduce-scatter pipelined with the inter-node all-reduce, sharded AdamW, all-gather);
-- ``trainwright_hierarchical_reduce``: the same with ``dist.reduce`` per slice inside the node
-  (the alternative implementation of the uneven reduce-scatter);
-- ``flat_all_reduce``: the project's dense baseline (bucketed all-reduce over all 4 ranks,
-  full AdamW on every rank);
-- ``torch_fsdp2_hsdp``: ``fully_shard`` per layer on a 2-D ``(replicate, shard)`` CPU mesh;
-  its communication happens inside forward/backward, so its ``sync_s`` is its forward +
-  backward time minus a plain local forward + backward measured in the same round;
-- ``trainwright_hierarchical_unequal``: ours with one rank given half the memory.
+- ``torch_ddp``: ``DistributedDataParallel`` over gloo with its own buckets and its overlap
+  of the all-reduce with backward, full AdamW on every rank;
+- ``torch_fsdp2_hsdp``: ``fully_shard`` per layer on a 2-D ``(replicate, shard)`` CPU mesh
+  with ``reshard_after_forward=False`` (no re-gather in backward);
+- optional (``spec.systems``): ``flat_all_reduce`` (the project's bucketed all-reduce),
+  ``trainwright_hierarchical_reduce`` and ``trainwright_hierarchical_unequal``.
 
-The workload is a 50M-parameter fp32 model (12 bias-free 2048 x 2048 linear layers) on a
-tiny batch, so the step is dominated by gradient traffic. ``sync_s`` per step is the slowest
-rank's; figures are medians over steps and rounds. ``inter_node_bytes_per_rank`` comes from
-each rank's tc counter of the inter-node class (not measured on ``--loopback``).
+The workload is fp32 bias-free 2048 x 2048 linear layers on a tiny batch, so the step is
+dominated by gradient traffic. A step's time is the slowest rank's; a round's figure is the
+median over its ``steps`` steps (after one warm-up step); ``ratio_vs_ddp`` is the median over
+rounds of the paired per-round ratio. ``cross_node_bytes_per_step`` is read from the kernel,
+not from our own accounting: the tc byte counter of each rank's inter-node HTB class, summed
+over the ranks (and, beside it, every rank's ``eth0`` ``tx_bytes``).
 """
 
 from __future__ import annotations
@@ -44,15 +49,18 @@ from trainwright.bench.netns import (
     TwoTierNetwork,
     emulated,
     inter_node_bytes,
+    interface_bytes,
     run_ranks,
 )
 from trainwright.dist import collective as coll
 from trainwright.errors import ConfigError
 
-__all__ = ["HierBenchSpec", "run", "main", "SYSTEMS"]
+__all__ = ["HierBenchSpec", "run", "main", "SYSTEMS", "ALL_SYSTEMS"]
 
-SYSTEMS = ("trainwright_hierarchical", "trainwright_hierarchical_reduce", "flat_all_reduce",
-           "torch_fsdp2_hsdp", "trainwright_hierarchical_unequal", "local_compute")
+ALL_SYSTEMS = ("trainwright_hierarchical", "torch_ddp", "torch_fsdp2_hsdp", "flat_all_reduce",
+               "trainwright_hierarchical_reduce", "trainwright_hierarchical_unequal")
+SYSTEMS = ALL_SYSTEMS[:3]
+"""Measured by default: ours and the two peers a user would run."""
 
 
 @dataclass
@@ -62,12 +70,16 @@ class HierBenchSpec:
     nodes: int = 2
     ranks_per_node: int = 2
     width: int = 2048
-    layers: int = 12
-    """12 x 2048 x 2048 = 50.3M parameters."""
+    layers: int = 2
+    """2 x 2048 x 2048 = 8.4M parameters (12 layers until the paired rounds: 3 systems x
+    5 rounds x 16 steps of the 50M model took over an hour on the shared 2-core machine)."""
     batch: int = 4
-    steps: int = 3
+    steps: int = 15
     """Timed steps per system per round (after one warm-up step)."""
-    repeats: int = 3
+    repeats: int = 5
+    """Rounds; systems in ABBA order within each."""
+    systems: tuple = SYSTEMS
+    """Systems to measure (``ALL_SYSTEMS`` names them all); must include ours and DDP."""
     inter_rate: str = "1gbit"
     mtu: int = 1500
     chunks: int = 4
@@ -109,16 +121,13 @@ def _fwd_bwd(model, x) -> None:
     model(x).square().mean().backward()
 
 
-def _run_system(system: str, spec: HierBenchSpec, rank: int, x: torch.Tensor) -> dict:
-    """Warm-up step, then ``spec.steps`` timed steps of ``system``; this rank's figures."""
+def _build(system: str, spec: HierBenchSpec, rank: int, model: nn.Module):
+    """``(module to call, step function)`` of ``system`` around ``model``."""
     from trainwright.config import HierarchicalConfig
     from trainwright.sync.dense import BucketedAllReduce
     from trainwright.sync.hierarchical import HierarchicalDataParallel
 
-    model = _model(spec)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=spec.lr)
-    out: dict = {"system": system, "rank": rank, "sync_s": [], "step_s": [], "compute_s": []}
-    hdp = opt = flat = None
     if system.startswith("trainwright_hierarchical"):
         weights, mem = "equal", ""
         if system.endswith("unequal"):  # the last rank has half the memory of the others
@@ -127,78 +136,83 @@ def _run_system(system: str, spec: HierBenchSpec, rank: int, x: torch.Tensor) ->
                                  available_memory=mem, chunks=spec.chunks)
         hdp = HierarchicalDataParallel(model, adamw, cfg, timeout_s=spec.timeout_s,
                                        intra="reduce" if system.endswith("reduce") else "p2p")
-    elif system == "flat_all_reduce":
-        flat = BucketedAllReduce(None, spec.world)
-        opt = adamw(list(model.parameters()))
-    elif system == "torch_fsdp2_hsdp":
+        return hdp, lambda: (hdp.sync(), hdp.step()), hdp
+    if system == "flat_all_reduce":
+        flat, opt = BucketedAllReduce(None, spec.world), adamw(list(model.parameters()))
+        return model, lambda: (flat.sync(list(model.parameters())), opt.step(),
+                               opt.zero_grad(set_to_none=False)), opt
+    if system == "torch_ddp":  # gloo, torch's own buckets and overlap with backward
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        opt = adamw(list(ddp.parameters()))
+        return ddp, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), opt
+    if system == "torch_fsdp2_hsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (spec.nodes, spec.ranks_per_node),
                                 mesh_dim_names=("replicate", "shard"))
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        for layer in model:  # parameters stay gathered between forward and backward
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)
         opt = adamw(list(model.parameters()))
+        return model, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), opt
+    raise ValueError(f"unknown system {system!r}; choose one of {ALL_SYSTEMS}")
+
+
+def _run_system(system: str, spec: HierBenchSpec, rank: int, x: torch.Tensor) -> dict:
+    """Warm-up step, then ``spec.steps`` timed end-to-end steps (forward, backward, sync,
+    optimizer) of ``system``; this rank's figures and kernel byte counters."""
+    model = _model(spec)
+    module, finish, owner = _build(system, spec, rank, model)
+    out: dict = {"system": system, "rank": rank, "step_s": [], "compute_s": []}
     before = None
     for step in range(spec.steps + 1):
         if step == 1:
             coll.barrier()
-            before = inter_node_bytes()
+            before = (inter_node_bytes(), interface_bytes())
         coll.barrier()
         t0 = time.perf_counter()
-        _fwd_bwd(hdp if hdp is not None else model, x)
+        _fwd_bwd(module, x)
         t1 = time.perf_counter()
-        sync_s = None
-        if hdp is not None:
-            hdp.sync()
-            t2 = time.perf_counter()
-            hdp.step()
-            sync_s = (t2 - t1) + hdp.hsync.timings["all_gather_s"]
-        elif flat is not None:
-            flat.sync(list(model.parameters()))
-            sync_s = time.perf_counter() - t1
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        elif opt is not None:
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-        else:
-            model.zero_grad(set_to_none=False)
-        t3 = time.perf_counter()
+        finish()
+        t2 = time.perf_counter()
         if step >= 1:
-            out["sync_s"].append(sync_s)
-            out["step_s"].append(t3 - t0)
+            out["step_s"].append(t2 - t0)
             out["compute_s"].append(t1 - t0)
     coll.barrier()
-    after = inter_node_bytes()
-    out["inter_node_bytes"] = None if before is None or after is None else \
-        (after - before) / spec.steps
-    if hdp is not None:
-        hs = hdp.hsync
+    after = (inter_node_bytes(), interface_bytes())
+    out["inter_node_bytes"] = None if None in (before[0], after[0]) else \
+        (after[0] - before[0]) / spec.steps
+    out["eth0_tx_bytes"] = None if None in (before[1], after[1]) else \
+        (after[1] - before[1]) / spec.steps
+    if system.startswith("trainwright_hierarchical"):
+        hs = owner.hsync
         lo, hi = hs.owned
         out.update(optimizer_state_bytes=hs.optimizer_state_bytes(), shard_numel=hi - lo,
                    shard_bytes=(hi - lo) * 4, weights=hs.weights, local=hs.groups.local,
                    node=hs.groups.node)
-    elif opt is not None:
-        out["optimizer_state_bytes"] = _state_bytes(opt)
-    del model, hdp, opt, flat
+    else:
+        out["optimizer_state_bytes"] = _state_bytes(owner)
+    del model, module, finish, owner
     gc.collect()
     return out
 
 
 def worker(tmp: str, rank: int) -> None:
     """One rank of the benchmark (run inside its namespace by :func:`run`)."""
+    from trainwright.bench.paired import round_order
+
     spec = HierBenchSpec(**json.loads((Path(tmp) / "spec.json").read_text()))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=spec.world,
                             timeout=datetime.timedelta(seconds=spec.timeout_s))
     x = torch.randn(spec.batch, spec.width, generator=torch.Generator().manual_seed(rank))
     rows, done = [], 0
-    total = spec.repeats * len(SYSTEMS)
+    total = spec.repeats * len(spec.systems)
     for rep in range(spec.repeats):
-        order = list(SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[: rep % len(SYSTEMS)])
-        for system in order:
+        for system in round_order(spec.systems, rep):
             mine = _run_system(system, spec, rank, x)
             mine["round"] = rep
             gathered: list | None = [None] * spec.world if rank == 0 else None
@@ -217,41 +231,39 @@ def worker(tmp: str, rank: int) -> None:
 
 # ----------------------------------------------------------------------------- driver side
 
-def _median(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+def round_step_s(rows: list[dict], system: str, rnd: int, key: str = "step_s") -> float:
+    """One round's figure of ``system``: the median over steps of the slowest rank's time."""
+    ranks = [r for r in rows if r["system"] == system and r["round"] == rnd]
+    return statistics.median(max(r[key][i] for r in ranks) for i in range(len(ranks[0][key])))
+
+
+def _per_step_total(rows: list[dict], system: str, key: str) -> float | None:
+    """Median over rounds of the bytes all ranks together counted per step (None: no counter)."""
+    per_round = []
+    for rnd in sorted({r["round"] for r in rows}):
+        vals = [r[key] for r in rows if r["system"] == system and r["round"] == rnd]
+        if any(v is None for v in vals):
+            return None
+        per_round.append(sum(vals))
+    return statistics.median(per_round)
 
 
 def summarise(rows: list[dict], spec: HierBenchSpec) -> dict:
-    """Per-system figures from every rank's rows: slowest rank per step, medians."""
-    def per_step_max(system: str, key: str) -> list[float]:
-        out = []
-        for rnd in range(spec.repeats):
-            ranks = [r for r in rows if r["system"] == system and r["round"] == rnd]
-            for i in range(spec.steps):
-                vals = [r[key][i] for r in ranks if r[key][i] is not None]
-                if vals:
-                    out.append(max(vals))
-        return out
-
-    local = _median(per_step_max("local_compute", "compute_s"))
+    """Per-system figures from every rank's rows: per round, the median over steps of the
+    slowest rank's step; per system, the median over rounds."""
     table = {}
-    for system in SYSTEMS:
-        if system == "local_compute":
-            continue
+    for system in spec.systems:
+        rounds = [round_step_s(rows, system, k) for k in range(spec.repeats)]
+        compute = [round_step_s(rows, system, k, "compute_s") for k in range(spec.repeats)]
         mine = sorted((r for r in rows if r["system"] == system and r["round"] == 0),
                       key=lambda r: r["rank"])
-        if system == "torch_fsdp2_hsdp":  # its traffic is inside forward + backward
-            sync = [c - local for c in per_step_max(system, "compute_s")]
-        else:
-            sync = per_step_max(system, "sync_s")
-        row = {"system": system, "sync_s": _median(sync), "step_s": _median(
-            per_step_max(system, "step_s")), "sync_s_all": [round(s, 4) for s in sync],
-            "inter_node_bytes_per_rank": [r["inter_node_bytes"] for r in mine],
-            "optimizer_state_bytes_per_rank": [r.get("optimizer_state_bytes") for r in mine]}
-        if system == "torch_fsdp2_hsdp":
-            row["sync_s_method"] = ("forward+backward time minus a plain local forward+backward "
-                                    f"({local:.4f} s) in the same rounds")
+        row = {"system": system, "step_s": statistics.median(rounds),
+               "step_s_rounds": [round(v, 4) for v in rounds],
+               "fwd_bwd_s": statistics.median(compute),
+               "cross_node_bytes_per_step": _per_step_total(rows, system, "inter_node_bytes"),
+               "eth0_tx_bytes_per_step": _per_step_total(rows, system, "eth0_tx_bytes"),
+               "inter_node_bytes_per_rank": [r["inter_node_bytes"] for r in mine],
+               "optimizer_state_bytes_per_rank": [r.get("optimizer_state_bytes") for r in mine]}
         if system.startswith("trainwright_hierarchical"):
             row["shards"] = [{k: r[k] for k in ("rank", "node", "local", "weights",
                                                 "shard_numel", "shard_bytes",
@@ -265,13 +277,19 @@ def run(spec: HierBenchSpec) -> dict:
     remove the network again, also on failure or Ctrl-C / SIGTERM."""
     if spec.network not in ("netns", "loopback"):
         raise ConfigError(f"network = {spec.network!r}; choose 'netns' or 'loopback'")
+    missing = [s for s in ("trainwright_hierarchical", "torch_ddp") if s not in spec.systems]
+    bad = [s for s in spec.systems if s not in ALL_SYSTEMS]
+    if missing or bad:
+        raise ConfigError(f"systems = {list(spec.systems)}: " + (
+            f"unknown {bad}; choose from {list(ALL_SYSTEMS)}" if bad
+            else f"the headline needs {missing}"))
     net = (TwoTierNetwork(spec.nodes, spec.ranks_per_node, spec.inter_rate, spec.mtu)
            if spec.network == "netns" else None)
     with tempfile.TemporaryDirectory(prefix="tw-bench-hier-") as tmp:
         (Path(tmp) / "spec.json").write_text(json.dumps(asdict(spec)))
         with emulated(net):
             run_ranks("trainwright.bench.hierarchical", tmp, spec.world, net,
-                      timeout_s=spec.timeout_s, total=spec.repeats * len(SYSTEMS),
+                      timeout_s=spec.timeout_s, total=spec.repeats * len(spec.systems),
                       label="bench hierarchical",
                       env_for=lambda r: {"TRAINWRIGHT_HOST": f"node{r // spec.ranks_per_node}"})
         rows = json.loads((Path(tmp) / "result.json").read_text())
@@ -279,31 +297,43 @@ def run(spec: HierBenchSpec) -> dict:
 
 
 def _report(rows: list[dict], spec: HierBenchSpec) -> dict:
+    from trainwright.bench.paired import host_info, paired
+
     table = summarise(rows, spec)
-    ours, flat = table["trainwright_hierarchical"], table["flat_all_reduce"]
+    ours = table["trainwright_hierarchical"]["step_s_rounds"]
     rate = _rate_bits(spec.inter_rate)
     grad = spec.numel * 4
     out = {
         "benchmark": "hierarchical",
+        "question": "end-to-end step time (forward + backward + sync + optimizer) of the same "
+                    "model on 2 nodes x 2 ranks over a 1 Gbit/s inter-node link, against torch "
+                    "DDP (gloo, its own buckets and overlap) and FSDP2 HSDP "
+                    "(reshard_after_forward=False)",
         "network": (f"{spec.nodes} nodes x {spec.ranks_per_node} ranks, network namespaces, "
                     f"{spec.inter_rate} per rank between nodes (tc htb), unshaped inside a node"
                     if spec.network == "netns" else "loopback 127.0.0.1, no shaping"),
         "gradient_numel": spec.numel, "gradient_bytes": grad,
-        "ratio_vs_flat": ours["sync_s"] / flat["sync_s"],
-        "target_ratio_vs_flat": 0.5,
-        "step_ratio_vs_flat": ours["step_s"] / flat["step_s"],
-        "ratio_reduce_variant_vs_flat": (table["trainwright_hierarchical_reduce"]["sync_s"]
-                                         / flat["sync_s"]),
-        "fsdp2_hsdp_on_gloo": "runs (torch FSDP2 fully_shard on a (replicate, shard) CPU mesh)",
-        "bound_hierarchical_s": grad / spec.ranks_per_node * 8 / rate if rate else None,
-        "bound_flat_ring_s": 1.5 * grad * 8 / rate if rate else None,
-        "rows": [table[s] for s in ("trainwright_hierarchical", "flat_all_reduce",
-                                    "torch_fsdp2_hsdp", "trainwright_hierarchical_reduce")],
-        "unequal_weights": table["trainwright_hierarchical_unequal"],
-        "spec": asdict(spec), "torch": torch.__version__,
+        **paired(ours, table["torch_ddp"]["step_s_rounds"]),
     }
+    out["ratio_vs_ddp"] = out["ratio"]
+    out["target_ratio_vs_ddp"] = 0.6
+    if "torch_fsdp2_hsdp" in table:
+        fsdp = paired(ours, table["torch_fsdp2_hsdp"]["step_s_rounds"])
+        out["ratio_vs_fsdp2_hsdp"], out["ratio_vs_fsdp2_hsdp_spread"] = (
+            fsdp["ratio"], fsdp["ratio_spread"])
+    out["cross_node_bytes_per_step"] = {s: r["cross_node_bytes_per_step"]
+                                        for s, r in table.items()}
+    out["cross_node_bytes_instrument"] = (
+        "kernel tc counter of each rank's inter-node HTB class (tc -s class show dev eth0), "
+        "summed over ranks; eth0_tx_bytes_per_step is /sys/class/net/eth0/statistics/tx_bytes "
+        "(all traffic, intra-node included)" if spec.network == "netns" else
+        "not measured on loopback")
+    out["bound_hierarchical_s"] = grad / spec.ranks_per_node * 8 / rate if rate else None
+    out["bound_flat_ring_s"] = 1.5 * grad * 8 / rate if rate else None
     if spec.network == "loopback":
         out["bound_hierarchical_s"] = out["bound_flat_ring_s"] = None
+    out["rows"] = [table[s] for s in spec.systems]
+    out.update(spec=asdict(spec), host=host_info())
     return out
 
 
@@ -317,7 +347,8 @@ def _rate_bits(rate: str) -> float | None:
 
 def main(args) -> dict:
     """CLI entry: ``trainwright bench hierarchical [--loopback] [--repeats N] [--steps N]``."""
-    spec = HierBenchSpec(repeats=args.repeats or 3, steps=args.steps or 3,
+    default = HierBenchSpec()
+    spec = HierBenchSpec(repeats=args.repeats or default.repeats, steps=args.steps or default.steps,
                          network="loopback" if getattr(args, "loopback", False) else "netns")
     try:
         return run(spec)

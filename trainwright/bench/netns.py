@@ -26,7 +26,8 @@ from pathlib import Path
 
 from trainwright.errors import TrainwrightError
 
-__all__ = ["NetnsUnavailable", "TwoTierNetwork", "inter_node_bytes", "emulated", "run_ranks"]
+__all__ = ["NetnsUnavailable", "TwoTierNetwork", "inter_node_bytes", "interface_bytes", "emulated",
+           "run_ranks"]
 
 SUBNET = "10.77"
 INTER_CLASS = "1:10"
@@ -174,6 +175,15 @@ def inter_node_bytes(dev: str = "eth0") -> int | None:
     # text form (this tc ignores -j for classes): "class htb 1:10 ...\n Sent N bytes M pkt"
     m = re.search(rf"class htb {INTER_CLASS} .*?\n\s*Sent (\d+) bytes", out.stdout)
     return int(m.group(1)) if m else None
+
+
+def interface_bytes(dev: str = "eth0") -> int | None:
+    """Bytes ``dev`` has transmitted so far in this process's namespace, as the kernel
+    counts them (``/sys/class/net/DEV/statistics/tx_bytes``; None without such a device)."""
+    try:
+        return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _raise_interrupt(signum, frame):

@@ -80,6 +80,11 @@ __all__ = [
     "init_process_group",
     "WorkerFn",
     "torch_pipelining_worker",
+    "torch_pipelining_train",
+    "TORCH_SCHEDULES",
+    "torch_stage_ids",
+    "chunk_split",
+    "torch_system_name",
     "deepspeed_worker",
     "deepspeed_available",
     "spawn_peer",
@@ -176,81 +181,135 @@ def _accepts(fn: Callable[..., Any], name: str) -> bool:
 # torch.distributed.pipelining
 
 
-def torch_pipelining_worker(
-    rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec, out_path: str
-) -> None:
-    """Train the benchmark workload with ``torch.distributed.pipelining`` 1F1B on one rank.
+TORCH_SCHEDULES = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                   "DualPipeV")
+"""torch pipelining schedules the benchmark runs (``Schedule<name>``); all but 1F1B hold two
+model chunks per rank."""
 
-    Stage ``rank`` holds ``spec.stage_layers(rank)`` as an ``nn.Sequential`` (stage 0 takes
-    the token ids, the last stage returns logits) in a manual ``PipelineStage``, driven by
-    ``Schedule1F1B`` with ``spec.micro_batches`` micro-batches and plain SGD. Each step's
-    time is taken with ``time.perf_counter()`` from just after a barrier to after
-    ``optimizer.step()``.
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules that place chunks in a V: rank ``r`` holds stages ``r`` and ``2w - 1 - r``."""
+
+
+def torch_stage_ids(schedule: str, rank: int, world_size: int) -> list[int]:
+    """The pipeline stages rank ``rank`` holds under torch's ``schedule``."""
+    if schedule in ("1F1B", "GPipe"):
+        return [rank]
+    if schedule in V_SHAPED:
+        return [rank, 2 * world_size - 1 - rank]
+    return [rank, rank + world_size]
+
+
+def chunk_split(split: list[int], chunks_per_stage: int) -> list[int]:
+    """Cut each of ``split``'s stages into ``chunks_per_stage`` runs of layers (the first
+    runs one longer when it does not divide): ``[5, 5]`` by 2 -> ``[3, 2, 3, 2]``."""
+    out = []
+    for n in split:
+        base, extra = divmod(n, chunks_per_stage)
+        out += [base + (i < extra) for i in range(chunks_per_stage)]
+    if min(out) < 1:
+        raise ValueError(f"split {split} has a stage with fewer than {chunks_per_stage} layers")
+    return out
+
+
+def torch_pipelining_worker(
+    rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec, out_path: str,
+    schedule: str = "1F1B",
+) -> None:
+    """Train the benchmark workload with a ``torch.distributed.pipelining`` schedule on one rank.
+
+    With ``Schedule1F1B`` stage ``rank`` holds ``spec.stage_layers(rank)``; the multi-chunk
+    schedules cut every stage of ``spec.split`` in two (:func:`chunk_split`: 4 stages on 2
+    ranks, placed by :func:`torch_stage_ids`), so each rank's total work is the same as
+    in 1F1B for the looped schedules. Each chunk is an ``nn.Sequential`` in a manual
+    ``PipelineStage`` (the first takes the token ids, the last returns logits), with
+    ``spec.micro_batches`` micro-batches and plain SGD. Each step's time is taken with
+    ``time.perf_counter()`` from just after a barrier to after ``optimizer.step()``.
 
     Args:
-        rank: this process's rank, which is also its stage index.
+        rank: this process's rank.
         world_size: number of ranks; must equal ``len(spec.split)``.
         master_port: TCP port of the gloo rendezvous on 127.0.0.1.
         spec: the workload.
         out_path: where to write this rank's JSON result (and ``out_path + ".pt"``).
+        schedule: one of :data:`TORCH_SCHEDULES`.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
     torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)
     init_process_group(rank, world_size, master_port)
     try:
-        start = sum(spec.split[:rank])
-        layers = spec.stage_layers(rank)
-        module = nn.Sequential(*layers)
-        stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
-        is_last = rank == world_size - 1
-        n_mb = spec.micro_batches
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # gradients of the full-batch mean loss; see the module docstring
-            return _mean_loss(logits, targets) / n_mb
-
-        kwargs: dict[str, Any] = {"n_microbatches": n_mb, "loss_fn": loss_fn}
-        if _accepts(Schedule1F1B.__init__, "scale_grads"):
-            kwargs["scale_grads"] = False
-        schedule = Schedule1F1B(stage, **kwargs)
-        step_kwargs: dict[str, Any] = {}
-        if _accepts(schedule.step, "return_outputs"):
-            step_kwargs["return_outputs"] = False
-        optimizer = torch.optim.SGD(module.parameters(), lr=spec.lr)
-        data = spec.data()
-
-        step_times: list[float] = []
-        losses: list[float] = []
-        for step in range(spec.steps):
-            ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
-            mb_losses: list[torch.Tensor] = []
-            coll.barrier()
-            t0 = time.perf_counter()
-            optimizer.zero_grad()
-            inputs = (ids,) if rank == 0 else ()
-            if is_last:
-                schedule.step(*inputs, target=targets, losses=mb_losses, **step_kwargs)
-            else:
-                schedule.step(*inputs, **step_kwargs)
-            optimizer.step()
-            step_times.append(time.perf_counter() - t0)
-            if is_last:  # each entry is loss_mb / micro_batches: the sum is the mean
-                losses.append(torch.stack(mb_losses).sum().item())
-            logger.debug("torch pipelining rank %d step %d: %.3f s", rank, step, step_times[-1])
-
-        _write_result(
-            out_path,
-            system="torch_pipelining_1f1b",
-            rank=rank,
-            step_times=step_times,
-            losses=losses if is_last else None,
-            layers=layers,
-            start=start,
-        )
+        result, state = torch_pipelining_train(rank, world_size, spec, schedule)
+        torch.save(state, out_path + ".pt")
+        Path(out_path).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+def torch_pipelining_train(rank: int, world_size: int, spec: PipelineBenchSpec,
+                           schedule: str = "1F1B") -> tuple[dict, dict]:
+    """The body of :func:`torch_pipelining_worker` in an initialised process group.
+
+    Returns:
+        This rank's result (see the module docstring) and its final parameters.
+    """
+    import torch.distributed.pipelining as tpp
+
+    ids_here = torch_stage_ids(schedule, rank, world_size)
+    parts = spec.split if len(ids_here) == 1 else chunk_split(spec.split, 2)
+    n_stages = len(parts)
+    layers_all = spec.layers()
+    chunks = {sid: (sum(parts[:sid]), layers_all[sum(parts[:sid]): sum(parts[: sid + 1])])
+              for sid in ids_here}
+    modules = {sid: nn.Sequential(*ls) for sid, (_, ls) in chunks.items()}
+    stages = [tpp.PipelineStage(modules[sid], sid, n_stages, torch.device("cpu"))
+              for sid in ids_here]
+    has_first, has_last = 0 in ids_here, n_stages - 1 in ids_here
+    n_mb = spec.micro_batches
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # gradients of the full-batch mean loss; see the module docstring
+        return _mean_loss(logits, targets) / n_mb
+
+    cls = getattr(tpp, f"Schedule{schedule}")
+    kwargs: dict[str, Any] = {"n_microbatches": n_mb, "loss_fn": loss_fn}
+    if _accepts(cls.__init__, "scale_grads"):
+        kwargs["scale_grads"] = False
+    sched = cls(stages[0] if len(stages) == 1 else stages, **kwargs)
+    step_kwargs: dict[str, Any] = {}
+    if _accepts(sched.step, "return_outputs"):
+        step_kwargs["return_outputs"] = False
+    params = [p for m in modules.values() for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=spec.lr)
+    data = spec.data()
+
+    step_times: list[float] = []
+    losses: list[float] = []
+    for step in range(spec.steps):
+        ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
+        mb_losses: list[torch.Tensor] = []
+        coll.barrier()
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        inputs = (ids,) if has_first else ()
+        if has_last:
+            sched.step(*inputs, target=targets, losses=mb_losses, **step_kwargs)
+        else:
+            sched.step(*inputs, **step_kwargs)
+        optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+        if has_last:  # each entry is loss_mb / micro_batches: the sum is the mean
+            losses.append(torch.stack(mb_losses).sum().item())
+        logger.debug("torch pipelining rank %d step %d: %.3f s", rank, step, step_times[-1])
+
+    state = {k: v for start, ls in chunks.values() for k, v in _stage_state(ls, start).items()}
+    checksum = float(sum(p.detach().double().sum().item() for p in params))
+    return {"system": torch_system_name(schedule), "rank": rank, "step_times_s": step_times,
+            "losses": losses if has_last else None, "params_checksum": checksum}, state
+
+
+def torch_system_name(schedule: str) -> str:
+    """The benchmark's name of a torch pipelining schedule (``"1F1B"`` -> the historic
+    ``"torch_pipelining_1f1b"``)."""
+    return "torch_pipelining_" + ("1f1b" if schedule == "1F1B" else schedule)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,7 +508,7 @@ def _system_name(worker_fn: Callable[..., Any], worker_kwargs: dict[str, Any]) -
     """The system a worker runs (its function name for workers not defined here)."""
     inner = getattr(worker_fn, "func", worker_fn)
     if inner is torch_pipelining_worker:
-        return "torch_pipelining_1f1b"
+        return torch_system_name(worker_kwargs.get("schedule", "1F1B"))
     if inner is deepspeed_worker:
         ckpt = worker_kwargs.get("activation_checkpointing", False)
         method = worker_kwargs.get("partition_method")

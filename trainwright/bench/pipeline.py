@@ -1,43 +1,63 @@
-"""``trainwright bench pipeline``: our 1F1B against torch pipelining (and DeepSpeed), same work.
+"""``trainwright bench pipeline``: every schedule of ours against torch pipelining's, same work.
 
-Every system trains :class:`~trainwright.bench.spec.PipelineBenchSpec` (8-block GPT, 2 stages
-split 4 + 4 blocks, 8 micro-batches of 4, SGD) on the same batches from the same initial
-weights, through the same spawn harness, one system after another, ``repeats`` rounds
-interleaved so machine noise hits all systems alike. Our step time is the wall time between
-consecutive step ends on rank 0 (everything included: data, gradient sync, metrics); the
-peers' is barrier-to-optimizer-step on each rank, the slowest rank per step.
+Every system trains :class:`~trainwright.bench.spec.PipelineBenchSpec` (8-block GPT, 2 ranks
+split [embed + 4 blocks | 4 blocks + head], SGD) on the same batches from the same initial
+weights, at 8 and at 4 micro-batches:
+
+* ours: ``1f1b``, ``gpipe``, ``zb-h1``, ``zb-h2`` (the real Trainer);
+* torch pipelining: ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` (the
+  multi-chunk ones cut each rank's layers in two chunks, see
+  :func:`~trainwright.bench.peers.chunk_split`).
+
+All runs happen in one pair of processes (one process group), round by round, the systems
+in alternating order (ABBA, :mod:`trainwright.bench.paired`), so a drifting machine hits
+them alike; a system that fails is reported with its error. Our step time is rank 0's wall
+time between consecutive step ends (everything included); torch's is barrier-to-optimizer-
+step, the slowest rank per step.
+
+From our trace, per step after warm-up: the **common span** runs from the first action of
+any rank to the last action of any rank; each rank's idle time is the span minus its
+``F``/``B``/``W`` time (tail idle included); ``bubble_fraction`` = summed idle / (ranks x
+span). The **compute bound** is the busiest rank's summed ``F``, ``B``, ``W`` and ``STEP``
+time in that step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
-import os
-import platform
 import statistics
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainwright.bench import peers
-from trainwright.bench.ours import train_rank
+from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
+from trainwright.dist import collective as coll
 
-__all__ = ["trainwright_worker", "spec_config", "trace_bubble", "run", "main"]
+__all__ = ["OUR_SCHEDULES", "spec_config", "trace_steps", "run", "main"]
 
 log = logging.getLogger(__name__)
 
+OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2")
+BUSY = ("F", "B", "W")
 
-def spec_config(spec: PipelineBenchSpec, run_dir: Path) -> Config:
+
+def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") -> Config:
     """Our configuration for the benchmark workload."""
     return load_config(None, [
         "model.name=gpt", f"model.n_blocks={spec.n_blocks}", f"model.d_model={spec.d_model}",
         f"model.n_heads={spec.n_heads}", f"model.context={spec.context}",
         "data.name=stdlib", "data.max_bytes=1000000",
         f"train.steps={spec.steps}", f"train.batch_size={spec.batch_size}",
-        f"train.micro_batches={spec.micro_batches}", "train.schedule=1f1b",
+        f"train.micro_batches={spec.micro_batches}", f'train.schedule="{schedule}"',
         "train.optimizer=sgd", f"train.lr={spec.lr}", f"train.seed={spec.seed}",
         f"parallel.pp={len(spec.split)}", f"parallel.partition={spec.split}",
         f"parallel.threads_per_rank={spec.threads_per_rank}",
@@ -47,98 +67,205 @@ def spec_config(spec: PipelineBenchSpec, run_dir: Path) -> Config:
     ])
 
 
-def trainwright_worker(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec,
-                       out_path: str) -> None:
-    """One rank of our 1F1B on the benchmark workload; writes the peers' result format."""
-    rec = train_rank(rank, world_size, master_port, spec.threads_per_rank,
-                     lambda run_dir: spec_config(spec, run_dir), out_path)
-    Path(out_path).write_text(json.dumps({
-        "system": "trainwright_1f1b", "rank": rank, "step_times_s": rec.step_times_s(),
-        "losses": [r["loss"] for r in rec.steps] if rank == world_size - 1 else None,
-        "bubble_fraction": trace_bubble(rec.run_dir / "trace.json", spec.warmup)}))
-
-
-def trace_bubble(trace_path: Path, warmup: int) -> float:
-    """Mean idle share of each rank's step span (first action to last), from trace.json."""
+def trace_steps(trace_path: Path, warmup: int) -> dict[int, dict]:
+    """Per step after ``warmup``: common span, idle per rank, bubble, compute bound (s)."""
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    spans: dict[tuple[int, int], list] = {}
+    by_step: dict[int, list] = {}
     for e in events:
         if e.get("ph") == "X" and e["args"]["step"] > warmup:
-            spans.setdefault((e["pid"], e["args"]["step"]), []).append(e)
-    fractions = []
-    for evs in spans.values():
+            by_step.setdefault(e["args"]["step"], []).append(e)
+    out = {}
+    for step, evs in sorted(by_step.items()):
+        ranks = sorted({e["pid"] for e in evs})
         begin = min(e["ts"] for e in evs)
-        end = max(e["ts"] + e["dur"] for e in evs)
-        busy = sum(e["dur"] for e in evs if e["args"]["kind"] in ("F", "B"))
-        fractions.append(1 - busy / (end - begin))
-    return statistics.fmean(fractions)
+        span = (max(e["ts"] + e["dur"] for e in evs) - begin) / 1e6
+        busy = {r: sum(e["dur"] for e in evs if e["pid"] == r and e["args"]["kind"] in BUSY)
+                / 1e6 for r in ranks}
+        bound = max(sum(e["dur"] for e in evs if e["pid"] == r
+                        and e["args"]["kind"] in (*BUSY, "STEP")) for r in ranks) / 1e6
+        idle = [span - busy[r] for r in ranks]
+        out[step] = {"span_s": span, "idle_s": idle, "bound_s": bound,
+                     "bubble": sum(idle) / (len(ranks) * span)}
+    return out
 
 
-def _row(system: str, runs: list[list[dict]], spec: PipelineBenchSpec) -> dict:
-    medians = [statistics.median(peers.step_time_s(r, spec.warmup)) for r in runs]
-    med = statistics.median(medians)
-    last = next(x for x in runs[-1] if x.get("losses"))
-    return {"system": system, "step_ms_median": round(1e3 * med, 1),
-            "step_ms_per_repeat": [round(1e3 * m, 1) for m in medians],
-            "samples_per_s": round(spec.batch_size / med, 2),
-            "losses_last_repeat": [round(v, 5) for v in last["losses"]]}
+def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> dict:
+    """Train with our ``schedule`` in the current process group; rank 0 reads the run back."""
+    from trainwright.run.trainer import Trainer
+
+    cfg = spec_config(spec, run_dir, schedule)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    coll.barrier()
+    Trainer(cfg, run_dir).fit()
+    if rank != 0:
+        return {}
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["kind"] == "step"]
+    start = next(r for r in rows if r["kind"] == "run")["time_started"]
+    ends = [start] + [r["time"] for r in steps]
+    times = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    trace = trace_steps(run_dir / "trace.json", spec.warmup)
+    return {"step_times_s": times, "losses": [r["loss"] for r in steps],
+            "trace": {str(k): v for k, v in trace.items()}}
 
 
-def run(spec: PipelineBenchSpec, repeats: int = 3, deepspeed: bool | None = None) -> dict:
-    """Run every system ``repeats`` times, interleaved, and compare.
+def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec,
+                 out_path: str, plan: list) -> None:
+    """One rank: every ``(round, micro_batches, system)`` of ``plan``, in order."""
+    torch.set_num_threads(spec.threads_per_rank)
+    peers.init_process_group(rank, world_size, master_port)
+    runs = []
+    try:
+        for i, (rnd, m, system) in enumerate(plan):
+            sp = dataclasses.replace(spec, micro_batches=m)
+            t0 = time.perf_counter()
+            try:
+                if system.startswith("trainwright_"):
+                    res = _ours(rank, sp, system.removeprefix("trainwright_"),
+                                Path(out_path).parent / f"run{i}")
+                else:
+                    res, _ = peers.torch_pipelining_train(rank, world_size, sp,
+                                                          _torch_schedules()[system])
+            except Exception as exc:  # a peer failing on CPU is reported, not dropped
+                log.exception("%s failed", system)
+                res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            res.update(round=rnd, micro_batches=m, system=system,
+                       wall_s=time.perf_counter() - t0)
+            runs.append(res)
+            Path(out_path).write_text(json.dumps({"rank": rank, "runs": runs,
+                                                  "step_times_s": []}))
+    finally:
+        dist.destroy_process_group()
 
-    Args:
-        spec: the workload.
-        repeats: rounds; each round runs every system once.
-        deepspeed: include DeepSpeed (default: when it is installed).
+
+def _torch_schedules() -> dict[str, str]:
+    return {peers.torch_system_name(s): s for s in peers.TORCH_SCHEDULES}
+
+
+def systems() -> list[str]:
+    """Every system the benchmark runs."""
+    return [f"trainwright_{s}" for s in OUR_SCHEDULES] + list(_torch_schedules())
+
+
+def _step_series(runs_of_rank: list[list[dict]], i: int, warmup: int) -> list[float] | None:
+    """Timed step seconds of run ``i``: rank 0's for ours, slowest rank's for torch."""
+    first = runs_of_rank[0][i]
+    if "error" in first or any("error" in r[i] for r in runs_of_rank):
+        return None
+    if first["system"].startswith("trainwright_"):
+        return first["step_times_s"][warmup:]
+    per_rank = [r[i]["step_times_s"][warmup:] for r in runs_of_rank]
+    return [max(ts) for ts in zip(*per_rank, strict=True)]
+
+
+def summarise(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int) -> dict:
+    """Rows and headline keys for one micro-batch count (see the module docstring)."""
+    idx = [i for i, r in enumerate(runs_of_rank[0]) if r["micro_batches"] == m]
+    rounds = sorted({runs_of_rank[0][i]["round"] for i in idx})
+    rows, per_round = {}, {}
+    for name in systems():
+        mine = [i for i in idx if runs_of_rank[0][i]["system"] == name]
+        errors = [r[i]["error"] for i in mine for r in runs_of_rank if "error" in r[i]]
+        series = [_step_series(runs_of_rank, i, spec.warmup) for i in mine]
+        if errors or not mine:
+            rows[name] = {"system": name, "error": errors[0] if errors else "not run"}
+            continue
+        meds = [statistics.median(s) for s in series]
+        per_round[name] = meds
+        losses = next(r[mine[-1]]["losses"] for r in runs_of_rank if r[mine[-1]].get("losses"))
+        row = {"system": name, "step_ms_median": round(1e3 * statistics.median(meds), 1),
+               "step_ms_per_round": [round(1e3 * x, 1) for x in meds],
+               "samples_per_s": round(m * spec.micro_batch_size / statistics.median(meds), 2),
+               "losses_last_round": [round(v, 5) for v in losses]}
+        if name.startswith("trainwright_"):
+            row.update(_trace_figures(runs_of_rank[0], mine, series))
+        rows[name] = row
+    return _headline(rows, per_round, m, len(spec.split), rounds)
+
+
+def _trace_figures(rank0: list[dict], mine: list[int], series: list[list[float]]) -> dict:
+    """Bubble, idle per rank and step over compute bound of one of our systems."""
+    traces = [list(rank0[i]["trace"].values()) for i in mine]
+    bubbles = [t["bubble"] for tr in traces for t in tr]
+    idle = [statistics.fmean(t["idle_s"][r] for tr in traces for t in tr)
+            for r in range(len(traces[0][0]["idle_s"]))]
+    vs_bound = [s / t["bound_s"] for tr, ser in zip(traces, series, strict=True)
+                for t, s in zip(tr, ser, strict=False)]
+    return {"bubble_fraction": round(statistics.fmean(bubbles), 4),
+            "idle_s_per_rank": [round(x, 4) for x in idle],
+            "step_vs_compute_bound": round(statistics.median(vs_bound), 4)}
+
+
+def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict:
+    ours = {k: v for k, v in per_round.items() if k.startswith("trainwright_")}
+    theirs = {k: v for k, v in per_round.items() if not k.startswith("trainwright_")}
+    out = {"micro_batches": m, "rounds": len(rounds), "rows": list(rows.values()),
+           "bubble_bound_1f1b": round((p - 1) / (m + p - 1), 4)}
+    if not ours or not theirs:
+        return out
+    best_ours = min(ours, key=lambda k: statistics.median(ours[k]))
+    best_torch = min(theirs, key=lambda k: statistics.median(theirs[k]))
+    # samples/s ratio = inverse step-time ratio, per round
+    pr = paired(theirs[best_torch], ours[best_ours])
+    out.update(best_ours=best_ours, best_torch=best_torch, ratio_vs_best_torch=pr["ratio"],
+               paired_ratios=pr["paired_ratios"], ratio_spread=pr["ratio_spread"],
+               step_vs_compute_bound=rows[best_ours]["step_vs_compute_bound"])
+    one = rows.get("trainwright_1f1b", {})
+    zb = {k: rows[k]["bubble_fraction"] / one["bubble_fraction"]
+          for k in ("trainwright_zb-h1", "trainwright_zb-h2")
+          if "bubble_fraction" in rows.get(k, {}) and one.get("bubble_fraction")}
+    if zb:
+        out["zb_bubble_vs_1f1b_per_schedule"] = {k: round(v, 4) for k, v in zb.items()}
+        out["zb_bubble_vs_1f1b"] = round(min(zb.values()), 4)
+    out["bubble_fraction"] = {k: r["bubble_fraction"] for k, r in rows.items()
+                              if "bubble_fraction" in r}
+    out["idle_s_per_rank"] = {k: r["idle_s_per_rank"] for k, r in rows.items()
+                              if "idle_s_per_rank" in r}
+    return out
+
+
+def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4),
+        overhead: bool = True) -> dict:
+    """Run every system ``repeats`` rounds at each micro-batch count and compare.
 
     Returns:
-        The benchmark result (see the module docstring); ``ratio`` is ours / torch's
-        samples per second.
+        The benchmark result: per micro-batch count (``by_micro_batches``) the rows and the
+        headline keys, the same keys at top level keyed by micro-batch count, the one-stage
+        overhead (``stage_overhead``) and the host.
     """
-    from rich.progress import Progress
-
-    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
-    systems = {"trainwright_1f1b": trainwright_worker,
-               "torch_pipelining_1f1b": peers.torch_pipelining_worker}
-    if use_ds:
-        systems["deepspeed_pipeline"] = peers.deepspeed_worker
-    runs: dict[str, list] = {name: [] for name in systems}
-    with Progress(transient=True) as bar:
-        task = bar.add_task("bench pipeline", total=repeats * len(systems))
-        for _ in range(repeats):
-            for name, fn in systems.items():
-                bar.update(task, description=f"bench pipeline: {name}")
-                runs[name].append(peers.spawn_peer(fn, spec, world_size=len(spec.split)))
-                bar.advance(task)
-    rows = [_row(name, r, spec) for name, r in runs.items()]
-    by = {r["system"]: r for r in rows}
-    ours, torch_pp = by["trainwright_1f1b"], by["torch_pipelining_1f1b"]
-    p, m = len(spec.split), spec.micro_batches
+    plan = [(r, m, name) for r in range(repeats) for m in micro_batches
+            for name in round_order(systems(), r)]
+    t0 = time.perf_counter()
+    results = peers.spawn_peer(bench_worker, spec, world_size=len(spec.split),
+                               timeout_s=24 * 3600, worker_kwargs={"plan": plan})
+    runs_of_rank = [r["runs"] for r in results]
+    by_m = {str(m): summarise(runs_of_rank, spec, m) for m in micro_batches}
+    keys = ("ratio_vs_best_torch", "step_vs_compute_bound", "zb_bubble_vs_1f1b",
+            "bubble_fraction", "idle_s_per_rank", "paired_ratios", "ratio_spread",
+            "best_ours", "best_torch")
     result = {
         "benchmark": "pipeline",
-        "question": "samples/s of trainwright 1F1B vs torch.distributed.pipelining "
-                    "Schedule1F1B (and DeepSpeed PipelineEngine) on the same work",
-        "spec": spec.to_dict(), "repeats": repeats, "rows": rows,
-        "trainwright_samples_per_s": ours["samples_per_s"],
-        "torch_pipelining_samples_per_s": torch_pp["samples_per_s"],
-        "ratio": round(ours["samples_per_s"] / torch_pp["samples_per_s"], 3),
-        "bubble_fraction": round(statistics.fmean(
-            x["bubble_fraction"] for rs in runs["trainwright_1f1b"] for x in rs), 3),
-        "bubble_bound": round((p - 1) / (m + p - 1), 3),
-        "host": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                 "python": platform.python_version()},
+        "question": "samples/s of our best schedule vs torch pipelining's best schedule on "
+                    "the same work (paired ABBA rounds); bubble over all ranks from the "
+                    "step's common start to its common end",
+        "spec": spec.to_dict(), "repeats": repeats, "micro_batches": list(micro_batches),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        **{k: {m: v[k] for m, v in by_m.items() if k in v} for k in keys},
+        "by_micro_batches": by_m, "host": host_info(),
     }
-    if use_ds:
-        ds = by["deepspeed_pipeline"]
-        result["deepspeed_samples_per_s"] = ds["samples_per_s"]
-        result["ratio_vs_deepspeed"] = round(ours["samples_per_s"] / ds["samples_per_s"], 3)
+    if overhead:
+        from trainwright.bench.stage_overhead import measure
+        result["stage_overhead"] = measure(dataclasses.replace(spec, micro_batches=4))
     return result
 
 
 def main(args: argparse.Namespace) -> dict:
-    """CLI entry: ``trainwright bench pipeline [--repeats N] [--steps N]``; returns the result."""
-    spec = PipelineBenchSpec()
+    """CLI entry: ``trainwright bench pipeline [--repeats N] [--steps N] [--spec K=V ...]``."""
+    spec = PipelineBenchSpec(steps=16)
     if args.steps:
         spec.steps = args.steps
+    for item in getattr(args, "spec", None) or []:
+        key, _, value = item.partition("=")
+        setattr(spec, key, type(getattr(spec, key))(value))
     return run(spec, repeats=args.repeats)

@@ -1,24 +1,30 @@
 """``trainwright bench sparse``: sparse embedding gradient sync against dense and DDP-sparse.
 
-Every rank of a gloo group holds three copies of the same ``rows x dim`` fp32 embedding:
-ours (``nn.Embedding(sparse=True)`` + :class:`~trainwright.sync.sparse.SparseGradSync`),
-dense (``nn.Embedding(sparse=False)`` + one in-place ``all_reduce`` of the gradient, the
-strongest dense baseline) and torch DDP (``DistributedDataParallel`` around an
-``nn.Embedding(sparse=True)``, which uses gloo's sparse all-reduce). At each density every
-rank looks up its own ids (uniform with repeats, as many as give that fraction of distinct
-rows in expectation) and back-propagates a fixed output gradient. The systems run
-interleaved, ``repeats`` rounds after one warm-up round.
+Every rank of a gloo group holds the same ``rows x dim`` fp32 embedding, as
+``nn.Embedding(sparse=True)`` (ours, and torch DDP around it, which uses gloo's sparse
+all-reduce) and ``nn.Embedding(sparse=False)`` (dense: one in-place ``all_reduce`` of the
+gradient, the strongest dense baseline). At each density every rank looks up its own ids
+(uniform with repeats, as many as give that fraction of distinct rows in expectation) and
+back-propagates a fixed output gradient. Systems:
+
+* ``trainwright``: :class:`~trainwright.sync.sparse.SparseGradSync` with ``path = "auto"``
+  (the cost model chooses, learning per-path corrections as it goes);
+* ``forced_allgather`` / ``forced_broadcast`` / ``forced_dense``: the same with the path
+  forced, so that in the same run every path is measured beside ``auto``;
+* ``dense_allreduce`` and ``ddp_sparse`` (the peers).
+
+The question: does the automatic path pick the fastest path at every density, and how does
+it compare with DDP's sparse all-reduce at 1 %? After one checked warm-up step of every
+system (all must equal the dense all-reduce), each density runs ``repeats`` rounds; in a
+round every system runs ``steps`` steps, systems in ABBA order
+(:func:`~trainwright.bench.paired.round_order`); a round's figure is the median over its
+steps, and headline ratios are medians of per-round (paired) ratios.
 
 ``sync_s`` is the slowest rank's time from "local gradient ready" (after a barrier) to
 "averaged gradient ready". For DDP the synchronisation runs inside backward, so its
-``sync_s`` is the median forward+backward time minus the median of the same under
-``no_sync()``. ``fwd_bwd_s`` (local forward+backward) is reported for every system: the
-dense system pays for materialising the full gradient there. ``bytes_sent_per_rank`` is
-what the collective's algorithm makes an average rank send (ring all-gather / all-reduce,
-binomial-tree broadcast; gloo's sparse all-reduce coalesces, all-gathers metadata, then
-all-gathers (``allgatherv``) indices and values and sums the W sparse tensors), not a wire
-capture. ``paths_taken`` lists our path per round (the first is the warm-up), with the
-rounds spent measuring a path (exploration) marked.
+per-round ``sync_s`` is the median forward+backward time minus the median of the same under
+``no_sync()`` (alternated step by step). ``bytes_sent_per_rank`` is what the collective's
+algorithm makes an average rank send, not a wire capture.
 
 By default the ranks talk over 127.0.0.1, where moving a byte costs about as much CPU as
 adding it. ``--link RATE`` (``network = "netns"``) puts every rank in its own network
@@ -49,15 +55,19 @@ from trainwright.errors import ConfigError
 
 __all__ = ["SparseBenchSpec", "run", "main"]
 
-SYSTEMS = ("trainwright", "dense_allreduce", "ddp_sparse")
+FORCED = ("allgather", "broadcast", "dense")
+"""Our sync with ``sync.sparse_path`` forced to each path."""
+SYSTEMS = ("trainwright", *(f"forced_{p}" for p in FORCED), "dense_allreduce", "ddp_sparse")
+"""``trainwright`` is ours with ``sparse_path = "auto"`` (the cost model chooses)."""
 
 
 @dataclass(kw_only=True)
 class SparseBenchSpec:
     """The benchmark workload."""
 
-    rows: int = 1_000_000
-    """Embedding rows."""
+    rows: int = 250_000
+    """Embedding rows (1M until the paired rounds: 6 systems x 4 densities x 5 rounds x 15
+    steps over a 1M-row table take over half an hour on a shared 2-core machine)."""
     dim: int = 64
     """Embedding width (fp32)."""
     world: int = 4
@@ -65,7 +75,10 @@ class SparseBenchSpec:
     densities: list = field(default_factory=lambda: [0.001, 0.01, 0.1, 0.5])
     """Expected fraction of rows each rank touches."""
     repeats: int = 5
-    """Measured rounds per density (after one warm-up round)."""
+    """Measured rounds per density (after one warm-up step of every system), each system's
+    steps in ABBA order within a round."""
+    steps: int = 15
+    """Timed steps per system per round; a round's figure is their median."""
     seed: int = 0
     """Seed of the table and the ids."""
     network: str = "loopback"
@@ -122,70 +135,116 @@ def _bench_rank(rank: int, world: int, spec: SparseBenchSpec, out_path: str,
     dense = nn.Embedding.from_pretrained(table, freeze=False, sparse=False)
     ddp = DistributedDataParallel(nn.Embedding.from_pretrained(table, freeze=False, sparse=True))
     del table
-    sync = SparseGradSync(None, world)
+    syncs = {name: SparseGradSync(None, world, path="auto" if name == "trainwright" else name)
+             for name in ("trainwright", *FORCED)}
     progress = _progress(rank, len(spec.densities) * (spec.repeats + 1), progress_path)
     rows = []
     for density in spec.densities:
-        rows += _density_rows(spec, rank, world, density, ours, dense, ddp, sync, progress)
+        rows += _density_rows(spec, rank, world, density, (ours, dense, ddp, syncs), progress)
     progress(None)
     if rank == 0:
-        Path(out_path).write_text(json.dumps(dict(rows=rows, link=asdict(sync.link))))
+        Path(out_path).write_text(json.dumps(dict(rows=rows,
+                                                  link=asdict(syncs["trainwright"].link))))
 
 
-def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, ours, dense,
-                  ddp, sync, progress) -> list[dict]:
-    """Measure the three systems at one density (interleaved rounds); one row per system."""
+def _system_steps(name: str, steps: int, ids, gout, world: int, mods) -> dict:
+    """``steps`` steps of one system; per step the slowest rank's seconds of each phase."""
+    ours, dense, ddp, syncs = mods
+    out = {"fb": [], "sync": [], "nosync_fb": [], "taken": []}
+    for _ in range(steps):
+        if name == "dense_allreduce":
+            dense.weight.grad = None
+            out["fb"].append(_timed(lambda: dense(ids).backward(gout)))
+            out["sync"].append(_timed(lambda: (coll.all_reduce(dense.weight.grad),
+                                               dense.weight.grad.div_(world))))
+        elif name == "ddp_sparse":  # its sync runs inside backward: with minus without
+            ddp.module.weight.grad = None
+            with ddp.no_sync():
+                out["nosync_fb"].append(_timed(lambda: ddp(ids).backward(gout)))
+            ddp.module.weight.grad = None
+            out["fb"].append(_timed(lambda: ddp(ids).backward(gout)))
+        else:
+            ours.weight.grad = None
+            sync = syncs[name.removeprefix("forced_")]
+            out["fb"].append(_timed(lambda: ours(ids).backward(gout)))
+            out["sync"].append(_timed(lambda s=sync: s.sync([ours.weight])))
+            choice = sync.last[0]
+            out["taken"].append(dict(path=choice.path, explored=choice.explored,
+                                     cheapest=min(choice.estimates_s, key=choice.estimates_s.get)
+                                     if choice.estimates_s else choice.path))
+            out["choice"] = choice
+    return out
+
+
+def _round_figure(name: str, got: dict) -> float:
+    """One round's sync seconds of a system: the median over its steps."""
+    if name == "ddp_sparse":
+        return max(statistics.median(got["fb"]) - statistics.median(got["nosync_fb"]), 0.0)
+    return statistics.median(got["sync"])
+
+
+def _warm_and_check(ids, gout, world: int, mods) -> None:
+    """One step of every system; all must produce the dense all-reduce's gradient."""
+    ours, dense, ddp, syncs = mods
+    dense.weight.grad = None
+    dense(ids).backward(gout)
+    coll.all_reduce(dense.weight.grad)
+    dense.weight.grad.div_(world)
+    for sync in syncs.values():
+        ours.weight.grad = None
+        ours(ids).backward(gout)
+        sync.sync([ours.weight])
+        _check_same(ours.weight.grad, dense.weight.grad)
+    ddp.module.weight.grad = None
+    ddp(ids).backward(gout)
+    _check_same(ddp.module.weight.grad, dense.weight.grad)
+    ours.weight.grad = dense.weight.grad = ddp.module.weight.grad = None
+
+
+def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, mods,
+                  progress) -> list[dict]:
+    """Every system at one density in ABBA-ordered rounds of ``spec.steps`` steps each."""
+    from trainwright.bench.paired import round_order
+
     ids = _ids(spec, rank, density)
     gout = torch.randn(ids.numel(), spec.dim, generator=torch.Generator().manual_seed(rank))
-    times = {k: [] for k in ("ours_fb", "ours_sync", "dense_fb", "dense_sync", "ddp_fb",
-                             "ddp_nosync_fb")}
-    choice, taken = None, []
-    for rep in range(spec.repeats + 1):
-        dense.weight.grad = None
-        dfb = _timed(lambda: dense(ids).backward(gout))
-        dsy = _timed(lambda: (coll.all_reduce(dense.weight.grad), dense.weight.grad.div_(world)))
-        if rep:
-            dense.weight.grad = None
-        fb = _timed(lambda: ours(ids).backward(gout))
-        sy = _timed(lambda: sync.sync([ours.weight]))
-        choice = sync.last[0]
-        taken.append(dict(path=choice.path, explored=choice.explored,
-                          cheapest=min(choice.estimates_s, key=choice.estimates_s.get)))
-        if not rep:  # warm-up round: all three must agree; nothing is measured
-            _check_same(ours.weight.grad, dense.weight.grad)
-        ours.weight.grad = None
-        with ddp.no_sync():
-            nfb = _timed(lambda: ddp(ids).backward(gout))
-        ddp.module.weight.grad = None
-        pfb = _timed(lambda: ddp(ids).backward(gout))
-        if not rep:
-            _check_same(ddp.module.weight.grad, dense.weight.grad)
-            dense.weight.grad = None
-        ddp.module.weight.grad = None
-        if rep:
-            for k, v in zip(times, (fb, sy, dfb, dsy, pfb, nfb), strict=True):
-                times[k].append(v)
+    _warm_and_check(ids, gout, world, mods)
+    progress(f"density {density:.1%} (warm-up)")
+    per_round = {k: [] for k in SYSTEMS}
+    fb = {k: [] for k in SYSTEMS}
+    taken, choice = [], None
+    for rnd in range(spec.repeats):
+        for name in round_order(SYSTEMS, rnd):
+            got = _system_steps(name, spec.steps, ids, gout, world, mods)
+            per_round[name].append(_round_figure(name, got))
+            fb[name].append(statistics.median(got["nosync_fb"] or got["fb"]))
+            if name == "trainwright":
+                taken += got["taken"]
+                choice = got["choice"]
         progress(f"density {density:.1%}")
-    med = {k: statistics.median(v) for k, v in times.items()}
     unique = torch.tensor([ids.unique().numel()], dtype=torch.int64)
     every = [torch.zeros_like(unique) for _ in range(world)]
     coll.all_gather(every, unique)
     counts = [int(c) for c in every]
     w, row_bytes = world, spec.dim * 4
-    return [
-        dict(system="trainwright", density=density, sync_s=med["ours_sync"],
-             fwd_bwd_s=med["ours_fb"], bytes_sent_per_rank=choice.bytes_sent_per_rank
-             + (w - 1) * 16, path=choice.path, estimates_s=choice.estimates_s,
-             rows_per_rank=counts, sync_s_all=times["ours_sync"], paths_taken=taken),
-        dict(system="dense_allreduce", density=density, sync_s=med["dense_sync"],
-             fwd_bwd_s=med["dense_fb"], bytes_sent_per_rank=2 * (w - 1) / w * spec.rows * row_bytes,
-             sync_s_all=times["dense_sync"]),
-        dict(system="ddp_sparse", density=density,
-             sync_s=max(med["ddp_fb"] - med["ddp_nosync_fb"], 0.0),
-             fwd_bwd_s=med["ddp_nosync_fb"], fwd_bwd_sync_s=med["ddp_fb"],
-             # gloo: metadata all-gather, then ring all-gatherv of indices and of values
-             bytes_sent_per_rank=(w - 1) * (sum(counts) / w * (row_bytes + 8) + 9 * 8)),
-    ]
+    sent = {
+        "dense_allreduce": 2 * (w - 1) / w * spec.rows * row_bytes,
+        # gloo: metadata all-gather, then ring all-gatherv of indices and of values
+        "ddp_sparse": (w - 1) * (sum(counts) / w * (row_bytes + 8) + 9 * 8),
+    }
+    rows = []
+    for name in SYSTEMS:
+        row = dict(system=name, density=density, sync_s=statistics.median(per_round[name]),
+                   sync_s_rounds=per_round[name], fwd_bwd_s=statistics.median(fb[name]))
+        if name in sent:
+            row["bytes_sent_per_rank"] = sent[name]
+        rows.append(row)
+    ours_row = rows[0]
+    ours_row.update(path=choice.path, estimates_s=choice.estimates_s, rows_per_rank=counts,
+                    bytes_sent_per_rank=choice.bytes_sent_per_rank + (w - 1) * 16,
+                    paths_taken=taken,
+                    path_counts={p: sum(t["path"] == p for t in taken) for p in FORCED})
+    return rows
 
 
 def _progress(rank: int, total: int, path: str | None = None):
@@ -218,8 +277,41 @@ def _progress(rank: int, total: int, path: str | None = None):
     return step
 
 
-def _at(rows: list[dict], system: str, density: float) -> float:
-    return next(r["sync_s"] for r in rows if r["system"] == system and r["density"] == density)
+def _at(rows: list[dict], system: str, density: float) -> dict:
+    return next(r for r in rows if r["system"] == system and r["density"] == density)
+
+
+def summarise(rows: list[dict], spec: SparseBenchSpec) -> dict:
+    """The headline figures, each from paired per-round ratios of ``rows``."""
+    from trainwright.bench.paired import paired
+
+    out: dict = {"paths": {}, "auto_vs_best_forced": {}}
+    for d in spec.densities:
+        forced = {p: _at(rows, f"forced_{p}", d)["sync_s_rounds"] for p in FORCED}
+        auto = _at(rows, "trainwright", d)
+        out["paths"][str(d)] = {**{p: round(statistics.median(v), 6) for p, v in forced.items()},
+                                "auto": round(auto["sync_s"], 6), "auto_took": auto["path_counts"]}
+        best = [min(v[i] for v in forced.values()) for i in range(spec.repeats)]
+        out["auto_vs_best_forced"][str(d)] = paired(auto["sync_s_rounds"], best)
+    out["auto_vs_best_forced_max"] = max(v["ratio"] for v in out["auto_vs_best_forced"].values())
+    lo, hi = min(spec.densities, key=lambda d: abs(d - 0.01)), max(spec.densities)
+    ours_lo = _at(rows, "trainwright", lo)["sync_s_rounds"]
+    ddp = paired(ours_lo, [max(x, 1e-9) for x in _at(rows, "ddp_sparse", lo)["sync_s_rounds"]])
+    out.update(ddp)  # the headline: paired_ratios, ratio, ratio_spread
+    out["ratio_vs_ddp_sparse_at_1pct"] = ddp["ratio"]
+    out["ratio_vs_ddp_sparse_at_1pct_spread"] = ddp["ratio_spread"]
+    out["ratio_vs_dense_at_1pct"] = paired(
+        ours_lo, _at(rows, "dense_allreduce", lo)["sync_s_rounds"])["ratio"]
+    others = [_at(rows, s, hi)["sync_s_rounds"] for s in ("dense_allreduce", "ddp_sparse")]
+    out["ratio_vs_best_other_at_50pct"] = paired(
+        _at(rows, "trainwright", hi)["sync_s_rounds"],
+        [min(v[i] for v in others) for i in range(spec.repeats)])["ratio"]
+    half = ddp["ratio_spread"]["relative_half_range"]
+    out["targets_met"] = dict(
+        auto_vs_best_forced=out["auto_vs_best_forced_max"] <= 1.1,
+        ddp_sparse_at_1pct=ddp["ratio"] <= 0.7,
+        ddp_sparse_at_1pct_spread_under_10pct=half is not None and half < 0.1)
+    return out
 
 
 def worker(tmp: str, rank: int) -> None:
@@ -264,30 +356,16 @@ def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
         else:
             run_workers(_bench_rank, spec.world, spec, str(out), timeout_s=timeout_s)
         data = json.loads(out.read_text())
+    from trainwright.bench.paired import host_info
+
     rows = data["rows"]
     result = dict(benchmark="sparse", spec=asdict(spec), link_model=data["link"], rows=rows,
-                  torch=torch.__version__,
+                  host=host_info(),
                   network=(f"{spec.world} network namespaces, {spec.link_rate} egress per rank "
                            f"(tc htb)" if spec.network == "netns"
                            else "loopback 127.0.0.1, no shaping"))
-    lo, hi = min(spec.densities, key=lambda d: abs(d - 0.01)), max(spec.densities)
-    ours_lo, ours_hi = _at(rows, "trainwright", lo), _at(rows, "trainwright", hi)
-    result["ratio_vs_dense_at_1pct"] = ours_lo / _at(rows, "dense_allreduce", lo)
-    result["ratio_vs_ddp_sparse_at_1pct"] = ours_lo / max(_at(rows, "ddp_sparse", lo), 1e-9)
-    best_hi = min(_at(rows, s, hi) for s in SYSTEMS[1:])
-    result["ratio_vs_best_other_at_50pct"] = ours_hi / best_hi
-    for r in rows:  # local forward+backward plus sync: what a training step pays
-        r["total_s"] = r.get("fwd_bwd_sync_s", r["fwd_bwd_s"] + r["sync_s"])
-    total = {(r["system"], r["density"]): r["total_s"] for r in rows}
-    for d, name in ((lo, "1pct"), (hi, "50pct")):
-        result[f"total_ratio_vs_best_other_at_{name}"] = total["trainwright", d] / min(
-            total[s, d] for s in SYSTEMS[1:])
-    result["targets_met"] = dict(
-        dense_at_1pct=result["ratio_vs_dense_at_1pct"] <= 0.2,
-        ddp_sparse_at_1pct=result["ratio_vs_ddp_sparse_at_1pct"] <= 0.7,
-        best_at_50pct=result["ratio_vs_best_other_at_50pct"] <= 1.1)
+    result.update(summarise(rows, spec))
     ours = [r for r in rows if r["system"] == "trainwright"]
-    result["paths"] = {str(r["density"]): r["path"] for r in ours}
     # every step not spent measuring a path (exploration) took the model's cheapest
     result["paths_are_model_cheapest"] = all(
         t["explored"] or t["path"] == t["cheapest"] for r in ours for t in r["paths_taken"])
@@ -296,10 +374,12 @@ def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
 
 def main(args) -> dict:
     """CLI entry: ``trainwright bench sparse [--repeats N] [--link RATE]``."""
-    repeats = getattr(args, "repeats", None) or SparseBenchSpec().repeats
+    default = SparseBenchSpec()
+    repeats = getattr(args, "repeats", None) or default.repeats
+    steps = getattr(args, "steps", None) or default.steps
     link = getattr(args, "link", None)
-    return run(SparseBenchSpec(repeats=repeats, network="netns" if link else "loopback",
-                               link_rate=link or "1gbit"))
+    return run(SparseBenchSpec(repeats=repeats, steps=steps, link_rate=link or "1gbit",
+                               network="netns" if link else "loopback"))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trainwright.errors import ConfigError, PlanError
 from trainwright.observe.telemetry import atomic_write_text, setup_logging
+from trainwright.schedule.actions import SCHEDULES
 
 __all__ = ["main"]
 
@@ -21,7 +22,6 @@ EXIT_CONFIG = 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from trainwright.config import load_config
     from trainwright.config.combinations import check_start
     from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
     from trainwright.run.worker import resume_hint
@@ -34,15 +34,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR (the run keeps its config; "
                               "change keys with --set)")
-        cfg = load_config(resume_dir / "config.toml", args.set)
+        cfg = _load(resume_dir / "config.toml", args.set)
     else:
         resume_dir = None
-        cfg = load_config(args.config, args.set)
+        cfg = _load(args.config, args.set)
 
     check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None,
                 run_dir=resume_dir)
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
-        return _run_tokenring(cfg)
+        return _run_tokenring(cfg, resume_dir)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
         from trainwright.run.worker import run_worker
@@ -67,6 +67,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     _finish_message(cfg, run_dir)
     return 0
+
+
+def _load(path, overrides: list[str]):
+    """The run's configuration (under torchrun a token ring has a node per process)."""
+    from trainwright.config import load_config
+    from trainwright.run.launch import in_torchrun
+
+    if in_torchrun():
+        from trainwright.run.ring_torchrun import load_torchrun_config
+        return load_torchrun_config(path, overrides)
+    return load_config(path, overrides)
 
 
 def _preflight(cfg) -> None:
@@ -158,20 +169,26 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_tokenring(cfg) -> int:
-    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher."""
-    from trainwright.run.launch import create_run_dir
-    from trainwright.run.ring_node import launch_ring
+def _run_tokenring(cfg, resume_dir: Path | None) -> int:
+    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher, or one
+    node per process under torchrun."""
+    from trainwright.run.launch import create_run_dir, in_torchrun
+    from trainwright.run.ring_launch import launch_ring
 
-    run_dir = create_run_dir(cfg)
+    if in_torchrun():
+        from trainwright.run.ring_torchrun import run_torchrun_node
+        return run_torchrun_node(cfg, resume_dir)
+    run_dir = create_run_dir(cfg, resume_dir)
     r = cfg.tokenring
     print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
           f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
-    result = launch_ring(cfg, run_dir)
+    result = launch_ring(cfg, run_dir, resume=resume_dir is not None)
     if not result.ok:
         print(f"error: token ring run failed: {result.message()}. Outputs are in {run_dir}",
               file=sys.stderr)
         return 1
+    for line in result.warnings():
+        print(f"warning: {line}", file=sys.stderr)
     print(f"model: {run_dir / 'model.pt'}")
     print(f"run directory: {run_dir}")
     return 0
@@ -201,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_cmd_export)
 
     sch = sub.add_parser("schedule", help="print a pipeline schedule as a step x stage grid")
-    sch.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sch.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     sch.add_argument("--pp", type=int, default=4)
     sch.add_argument("--micro-batches", type=int, default=8)
     sch.add_argument("--actions", action="store_true", help="also list every stage's actions")
@@ -214,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--steps", type=int, default=None, help="steps per run (default: spec)")
     ben.add_argument("--stages", type=int, default=None,
                      help="pipeline stages, where the benchmark has them (default: spec)")
+    ben.add_argument("--spec", action="append", metavar="KEY=VALUE",
+                     help="pipeline: change a scalar of the workload (e.g. d_model=128)")
     ben.add_argument("--loopback", action="store_true",
                      help="hierarchical: run on 127.0.0.1 instead of the emulated network")
     ben.add_argument("--link", metavar="RATE",

@@ -74,6 +74,19 @@ def _pp_options(args, n_devices: int, n_layers: int, node: int) -> list[int]:
     return out[-4:] or [1]
 
 
+PEER_SWAP_SCHEDULES = ("1f1b", "gpipe")
+"""Schedules the run-time peer swap works with (zero-bubble ones are planned without it)."""
+
+
+def _depths_and_schedules(args, n_devices: int, n_layers: int, node: int) -> list[tuple]:
+    """Every ``(pp, schedule)`` to plan: ``--schedule auto`` tries each schedule, and the
+    simulator's predicted step time picks."""
+    from trainwright.schedule.actions import SCHEDULES
+
+    schedules = list(SCHEDULES) if args.schedule == "auto" else [args.schedule]
+    return [(pp, s) for pp in _pp_options(args, n_devices, n_layers, node) for s in schedules]
+
+
 def cmd_plan(args: argparse.Namespace) -> dict:
     """``trainwright plan``: the plan as data (also written to ``args.json`` when given)."""
     from trainwright.observe.telemetry import atomic_write_text
@@ -92,26 +105,27 @@ def cmd_plan(args: argparse.Namespace) -> dict:
     t_prof = time.perf_counter() - t0
     best = None
     tried = []
-    for pp in _pp_options(args, n_dev, len(layers), topo.node_size):
+    for pp, schedule in _depths_and_schedules(args, n_dev, len(layers), topo.node_size):
         dp = n_dev // pp
         if args.global_batch % (dp * args.micro_batch_size):
             continue
         m = args.global_batch // dp // args.micro_batch_size
         grad = sum(x.param_bytes for x in layers) / pp
         sync = 2 * (dp - 1) / dp * grad / (topo.inter_node_bandwidth or 1e10) if dp > 1 else 0.0
-        req = PlanRequest(layers, args.schedule, pp, m, topo,
+        req = PlanRequest(layers, schedule, pp, m, topo,
                           budget=_bytes(args.budget) if args.budget else None,
                           state_factor=args.state_factor, reserve=_bytes(args.reserve),
-                          rules=Rules(), peer_swap=not args.no_peer_swap,
+                          rules=Rules(),
+                          peer_swap=not args.no_peer_swap and schedule in PEER_SWAP_SCHEDULES,
                           latency_s=args.latency_us * 1e-6, sync_s=sync)
         try:
             plan = make_plan(req)
         except Exception as exc:  # a depth that cannot work is reported, not fatal
-            tried.append({"pp": pp, "error": str(exc)[:200]})
+            tried.append({"pp": pp, "schedule": schedule, "error": str(exc)[:200]})
             continue
         fits = all(plan.placement.stages[s].fits for s in range(pp))
-        tried.append({"pp": pp, "dp": dp, "micro_batches": m, "fits": fits,
-                      "step_s": plan.sim.step_s})
+        tried.append({"pp": pp, "dp": dp, "schedule": schedule, "micro_batches": m,
+                      "fits": fits, "step_s": plan.sim.step_s})
         key = (not fits, plan.sim.step_s)
         if best is None or key < best[0]:
             best = (key, plan, pp, dp)
@@ -233,7 +247,10 @@ def add_parsers(sub, on_plan, on_simulate) -> None:
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per device "
                    "between nodes")
     p.add_argument("--pp", default="auto", help="pipeline stages, or 'auto'")
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--schedule", default="1f1b",
+                   choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "auto"],
+                   help="pipeline schedule, or 'auto': the one of least predicted step time "
+                        "(zero-bubble schedules are planned without peer swap)")
     p.add_argument("--global-batch", type=int, default=64, help="sequences per step")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--budget", default="", help="activation bytes per device (default: memory "

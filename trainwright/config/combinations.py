@@ -22,15 +22,6 @@ __all__ = ["ENTRY_POINTS", "check_start", "check_ring"]
 ENTRY_POINTS = ("cli", "torchrun", "fit")
 """``trainwright run`` on local processes, one rank of a torchrun/SLURM job, the Python API."""
 
-RING_VIA_FIT = ("sync.strategy = 'tokenring' runs through its own node launcher, which "
-                "trainwright.fit does not start yet; run `trainwright run --set "
-                "sync.strategy=tokenring`, or use sync.strategy = 'dense' with fit")
-RING_UNDER_TORCHRUN = ("sync.strategy = 'tokenring' under torchrun would start a separate "
-                       "local ring on every rank; run `trainwright run` (it starts "
-                       "tokenring.nodes node processes itself), or use sync.strategy = "
-                       "'dense' or 'hierarchical' with torchrun")
-RING_RESUME = ("--resume is not supported with sync.strategy = 'tokenring' (a ring run "
-               "saves model.pt, not the per-step checkpoints a resume reads); start a new run")
 RING_STAGES = ("sync.strategy = 'tokenring' trains the whole model on every node, so "
                "there are no stages to {what}; remove {keys}, or use sync.strategy = 'dense' "
                "with a pipeline")
@@ -79,13 +70,6 @@ def check_start(cfg: Config, *, via: str, resume: bool = False,
     """
     if via not in ENTRY_POINTS:
         raise ValueError(f"via must be one of {ENTRY_POINTS}, not {via!r}")
-    ring = cfg.sync.strategy == "tokenring"
-    if ring and resume:
-        raise ConfigError(RING_RESUME)
-    if ring and via == "fit":
-        raise ConfigError(RING_VIA_FIT)
-    if ring and via == "torchrun":
-        raise ConfigError(RING_UNDER_TORCHRUN)
     step = edited_at(run_dir) if resume else None
     if step is not None:
         raise ConfigError(f"--resume {run_dir}: this run edited its model at step {step} "

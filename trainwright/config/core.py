@@ -116,6 +116,7 @@ class Config(BaseModel):
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
         self._validate_peer_swap()
+        self._validate_schedule()
         if self.fault.kill_rank >= self.world_size:
             raise ConfigError(f"fault.kill_rank = {self.fault.kill_rank} is not a rank of this "
                               f"job; ranks are 0..{self.world_size - 1} (parallel.pp * dp)")
@@ -164,6 +165,19 @@ class Config(BaseModel):
                               "at start, so layers cannot migrate; set rebalance.enabled = "
                               "false (and no rebalance.at_step / edits)")
 
+    def _validate_schedule(self) -> None:
+        """Live migration and peer swap weave their actions into GPipe and 1F1B only."""
+        sch, rb = self.train.schedule, self.rebalance
+        if sch in ("1f1b", "gpipe"):
+            return
+        if self.memory.peer_swap:
+            raise ConfigError(f"memory.peer_swap = true works with train.schedule = \"1f1b\" "
+                              f"or \"gpipe\", not {sch!r}; pick one of those or turn it off")
+        if rb.enabled or rb.at_step or rb.edits:
+            raise ConfigError(f"live migration (rebalance.enabled / at_step / edits) works "
+                              f"with train.schedule = \"1f1b\" or \"gpipe\", not {sch!r}; "
+                              f"pick one of those or turn rebalancing off")
+
     def _validate_rebalance(self) -> None:
         rb, m = self.rebalance, self.train.micro_batches
         if (rb.enabled or rb.at_step) and not 0 <= rb.switch_mb <= max(m - 2, 0):
@@ -208,10 +222,6 @@ class Config(BaseModel):
         if t.batch_size % r.nodes:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
                               f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
-        if t.optimizer != "sgd" or t.momentum or t.weight_decay:
-            raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
-                              "SGD); set train.optimizer=\"sgd\" with momentum and "
-                              "weight_decay 0")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).

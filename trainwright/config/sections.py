@@ -136,8 +136,10 @@ class TrainConfig(Section):
     """Micro-batches per step per replica; must divide batch_size / dp."""
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2"] = "1f1b"
+    """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, or zero bubble (backward split into input
+    and weight gradients): ``"zb-h1"`` (1F1B's peak memory, less bubble) or ``"zb-h2"``
+    (more micro-batches in flight, least bubble). See docs/schedules.md."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: PositiveFloat = 3e-3
@@ -223,7 +225,8 @@ class HierarchicalConfig(Section):
 
     ranks_per_node: Annotated[NonNegativeInt, Allowed(
         "must be 0 (ranks on one host form a node) or positive")] = 0
-    """Ranks forming one node; 0 = ranks on the same host (set it to emulate nodes)."""
+    """Ranks forming one node; 0 = ranks of one torchrun agent (``GROUP_RANK``), else ranks
+    on the same host (set it to emulate nodes)."""
     weights: Any = "memory"  # a name or a list: checked by Config.check_hierarchical
     """How each node cuts the gradient into one slice per local rank: ``"memory"`` (in
     proportion to free device memory), ``"memory_speed"`` (free memory times a measured
@@ -247,14 +250,17 @@ class TokenRingConfig(Section):
     close_fraction: Annotated[float, Field(gt=0, le=1), Allowed("must be in (0, 1]")] = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
     nodes: PositiveInt = 4
-    """Nodes the local launcher starts; also the number of data shards (a node trains on
-    shard ``index`` of every global batch, so ``train.batch_size`` must split into it)."""
+    """Nodes the local launcher starts (under torchrun: ``WORLD_SIZE``, one per process);
+    also the number of data shards (a node trains on shard ``index`` of every global batch,
+    so ``train.batch_size`` must split into it)."""
     min_nodes: PositiveInt = 2
     """When fewer members remain, the ring stops, the first node saves the model and the
     run exits non-zero."""
     rendezvous: str = ""
-    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the node
-    that binds it hosts formation. Empty = 127.0.0.1 on a free port (local launcher)."""
+    """``tcp://host:port`` where nodes meet (like torchrun's ``--rdzv-endpoint``); the first
+    node (under torchrun: ``RANK`` 0, so an address of its host) binds it and hosts
+    formation. Empty = 127.0.0.1 on a free port (local launcher), or under torchrun a free
+    port on rank 0's host published through torchrun's store as ``MASTER_ADDR:port``."""
     formation_quiet_s: PositiveFloat = 2.0
     """Formation closes after this long without a new join (or once ``nodes`` joined)."""
     token_timeout_s: PositiveFloat = 2.0
@@ -284,20 +290,45 @@ class TokenRingConfig(Section):
     each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
     for the others, which hides the straggler; pacing removes that artefact."""
     kill_nodes: list[NonNegativeInt] = []
-    """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
-    computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
+    """Fault injection: node indices that send themselves ``kill_signal`` in step
+    ``kill_step``, after computing their gradient (the ``[fault]`` section is for the
+    pipeline runner)."""
     kill_step: NEVER_OR_STEP = -1
     """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
+    kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
+    """Fault injection: what ``kill_nodes`` do in ``kill_step``: ``"SIGKILL"`` (die) or
+    ``"SIGSTOP"`` (freeze without dying, as a hung host: the ring drops them and the local
+    launcher ends them once the ring has finished)."""
     restart_killed: bool = False
     """Fault injection: the local launcher restarts killed nodes once, as standby nodes
     that rejoin at the next batch boundary."""
     record_hashes: bool = True
     """Record a SHA-256 of the parameters after every step in ``node<i>.json`` (to check
     that replicas are bit-identical; costs a pass over the weights per step)."""
+    close_grace_s: Annotated[NonNegativeFloat,
+                             Allowed("must be >= 0 (0 = close at the fraction at once)")] = 0.05
+    """A step closes as soon as every member contributed; once the contributions meet
+    ``close_fraction`` it closes after this many more seconds even without the rest, so a
+    node that is only a little late is not thrown away (0 = close at the fraction at once,
+    the seed's plain rule). Set it to a small share of a step's compute time."""
+    slow_probability: Annotated[UNIT, Allowed("must be in [0, 1] (0 = no transient "
+                                              "stragglers)")] = 0.0
+    """Emulation (benchmarks): in every step every node is independently ``slow_factor``
+    times slower with this probability (transient stragglers), from a pattern seeded by
+    ``slow_seed`` (:func:`trainwright.tokenring.exchange.transient_slow`)."""
+    slow_seed: Annotated[int, Field(ge=0, lt=2**32), Allowed("must be in 0 .. 2**32 - 1")] = 0
+    """Seed of the transient-straggler pattern (the same for every system compared)."""
+    record_weights: bool = False
+    """Benchmarks: the first node also saves the parameters after every step
+    (``weights_per_step.pt``), to measure accuracy curves without pausing training."""
 
     @model_validator(mode="after")
     def _node_indices(self) -> TokenRingConfig:
         """Node counts and indices agree with ``nodes``, whether or not the ring is used."""
+        if self.close_grace_s > self.close_timeout_s:
+            raise ConfigError(f"tokenring.close_grace_s = {self.close_grace_s} is more than "
+                              f"tokenring.close_timeout_s = {self.close_timeout_s}; use a grace "
+                              f"of a small share of a step's time")
         if self.min_nodes > self.nodes:
             raise ConfigError(f"tokenring.min_nodes = {self.min_nodes} is more than "
                               f"tokenring.nodes = {self.nodes}; use at most {self.nodes}")

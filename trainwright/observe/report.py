@@ -27,7 +27,7 @@ __all__ = ["RunMetrics", "load_metrics", "write_report"]
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "SYNC", "STEP", "F", "B")
+_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "SYNC", "STEP", "F", "B", "W")
 
 
 @dataclass

@@ -33,6 +33,7 @@ __all__ = [
 KIND_COLORS = {
     "F": "#4C72B0",
     "B": "#DD8452",
+    "W": "#55A868",
     "comm": "#9A9A9A",
     "SYNC": "#8172B3",
     "STEP": "#C44E52",
@@ -152,7 +153,8 @@ def timeline_plot(events: list[dict], rank_names: dict[int, str], step: int) -> 
         y = row[e["pid"]]
         boxes[cat].append((start, dur, y))
         mb = e["args"].get("mb")
-        if cat in ("F", "B") and isinstance(mb, int) and dur * px_per_ms >= 7 * len(str(mb)) + 4:
+        wide = dur * px_per_ms >= 7 * len(str(mb)) + 4
+        if cat in ("F", "B", "W") and isinstance(mb, int) and wide:
             ax.text(
                 start + dur / 2,
                 y - 0.08,
@@ -186,11 +188,13 @@ def timeline_plot(events: list[dict], rank_names: dict[int, str], step: int) -> 
     labels = {
         "F": "forward",
         "B": "backward",
+        "W": "weight grads",
         "comm": "send/recv",
         "SYNC": "DP grad sync",
         "STEP": "optimizer",
     }
-    handles = [Patch(color=KIND_COLORS[k], label=v) for k, v in labels.items()]
+    handles = [Patch(color=KIND_COLORS[k], label=v) for k, v in labels.items()
+               if k != "W" or "W" in boxes]
     ax.legend(
         handles=handles,
         loc="lower center",

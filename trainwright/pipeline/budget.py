@@ -22,6 +22,7 @@ from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.memory import (
     POLICIES,
+    InFlight,
     LayerMem,
     MemoryPlan,
     format_bytes,
@@ -29,7 +30,7 @@ from trainwright.plan.memory import (
     plan_stage,
     required_bytes,
 )
-from trainwright.schedule.actions import build_schedule, max_in_flight
+from trainwright.schedule.actions import build_schedule, max_in_flight, max_waiting_w
 
 __all__ = ["MemoryBudget", "profile_model", "measure_host_bandwidth", "layer_mems",
            "check_limits", "stage_in_flight", "resolve_limit"]
@@ -79,9 +80,10 @@ def profile_model(cfg: Config, named: list) -> list[LayerCost]:
 
 
 def stage_in_flight(cfg: Config) -> list[int]:
-    """Micro-batches each stage holds at most under the configured schedule."""
+    """Micro-batches each stage holds at most under the configured schedule (zero bubble: up
+    to their ``W``, with how many wait between ``B`` and ``W``: :class:`InFlight`)."""
     sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches)
-    return [max_in_flight(actions) for actions in sched]
+    return [InFlight(max_in_flight(actions), max_waiting_w(actions)) for actions in sched]
 
 
 def resolve_limit(limit: int | str | None, cfg: Config, device: torch.device) -> int | None:

@@ -19,7 +19,7 @@ import torch
 from trainwright.dist.comm import P2P
 from trainwright.pipeline.rebalance import Migration
 from trainwright.pipeline.stage import Stage
-from trainwright.schedule.actions import Action
+from trainwright.schedule.actions import COMPUTE, Action
 from trainwright.sync import GradSync
 
 __all__ = ["StepStats", "PipelineRuntime"]
@@ -83,6 +83,9 @@ class PipelineRuntime:
         self.grad_sync, self.replica = grad_sync, replica
         self.fault = fault
         self.stage_index = actions[0].stage
+        self.split = any(a.kind == "W" for a in actions)
+        """Zero-bubble schedule: ``B`` computes input gradients only, ``W`` the weights'."""
+        self._measured_peak = 0
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, trace: bool = False,
@@ -135,9 +138,11 @@ class PipelineRuntime:
             elif k == "RECV_B":
                 grads_in[mb] = tuple(self.p2p.recv(self.next_rank, "grad", mb))
             elif k == "B":
-                g = st.backward(mb, None if st.is_last else grads_in.pop(mb))
+                g = st.backward(mb, None if st.is_last else grads_in.pop(mb), split=self.split)
                 if not st.is_first:
                     grads_out[mb] = g
+            elif k == "W":
+                st.backward_weight(mb)
             elif k == "SEND_B":
                 self.p2p.send(self.prev_rank, "grad", mb, grads_out.pop(mb))
             elif k == "SYNC":
@@ -157,16 +162,18 @@ class PipelineRuntime:
             if "after" in self.extensions:
                 self.extensions["after"](a)
             t1 = time.perf_counter_ns()
-            if k in ("F", "B"):
+            if k in COMPUTE:
                 compute_ns += t1 - t0
             if trace or k.startswith("MIG_"):
                 events.append((k, mb, time.time_ns() - (time.perf_counter_ns() - t0), t1 - t0))
         wall = (time.perf_counter_ns() - t_step) / 1e9
         st.profiler.end_step()
         loss = float(torch.stack(losses).sum()) if losses else None
+        if not st.fast:  # a fast step fuses layers unmeasured: report the last measured peak
+            self._measured_peak = st.store.peak_bytes
         return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
                          compute_s=compute_ns / 1e9, loss=loss,
-                         activation_peak_bytes=st.store.peak_bytes,
+                         activation_peak_bytes=self._measured_peak,
                          held_microbatches_peak=st.store.peak_microbatches, events=events,
                          host_peak_bytes=st.store.peak_host_bytes,
                          cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(

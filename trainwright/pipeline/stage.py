@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.pipeline.split_backward import backward_input, backward_weight
 from trainwright.pipeline.store import ActivationStore, Segment, as_tuple
 
 __all__ = ["LayerSlot", "Stage"]
@@ -69,6 +70,11 @@ class Stage:
         """Layers no longer forwarded here whose held segments still need a backward."""
         self.record_rng: set[int] = set()
         """Layers whose segments also record the RNG state (they may be shipped)."""
+        self.fast = False
+        """Fuse consecutive ``keep`` layers into one segment, unmeasured (set per step when
+        no plan needs per-layer figures and no policy change or migration is pending)."""
+        self._weight_work: dict[int, list] = {}
+        """Micro-batch -> segments whose weight gradients (W) are still to compute."""
         for s in self.slots:
             self._adopt(s)
 
@@ -127,6 +133,21 @@ class Stage:
             out = (self.loss_fn(out[0], target) * self.loss_scale,)
         return out
 
+    def _runs(self) -> list[list[int]]:
+        """Positions of the slots, grouped into the segments a forward makes: one per
+        layer, or on a fast step (:attr:`fast`) runs of consecutive ``keep`` layers."""
+        runs: list[list[int]] = []
+        fusable_prev = False
+        for i, slot in enumerate(self.slots):
+            fusable = (self.fast and self.store.policy(slot.index) == "keep"
+                       and slot.index not in self.record_rng)
+            if fusable and fusable_prev:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+            fusable_prev = fusable
+        return runs
+
     def forward(self, mb: int, inputs: tuple, target: torch.Tensor | None = None) -> tuple:
         """Run every layer on micro-batch ``mb`` under its policy and hold the segments.
 
@@ -136,40 +157,55 @@ class Stage:
         """
         x = as_tuple(inputs)
         last = len(self.slots) - 1
-        for i, slot in enumerate(self.slots):
+        for run in self._runs():
+            i = run[0]
             inp = _detach(x, grad=not (self.is_first and i == 0))
-            policy = self.store.policy(slot.index)
-            in_bytes = _nbytes(inp)
-            if policy == "recompute":
-                rng = _rng_state(inp)
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    out = self._run(slot, inp, i == last, target)
-                dt = time.perf_counter() - t0
-                seg = Segment(slot.index, mb, inp, None, policy=policy, rng_state=rng,
-                              target=target if i == last else None)
-                self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
-            else:
-                rng = _rng_state(inp) if slot.index in self.record_rng else None
-                with self.store.capture(inp, swap=policy == "swap",
-                                        segment=(slot.index, mb)) as cap:
-                    t0 = time.perf_counter()
-                    out = self._run(slot, inp, i == last, target)
-                    dt = time.perf_counter() - t0
-                seg = Segment(slot.index, mb, inp, out, storages=cap.saved, policy=policy,
-                              swapped=cap.swapped, rng_state=rng)
-                self.profiler.forward(slot.index, dt, cap.activation_bytes, in_bytes,
-                                      _nbytes(out))
-            self.store.put(seg)
-            x = out
+            if len(run) > 1:
+                x = inp
+                for j in run:
+                    x = self._run(self.slots[j], x, j == last, target)
+                self.store.put(Segment(self.slots[i].index, mb, inp, x,
+                                       span=tuple(self.slots[j].index for j in run)))
+                continue
+            x = self._forward_layer(self.slots[i], mb, inp, i == last, target)
         return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in x)
 
-    def backward(self, mb: int, grads: tuple | None = None) -> tuple:
+    def _forward_layer(self, slot: LayerSlot, mb: int, inp: tuple, is_last: bool,
+                       target: torch.Tensor | None) -> tuple:
+        """One layer as its own segment, under its policy, measured."""
+        policy = self.store.policy(slot.index)
+        in_bytes = _nbytes(inp)
+        if policy == "recompute":
+            rng = _rng_state(inp)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = self._run(slot, inp, is_last, target)
+            dt = time.perf_counter() - t0
+            seg = Segment(slot.index, mb, inp, None, policy=policy, rng_state=rng,
+                          target=target if is_last else None)
+            self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
+        else:
+            rng = _rng_state(inp) if slot.index in self.record_rng else None
+            with self.store.capture(inp, swap=policy == "swap",
+                                    segment=(slot.index, mb)) as cap:
+                t0 = time.perf_counter()
+                out = self._run(slot, inp, is_last, target)
+                dt = time.perf_counter() - t0
+            seg = Segment(slot.index, mb, inp, out, storages=cap.saved, policy=policy,
+                          swapped=cap.swapped, rng_state=rng)
+            self.profiler.forward(slot.index, dt, cap.activation_bytes, in_bytes,
+                                  _nbytes(out))
+        self.store.put(seg)
+        return out
+
+    def backward(self, mb: int, grads: tuple | None = None, split: bool = False) -> tuple:
         """Back-propagate micro-batch ``mb`` through every layer, releasing its segments.
 
         Args:
             grads: gradients of this stage's outputs, aligned with them (None entries for
                 outputs that need none); None on the last stage, which starts from the loss.
+            split: compute input gradients only (zero-bubble B); the segments stay held,
+                with what their weight gradients need, until :meth:`backward_weight`.
 
         Returns:
             Gradients of the stage's inputs (None where an input needs no gradient).
@@ -181,24 +217,50 @@ class Stage:
         order = sorted(held, reverse=True)
         loss_layer = self.slots[-1].index if self.is_last else None
         for i, index in enumerate(order):
-            slot = known[index]
-            seg = self.store.pop(index, mb)
+            seg = self.store.peek(index, mb) if split else self.store.pop(index, mb)
             if i + 1 < len(order):  # the next layer back starts coming home while this computes
                 self.store.prefetch(order[i + 1], mb)
-            outputs, transient = seg.outputs, sum(s.nbytes for s in seg.swapped)
-            if seg.policy == "recompute":
-                with _rng_restored(seg.inputs, seg.rng_state), \
-                        self.store.capture(seg.inputs) as cap:
-                    outputs = self._run(slot, seg.inputs, index == loss_layer, seg.target)
-                transient = cap.activation_bytes
-                self.profiler.saved(slot.index, transient)
-            t0 = time.perf_counter()
-            with self.store.transient(transient):
-                _backward(outputs, grads)
-            self.profiler.backward(slot.index, time.perf_counter() - t0)
-            grads = tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
-                          for t in seg.inputs)
+            grads = self._backward_segment(seg, known, loss_layer, grads, split)
         return grads
+
+    def _backward_segment(self, seg: Segment, known: dict, loss_layer: int | None,
+                          grads: tuple | None, split: bool) -> tuple:
+        """One segment's backward (or its B with ``split``); returns its input gradients."""
+        slot = known[seg.layer]
+        outputs, transient = seg.outputs, sum(s.nbytes for s in seg.swapped)
+        if seg.policy == "recompute":
+            with _rng_restored(seg.inputs, seg.rng_state), \
+                    self.store.capture(seg.inputs) as cap:
+                outputs = self._run(slot, seg.inputs, seg.layer == loss_layer, seg.target)
+            transient = cap.activation_bytes
+            self.profiler.saved(slot.index, transient)
+        t0 = time.perf_counter()
+        if split:
+            params = [p for index in (seg.span or (seg.layer,))
+                      for p in known[index].module.parameters()]
+            self.store.add_bytes(transient)  # brought back or rebuilt: held until W
+            got, work = backward_input(outputs, grads, seg.inputs, params)
+            seg.outputs = None  # the boundary nodes keep what W needs, nothing more
+            self._weight_work.setdefault(seg.mb, []).append(
+                (seg, work, transient, time.perf_counter() - t0))
+            return got
+        with self.store.transient(transient):
+            _backward(outputs, grads)
+        if not seg.span:
+            self.profiler.backward(slot.index, time.perf_counter() - t0)
+        return tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
+                     for t in seg.inputs)
+
+    def backward_weight(self, mb: int) -> None:
+        """W of micro-batch ``mb``: weight gradients left by :meth:`backward` with ``split``;
+        releases its segments."""
+        for seg, work, transient, b_s in self._weight_work.pop(mb, []):
+            t0 = time.perf_counter()
+            backward_weight(work)
+            if not seg.span:
+                self.profiler.backward(seg.layer, b_s + time.perf_counter() - t0)
+            self.store.pop(seg.layer, mb)
+            self.store.add_bytes(-transient)
 
 
 def _backward(outputs: tuple, grads: tuple | None) -> None:

@@ -37,9 +37,13 @@ def as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
-def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of the storage behind ``t`` (shared by all its views)."""
-    return (str(t.device), t.untyped_storage().data_ptr())
+def storage_key(t: torch.Tensor) -> tuple[int, bool]:
+    """Identity of the storage behind ``t`` (shared by all its views).
+
+    A stage computes on one device, so the address and whether it is a CUDA one suffice;
+    ``str(t.device)`` would cost a string per saved tensor (half of the store's overhead).
+    """
+    return (t.untyped_storage().data_ptr(), t.is_cuda)
 
 
 def _tensor_storages(values) -> dict:
@@ -82,6 +86,9 @@ class Segment:
     """RNG state at forward, restored for the recomputation."""
     target: torch.Tensor | None = None
     """Loss target (last layer of the last stage, recompute only)."""
+    span: tuple = ()
+    """Layers run as this one segment (consecutive ``keep`` layers fused on a fast step);
+    empty: ``layer`` alone."""
 
 
 class ActivationStore:
@@ -191,6 +198,14 @@ class ActivationStore:
                 del self._refs[k]
         self.host_bytes -= sum(s.nbytes for s in seg.swapped)
         return seg
+
+    def peek(self, layer: int, mb: int) -> Segment:
+        """The segment of ``layer`` on micro-batch ``mb``, still held."""
+        try:
+            return self._segments[(layer, mb)]
+        except KeyError:
+            raise RuntimeError(f"no activations held for layer {layer} micro-batch {mb}; "
+                               f"backward without forward") from None
 
     def prefetch(self, layer: int, mb: int) -> None:
         """Start bringing a swapped segment back to the device before its backward."""

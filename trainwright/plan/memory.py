@@ -33,7 +33,7 @@ import numpy as np
 from trainwright.errors import PlanError
 
 __all__ = [
-    "POLICIES", "LayerMem", "MemoryPlan", "in_flight", "required_bytes", "added_time",
+    "POLICIES", "InFlight", "LayerMem", "MemoryPlan", "in_flight", "required_bytes", "added_time",
     "needs_optimising", "min_feasible_bytes", "greedy_plan", "optimal_plan", "plan_stage",
     "format_bytes",
 ]
@@ -138,6 +138,24 @@ def _check(layers: list[LayerMem], n_in_flight: int, host_bandwidth: float = 1.0
                          f"host_bandwidth={host_bandwidth}, negatives in layers {neg}")
 
 
+class InFlight(int):
+    """An ``in_flight`` count that also carries ``w_wait``: under a zero-bubble schedule, the
+    micro-batches at most between their ``B`` and their ``W``. The activations of their
+    swapped and recomputed layers come back at ``B`` and stay on the device until ``W``, so
+    :func:`required_bytes` adds ``w_wait * sum(saved_bytes of non-keep layers)``."""
+
+    w_wait: int = 0
+
+    def __new__(cls, n: int, w_wait: int = 0) -> InFlight:
+        obj = int.__new__(cls, n)
+        obj.w_wait = w_wait
+        return obj
+
+
+def _w_wait(in_flight: int) -> int:
+    return getattr(in_flight, "w_wait", 0)
+
+
 def _policy(policies: dict[int, str], layer: int) -> str:
     p = policies.get(layer, "keep")
     if p not in POLICIES:
@@ -152,14 +170,16 @@ def required_bytes(layers: list[LayerMem], policies: dict[int, str], in_flight: 
         layers, policies, in_flight: see the module.
 
     Returns:
-        ``in_flight * sum(held) + transient``.
+        ``in_flight * sum(held) + transient`` (plus, under a split backward, what waits for
+        ``W``: see :class:`InFlight`).
     """
-    held = transient = 0
+    held = transient = returned = 0
     for x in layers:
         keep = _policy(policies, x.layer) == "keep"
         held += x.input_bytes + (x.saved_bytes if keep else 0)
         transient = transient if keep else max(transient, x.saved_bytes)
-    return in_flight * held + transient
+        returned += 0 if keep else x.saved_bytes
+    return in_flight * held + transient + _w_wait(in_flight) * returned
 
 
 def added_time(layers: list[LayerMem], policies: dict[int, str], host_bandwidth: float) -> float:
@@ -214,7 +234,9 @@ def min_feasible_bytes(layers: list[LayerMem], in_flight: int) -> int:
     """
     _check(layers, in_flight)
     saved = sorted((x.saved_bytes for x in layers), reverse=True) + [0]
-    best = min(in_flight * sum(saved[:k]) + saved[k] for k in range(len(saved)))
+    w = _w_wait(in_flight)
+    best = min(in_flight * sum(saved[:k]) + w * sum(saved[k:]) + saved[k]
+               for k in range(len(saved)))
     return in_flight * sum(x.input_bytes for x in layers) + best + 1
 
 
@@ -311,7 +333,8 @@ def optimal_plan(layers: list[LayerMem], in_flight: int, limit_bytes: int | None
         LinearConstraint(np.hstack([0 * eye, np.diag(saved), np.diag(saved), col, col - 1]),
                          -np.inf, 0),
     ]
-    memory = np.concatenate([in_flight * saved, 0 * fwd, 0 * fwd, [0.0, 1.0]])[None, :]
+    w = _w_wait(in_flight)
+    memory = np.concatenate([in_flight * saved, w * saved, w * saved, [0.0, 1.0]])[None, :]
     # finite (valid) bounds on E and M: with them unbounded HiGHS's presolve mis-prunes ties
     e_max, m_max = max(0.0, float(swap.sum()) - threshold) * unit, float(saved.max())
     bounds = Bounds(np.zeros(3 * n + 2), np.concatenate([np.ones(3 * n), [e_max, m_max]]))

@@ -56,6 +56,9 @@ class StageCost:
     forward_s: float
     backward_s: float
     """Backward compute, recomputation included."""
+    weight_s: float = 0.0
+    """Of ``backward_s``, the weight-gradient part: a zero-bubble schedule's ``W`` takes it
+    and its ``B`` the rest (0: half of ``backward_s``)."""
     send_bytes: int = 0
     """Activation bytes sent to the next stage (the gradient coming back is as large)."""
     held_bytes: int = 0
@@ -157,6 +160,7 @@ class _Replay:
     def __init__(self, schedule: list[list], costs: list[StageCost], links: Links) -> None:
         n = len(schedule)
         self.schedule, self.costs, self.links, self.n = schedule, costs, links, n
+        self.split = [any(a.kind == "W" for a in acts) for acts in schedule]
         self.clock = [0.0] * n
         self.pos = [0] * n
         self.link_free: dict[tuple, float] = {}
@@ -281,7 +285,7 @@ class _Replay:
     def _run(self, s: int, a, start: float) -> float:
         """Take action ``a`` on stage ``s`` from ``start``; return its end."""
         k, c = a.kind, self.costs[s]
-        if k in ("F", "B"):
+        if k in ("F", "B", "W"):
             end = self._run_compute(s, a, start)
         elif k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
             end = self._run_p2p(s, a, start)
@@ -294,21 +298,30 @@ class _Replay:
         return end + c.action_s.get(k, 0.0)
 
     def _run_compute(self, s: int, a, start: float) -> float:
-        """``F``/``B``: compute time, memory, and the host swap's copy out after ``F``."""
+        """``F``/``B``/``W``: compute time, memory, and the host swap's copy out after ``F``.
+
+        With ``W`` actions (zero bubble) ``B`` takes ``backward_s - weight_s`` and the
+        micro-batch's bytes stay held until its ``W`` ends."""
         mb, c = a.mb, self.costs[s]
+        held = c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())
+        w = c.weight_s or c.backward_s / 2
         if a.kind == "F":
             dur = c.mb_forward_s.get(mb, c.forward_s)
             end = start + dur
-            self.busy[s] += dur
             self._add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
             if c.host_bytes:
                 self._transfer(("host", s), end, c.host_bytes, self.links.host_bandwidth)
-        else:
-            dur = c.mb_backward_s.get(mb, c.backward_s)
+        elif a.kind == "W":
+            dur = w
             end = start + dur
-            self.busy[s] += dur
+            self._add(s, end, -held)
+        else:
+            dur = c.mb_backward_s.get(mb, c.backward_s) - (w if self.split[s] else 0.0)
+            end = start + dur
             self._add(s, start, c.transient_bytes)
-            self._add(s, end, -(c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())))
+            if not self.split[s]:
+                self._add(s, end, -held)
+        self.busy[s] += dur
         self.times[(s, a.kind, mb)] = (start, end)
         return end
 

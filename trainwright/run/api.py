@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from torch import nn
@@ -17,6 +18,8 @@ from trainwright.run import checkpoint
 
 __all__ = ["fit", "load_model"]
 
+log = logging.getLogger(__name__)
+
 
 def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
         resume: str | Path | None = None) -> Path:
@@ -26,6 +29,10 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
         config: a TOML file, or None for the defaults.
         overrides: ``"section.key=value"`` strings, e.g. ``["parallel.pp=4"]``.
         resume: a run directory to continue instead of starting a new run.
+
+    With ``sync.strategy = "tokenring"`` the local token-ring launcher runs
+    ``tokenring.nodes`` node processes instead (the run directory then holds the nodes'
+    reports, ``checkpoints/`` and ``model.pt``).
 
     Returns:
         The run directory (metrics.jsonl, trace.json, report.html, checkpoints/).
@@ -43,12 +50,28 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
     check_start(cfg, via="fit", resume=resume is not None, run_dir=resume)
     named = build_layers(cfg)
     cfg.check_layers(len(named))
+    if cfg.sync.strategy == "tokenring":
+        return _fit_ring(cfg, Path(resume) if resume else None)
     check_limits(cfg, named)
     check_ties(cfg, named)
     run_dir = create_run_dir(cfg, Path(resume) if resume else None)
     result = launch_local(cfg, run_dir, resume=resume is not None)
     if not result.ok:
         raise TrainwrightError(f"{result.describe(result.first_failure)}; see {run_dir}")
+    return run_dir
+
+
+def _fit_ring(cfg, resume: Path | None) -> Path:
+    """:func:`fit` for ``sync.strategy = "tokenring"``: the local ring launcher."""
+    from trainwright.run.launch import create_run_dir
+    from trainwright.run.ring_launch import launch_ring
+
+    run_dir = create_run_dir(cfg, resume)
+    result = launch_ring(cfg, run_dir, resume=resume is not None)
+    if not result.ok:
+        raise TrainwrightError(f"token ring run failed: {result.message()}; see {run_dir}")
+    for line in result.warnings():
+        log.warning("%s", line)
     return run_dir
 
 

@@ -1,14 +1,15 @@
-"""``trainwright run`` with ``sync.strategy = "tokenring"``: plain data parallel over ring nodes.
+"""One token-ring node (``sync.strategy = "tokenring"``): plain data parallel without a barrier.
 
 Every node holds the whole model and trains on shard ``index`` of each global batch. There
 is no process group (a membership change would break it): nodes meet at a rendezvous,
-the first node sends everyone its weights, and gradients travel through
-:class:`~trainwright.tokenring.ring.TokenRing`. :func:`launch_ring` starts the local node
-processes (forked from one helper that imported torch once) and, with
-``tokenring.restart_killed``, restarts nodes killed by fault injection as standby.
+the first node sends everyone its weights and optimizer state, and gradients travel through
+:class:`~trainwright.tokenring.ring.TokenRing`. The local launcher is
+:mod:`trainwright.run.ring_launch`; under torchrun every process is one node
+(:mod:`trainwright.run.ring_torchrun`).
 
 Each node writes ``node<index>.json`` (parameter hash after every applied step, steps it
-contributed to, membership events, close times); the first node saves ``model.pt``.
+contributed to, membership events, close times); the first node writes the checkpoints
+(``run.checkpoint_every``, and the last step) and ``model.pt``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
-import signal
-import subprocess
+import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,11 +32,12 @@ from trainwright.errors import CommError
 from trainwright.observe.telemetry import atomic_write_text
 from trainwright.run.trainer import Trainer
 from trainwright.tokenring.exchange import RingExchange, param_hash
-from trainwright.tokenring.membership import Epoch, Rendezvous, join_rendezvous
+from trainwright.tokenring.membership import Epoch, Rendezvous, join_rendezvous, local_address
 from trainwright.tokenring.ring import RingFailed, RingLeft, RingTimes, Token, TokenRing
+from trainwright.tokenring.state import restore, snapshot
 from trainwright.tokenring.wire import wait_welcome
 
-__all__ = ["launch_ring", "RingResult", "param_hash", "node_main"]
+__all__ = ["param_hash", "node_main", "RingNode"]
 
 log = logging.getLogger(__name__)
 EXIT_RING_FAILED = 3
@@ -48,7 +47,8 @@ EXIT_NODE_ERROR = 4
 def _times(cfg: Config) -> RingTimes:
     r = cfg.tokenring
     return RingTimes(token_timeout_s=r.token_timeout_s, succession_s=r.succession_s,
-                     idle_hold_s=r.idle_hold_s, close_timeout_s=r.close_timeout_s)
+                     idle_hold_s=r.idle_hold_s, close_timeout_s=r.close_timeout_s,
+                     close_grace_s=r.close_grace_s)
 
 
 def _node_config(cfg: Config) -> Config:
@@ -60,33 +60,46 @@ def _node_config(cfg: Config) -> Config:
     return Config.from_dict(data)
 
 
-class _Node:
-    """One node process: model, data shard, ring, and the training loop."""
+class RingNode:
+    """One node process: model, data shard, ring, and the training loop.
+
+    Args:
+        cfg: the run's configuration.
+        run_dir: the run directory (reports, checkpoints, ``model.pt``).
+        want: the node index asked for (a data shard; the rendezvous may grant another).
+        endpoint: ``tcp://host:port`` of the rendezvous, as the other nodes reach it.
+        role: ``"host"`` (binds the rendezvous and hosts formation) or ``"join"``.
+        restarted: this process replaces a node killed by fault injection.
+        resume: the host starts from the run directory's latest checkpoint.
+        bind: what the host binds for the rendezvous (default: ``endpoint``).
+    """
 
     def __init__(self, cfg: Config, run_dir: Path, want: int, endpoint: str, role: str,
-                 restarted: bool = False):
+                 restarted: bool = False, resume: bool = False, bind: str = ""):
         self.cfg, self.run_dir, self.want, self.endpoint, self.role = (cfg, run_dir, want,
                                                                        endpoint, role)
+        self.bind = bind or endpoint
         torch.set_num_threads(max(1, cfg.parallel.threads_per_rank or 1))
-        self.exchange = RingExchange(cfg.tokenring, want, restarted)
+        self.exchange = RingExchange(cfg.tokenring, want, restarted, on_applied=self._checkpoint)
         self.trainer = Trainer(_node_config(cfg), run_dir, mesh=Topology(pp=1, dp=1, rank=0),
                                grad_sync=self.exchange, shard=(want, cfg.tokenring.nodes),
-                               outputs=False)
+                               outputs=False, resume=resume and role == "host")
         self.params = self.trainer.stage.parameters()
         self.ctx = zmq.Context()
         self.index = want
         self.joined: list[dict] = []
         self.rings: list[TokenRing] = []
         self.restarted = restarted
+        self.addr = ""
 
     # ------------------------------------------------------------ joining
     def _bind(self) -> tuple[zmq.Socket, str]:
         pull = self.ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.RCVHWM, 0)  # unlimited: never drop
         pull.setsockopt(zmq.LINGER, 0)
-        host = self.endpoint.split("//", 1)[1].rsplit(":", 1)[0]
-        pull.bind(f"tcp://{host}:*")
-        return pull, pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        pull.bind(f"tcp://{local_address(self.endpoint)}:*")  # the interface the others reach
+        self.addr = pull.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return pull, self.addr
 
     def _ring(self, pull, epoch, **kw) -> TokenRing:
         r = self.cfg.tokenring
@@ -101,16 +114,24 @@ class _Node:
         r = self.cfg.tokenring
         pull, addr = self._bind()
         if self.role == "host":
-            rdzv = Rendezvous(self.ctx, self.endpoint, r.nodes, r.formation_quiet_s)
+            applied = self.trainer.start - 1  # > 0 after a resume
+            try:
+                rdzv = Rendezvous(self.ctx, self.bind, r.nodes, r.formation_quiet_s)
+            except zmq.ZMQError as exc:
+                raise CommError(f"token ring rendezvous {self.bind}: cannot bind it on this "
+                                f"host ({exc}); tokenring.rendezvous must be a free port at an "
+                                f"address of the first node's host (under torchrun: RANK 0's)"
+                                ) from None
             members = rdzv.form(self.want, addr, r.min_nodes, r.standby_timeout_s)
             ring = self._ring(pull, Epoch((0, self.want), members), rendezvous=rdzv,
-                              token=Token(1, [], min(members), 0))
+                              token=Token(applied + 1, [], min(members), 0), applied=applied)
+            tensors, skeleton = snapshot(self.trainer.stage.slots)
             for i, a in members.items():  # the node holding the model broadcasts it
                 if i != self.index:
-                    ring.send_welcome(i, a, 0, self.params)
+                    ring.send_welcome(i, a, applied, tensors, {"state": skeleton})
             ring.start()
-            self.joined.append({"as": "host", "applied": 0, "t": time.time()})
-            return ring, 0
+            self.joined.append({"as": "host", "applied": applied, "t": time.time()})
+            return ring, applied
         res = join_rendezvous(self.ctx, self.endpoint, self.want, addr, r.standby_timeout_s)
         self.index = res.index
         return self._welcomed(pull, standby=res.standby)
@@ -118,9 +139,7 @@ class _Node:
     def _welcomed(self, pull, standby: bool) -> tuple[TokenRing, int]:
         r = self.cfg.tokenring
         h, weights, early = wait_welcome(pull, r.standby_timeout_s)
-        with torch.no_grad():
-            for p, w in zip(self.params, weights, strict=True):
-                p.copy_(w)
+        restore(self.trainer.stage.slots, weights, h.get("state"))
         closes = {int(s): c for s, c in h["closes"].items()}
         ring = self._ring(pull, Epoch.from_json(h["ep"]), closes=closes, applied=h["applied"],
                           early=early)
@@ -151,6 +170,15 @@ class _Node:
         return self.exchange.last_applied
 
     # ------------------------------------------------------------ outputs
+    def _checkpoint(self, step: int, slots: list) -> None:
+        """The first node writes the run's checkpoint after ``run.checkpoint_every`` steps
+        and the last one (the trainer's format: ``--resume`` and ``load_model`` read it)."""
+        every, ring = self.cfg.run.checkpoint_every, self.exchange.ring
+        if ring.epoch.first() != self.index:
+            return
+        if step == self.cfg.train.steps or (every and step % every == 0):
+            self.trainer.save_checkpoint(step)
+
     def save_model(self) -> Path:
         """Write ``model.pt`` (the whole model's state dict) atomically."""
         path = self.run_dir / "model.pt"
@@ -158,6 +186,8 @@ class _Node:
         model = nn.Sequential(*[slot.module for slot in self.trainer.stage.slots])
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, path)
+        if self.exchange.snapshots:  # tokenring.record_weights
+            torch.save(self.exchange.snapshots, self.run_dir / "weights_per_step.pt")
         return path
 
     def write_stats(self, status: str, reason: str = "") -> None:
@@ -174,10 +204,14 @@ class _Node:
                "events": [e for g in rings for e in g.stats.events],
                "closes": {str(k): v for k, v in sorted(closes.items())},
                "close_time": {str(k): v for k, v in sorted(times.items())},
+               "step_start": {str(k): v for k, v in self.exchange.step_start.items()},
+               "applied_time": {str(k): v for k, v in self.exchange.applied_time.items()},
                "gaps": sum(g.stats.gaps for g in rings),
                "fetches": sum(g.stats.fetches for g in rings),
                "retransmissions": sum(g.stats.retransmissions for g in rings),
-               "shard_samples": self.cfg.train.batch_size // self.cfg.tokenring.nodes}
+               "shard_samples": self.cfg.train.batch_size // self.cfg.tokenring.nodes,
+               "members": rings[-1].epoch.order if rings else [],
+               "addr": self.addr, "host": socket.gethostname(), "pid": os.getpid()}
         name = f"node{self.index}{'-restart' if self.restarted else ''}.json"
         atomic_write_text(self.run_dir / name, json.dumps(row) + "\n")
 
@@ -227,178 +261,16 @@ class _Node:
 
 
 def node_main(argv: list[str]) -> int:
-    """One node: ``RUN_DIR INDEX ENDPOINT ROLE`` (host | join | rejoin, rejoin = restarted)."""
+    """One node: ``RUN_DIR INDEX ENDPOINT ROLE [--resume]`` (host | join | rejoin, rejoin =
+    restarted)."""
     run_dir, want, endpoint, role = Path(argv[0]), int(argv[1]), argv[2], argv[3]
     logging.basicConfig(level=logging.WARNING, format=f"[node {want}] %(message)s", force=True)
     cfg = load_config(run_dir / "config.toml")
-    node = _Node(cfg, run_dir, want, endpoint, "join" if role == "rejoin" else role,
-                 restarted=role == "rejoin")
+    node = RingNode(cfg, run_dir, want, endpoint, "join" if role == "rejoin" else role,
+                    restarted=role == "rejoin", resume="--resume" in argv[4:])
     return node.run()
 
 
-def _exit_code(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def _tell_launcher(line: str) -> None:
-    """One protocol line on stdout, the pipe the launcher reads (not output for people)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-def zygote_main(argv: list[str]) -> int:
-    """Fork node processes on request, so torch is imported once, not once per node.
-
-    Reads ``start KEY INDEX ROLE`` / ``kill`` lines on stdin, writes ``exit KEY CODE`` lines
-    on stdout (CODE < 0: killed by that signal). Forks before any thread or ZeroMQ context
-    exists here, which keeps the children sound. Ends when stdin closes and every child exited.
-    """
-    run_dir, endpoint = argv
-    # a process's first optimizer imports torch._dynamo (4-5 s here): pay it once, before
-    # forking, or a restarted node arrives after the ring has moved on
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-    children: dict[int, str] = {}
-    open_in, pending, fd = True, b"", sys.stdin.fileno()
-    while open_in or children:
-        lines: list[str] = []
-        if open_in and select.select([fd], [], [], 0.02)[0]:
-            chunk = os.read(fd, 65536)  # unbuffered: select and the reads must agree
-            open_in = bool(chunk)
-            *done, pending = (pending + chunk).split(b"\n")
-            lines = [x.decode() for x in done]
-        elif not open_in:
-            time.sleep(0.02)
-        for line in lines:
-            if line.startswith("start"):
-                _, key, index, role = line.split()
-                pid = os.fork()
-                if pid == 0:  # the node
-                    code = 1
-                    try:
-                        code = node_main([run_dir, index, endpoint, role])
-                    finally:
-                        sys.stderr.flush()
-                        os._exit(code)
-                children[pid] = key
-            elif line.startswith("kill"):
-                for pid in children:
-                    os.kill(pid, signal.SIGKILL)
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            _tell_launcher(f"exit {children.pop(pid)} {_exit_code(status)}")
-    return 0
-
-
-@dataclass
-class RingResult:
-    """Exit codes of the node processes (a restart is ``"2r"``) and the nodes' reports."""
-
-    run_dir: Path
-    returncodes: dict[str, int]
-    reports: dict[str, dict]
-
-    @property
-    def ok(self) -> bool:
-        """True when every node that ran to the end exited 0 (killed-and-restarted excluded)."""
-        return all(c == 0 for k, c in self.returncodes.items()
-                   if not (c == -signal.SIGKILL and f"{k}r" in self.returncodes))
-
-    def message(self) -> str:
-        """What went wrong, from the nodes' own reports (or their exit codes)."""
-        reasons = [f"node {k}: {rep['reason']}" for k, rep in self.reports.items()
-                   if rep.get("reason")]
-        dead = [f"node {k} was killed by {signal.Signals(-c).name}" if c < 0 else
-                f"node {k} exited with code {c}" for k, c in self.returncodes.items() if c]
-        return "; ".join(reasons + dead)
-
-
-def launch_ring(cfg: Config, run_dir: Path, timeout_s: float | None = None) -> RingResult:
-    """Start ``tokenring.nodes`` local node processes and wait for them.
-
-    The nodes are forked from one helper process that imported torch once. With
-    ``tokenring.restart_killed`` a node killed by fault injection is started again (a new
-    process, keeping its index), which joins as standby.
-
-    Args:
-        cfg: validated configuration, already written to ``run_dir/config.toml``.
-        run_dir: the run directory (node reports and ``model.pt`` go there).
-        timeout_s: overall deadline; nodes still running then are killed.
-    """
-    from trainwright.dist.ports import free_port
-
-    r = cfg.tokenring
-    endpoint = r.rendezvous or f"tcp://127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    zygote = subprocess.Popen([sys.executable, "-m", "trainwright.run.ring_node", "zygote",
-                               str(run_dir), endpoint], env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-
-    def start(key: str, index: int, role: str) -> None:
-        zygote.stdin.write(f"start {key} {index} {role}\n")
-        zygote.stdin.flush()
-
-    for i in range(r.nodes):
-        start(str(i), i, "host" if i == 0 else "join")
-    running = {str(i) for i in range(r.nodes)}
-    codes: dict[str, int] = {}
-    grace = 3 * (r.token_timeout_s + r.nodes * r.succession_s) + 15
-    end = time.monotonic() + (timeout_s or 1e9)
-    failed_at, killed = None, False
-    out, pending = zygote.stdout.fileno(), b""
-
-    def exits(block: bool) -> list[tuple[str, int]] | None:
-        """``(key, code)`` lines from the zygote (None at its end); unbuffered reads."""
-        nonlocal pending
-        if not block and not select.select([out], [], [], 0.05)[0]:
-            return []
-        chunk = os.read(out, 65536)
-        if not chunk:
-            return None
-        *done, pending = (pending + chunk).split(b"\n")
-        return [(w[1], int(w[2])) for w in (x.decode().split() for x in done)
-                if len(w) == 3 and w[0] == "exit"]
-
-    try:
-        while running:
-            got = exits(block=False)
-            if got is None:
-                break
-            for key, code in got:
-                running.discard(key)
-                codes[key] = code
-                restart = (r.restart_killed and codes[key] == -signal.SIGKILL
-                           and not key.endswith("r") and int(key) in r.kill_nodes)
-                if restart:
-                    start(f"{key}r", int(key), "rejoin")
-                    running.add(f"{key}r")
-                elif codes[key] not in (0, -signal.SIGKILL) and failed_at is None:
-                    failed_at = time.monotonic()
-            now = time.monotonic()
-            if not killed and (now > end or (failed_at is not None and now - failed_at > grace)):
-                zygote.stdin.write("kill\n")
-                zygote.stdin.flush()
-                killed = True
-    finally:
-        if running and not killed:  # interrupted: leave no node behind
-            zygote.stdin.write("kill\n")
-        zygote.stdin.close()
-        try:
-            while (got := exits(block=True)) is not None:
-                codes.update(got)
-            zygote.wait(30)
-        except subprocess.TimeoutExpired:
-            zygote.kill()
-            zygote.wait()
-    reports = {}
-    for path in sorted(run_dir.glob("node*.json")):
-        key = path.stem.removeprefix("node").replace("-restart", "r")
-        reports[key] = json.loads(path.read_text())
-    return RingResult(run_dir, codes, reports)
-
 
 if __name__ == "__main__":
-    if sys.argv[1] == "zygote":
-        raise SystemExit(zygote_main(sys.argv[2:]))
     raise SystemExit(node_main(sys.argv[1:]))

@@ -338,6 +338,7 @@ class Trainer:
         self._apply_model_edits(step)
         migration = self._migration_for(step)
         x, y = self._batch(step)
+        self.stage.fast = self._fast_step(step, migration)
         m, first = self.cfg.train.micro_batches, self.topo.stage == 0
         stats = self.runtime.run_step(
             step, split_microbatches(x, m) if first else None,
@@ -353,8 +354,18 @@ class Trainer:
         self._record(step, stats, costs_fresh)
         every = self.cfg.run.checkpoint_every
         if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
-            self._checkpoint(step)
+            self.save_checkpoint(step)
         return stats
+
+    def _fast_step(self, step: int, migration: Migration | None) -> bool:
+        """Whether this step may fuse consecutive ``keep`` layers, unmeasured: nothing
+        needs per-layer figures (first and profile steps, memory limits, peer swap,
+        rebalancing) and no policy change or migration is pending."""
+        cfg = self.cfg
+        return not (step == self.start or step % cfg.run.profile_every == 0
+                    or step == cfg.train.steps or self.budget.limit is not None
+                    or self.peer_plan is not None or self.rebalancer is not None
+                    or migration is not None)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's share of the step's global batch, on the device."""
@@ -461,7 +472,7 @@ class Trainer:
                 "added_time_s": plan.added_time_s, "host_bandwidth": budget.host_bandwidth,
                 "layers": budget.rows()}
 
-    def _checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int) -> None:
         """Every rank writes its layers' state, RNG states and registered objects (DCP,
         collective); rank 0 then records the partition and moves ``latest``."""
         topo = self.topo

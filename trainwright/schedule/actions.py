@@ -17,53 +17,13 @@ forwards, then alternate one forward and one backward, then drain the backwards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from trainwright.errors import PlanError
 
-__all__ = ["Action", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
-           "SCHEDULES", "max_in_flight"]
+__all__ = ["Action", "KINDS", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
+           "SCHEDULES", "SPLIT_BACKWARD", "max_in_flight", "max_waiting_w"]
 
-COMPUTE = ("F", "B")
-KINDS = ("F", "B", "RECV_F", "SEND_F", "RECV_B", "SEND_B", "SYNC", "STEP")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One thing a stage does: ``kind`` on micro-batch ``mb`` (``-1`` for SYNC/STEP)."""
-
-    stage: int
-    kind: str
-    mb: int = -1
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}" + ("" if self.mb < 0 else str(self.mb))
-
-
-def _with_comm(stage: int, n_stages: int, compute: list[tuple[str, int]]) -> list[Action]:
-    """Lower compute-only ``(kind, mb)`` pairs to actions with explicit send/recv."""
-    out: list[Action] = []
-    first, last = stage == 0, stage == n_stages - 1
-    for kind, mb in compute:
-        if kind == "F":
-            if not first:
-                out.append(Action(stage, "RECV_F", mb))
-            out.append(Action(stage, "F", mb))
-            if not last:
-                out.append(Action(stage, "SEND_F", mb))
-        else:
-            if not last:
-                out.append(Action(stage, "RECV_B", mb))
-            out.append(Action(stage, "B", mb))
-            if not first:
-                out.append(Action(stage, "SEND_B", mb))
-    out += [Action(stage, "SYNC"), Action(stage, "STEP")]
-    return out
-
-
-def _check(n_stages: int, n_micro: int) -> None:
-    if n_stages < 1 or n_micro < 1:
-        raise PlanError(f"need at least 1 stage and 1 micro-batch, got {n_stages} and {n_micro}")
+from trainwright.schedule.base import COMPUTE, KINDS, Action, _check, _with_comm
+from trainwright.schedule.zero_bubble import zb_h1, zb_h2
 
 
 def gpipe(n_stages: int, n_micro: int) -> list[list[Action]]:
@@ -107,11 +67,15 @@ def one_f_one_b(n_stages: int, n_micro: int) -> list[list[Action]]:
     return schedules
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}
+"""Schedule name -> generator ``(n_stages, n_micro) -> one action list per stage``."""
+
+SPLIT_BACKWARD = ("zb-h1", "zb-h2")
+"""Schedules whose backward is split into ``B`` (input gradients) and ``W`` (weights)."""
 
 
 def build_schedule(name: str, n_stages: int, n_micro: int) -> list[list[Action]]:
-    """Look up a schedule by name (``"gpipe"`` or ``"1f1b"``) and generate it."""
+    """Look up a schedule by name (one of :data:`SCHEDULES`) and generate it."""
     try:
         return SCHEDULES[name](n_stages, n_micro)
     except KeyError:
@@ -119,11 +83,26 @@ def build_schedule(name: str, n_stages: int, n_micro: int) -> list[list[Action]]
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """Largest number of micro-batches forwarded but not yet back-propagated at once."""
+    """Largest number of micro-batches forwarded but not yet back-propagated at once (with a
+    split backward: whose ``W`` is not done, since their activations are held until then)."""
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
     live, peak = 0, 0
     for a in actions:
-        live += (a.kind == "F") - (a.kind == "B")
+        live += (a.kind == "F") - (a.kind == release)
         peak = max(peak, live)
+    return peak
+
+
+def max_waiting_w(actions: list[Action]) -> int:
+    """Most micro-batches at once whose ``B`` has started and whose ``W`` is not done (0 for
+    schedules without ``W``)."""
+    live, peak = 0, 0
+    for a in actions:
+        if a.kind == "B" and any(x.kind == "W" for x in actions):
+            live += 1
+            peak = max(peak, live)
+        elif a.kind == "W":
+            live -= 1
     return peak
 
 
@@ -148,6 +127,8 @@ def format_grid(schedule: list[list[Action]]) -> str:
             dep = (s - 1, "F", a.mb) if a.kind == "F" else (s + 1, "B", a.mb)
             if a.kind == "B" and s == n - 1:
                 dep = (s, "F", a.mb)
+            if a.kind == "W":
+                dep = (s, "B", a.mb)
             if 0 <= dep[0] < n and dep not in done:
                 continue
             tick = max(free[s], done.get(dep, -1) + 1)

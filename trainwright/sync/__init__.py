@@ -41,8 +41,9 @@ def make_grad_sync(cfg: Config, topo: Topology) -> GradSync:
     if strategy == "hierarchical":
         from trainwright.sync.hierarchical import pipeline_sync
         return pipeline_sync(cfg, topo)
-    from trainwright.config.combinations import RING_VIA_FIT
     from trainwright.errors import ConfigError
 
+    ring = ("the ring's nodes train through trainwright.run.ring_node (started by `trainwright "
+            "run --set sync.strategy=tokenring`, trainwright.fit or torchrun)")
     raise ConfigError(f"sync.strategy = {strategy!r} has no pipeline gradient sync: "
-                      f"{RING_VIA_FIT if strategy == 'tokenring' else 'use dense'}")
+                      f"{ring if strategy == 'tokenring' else 'use dense'}")

@@ -18,7 +18,7 @@ from trainwright.config import HierarchicalConfig, parse_bytes
 from trainwright.dist import collective as coll
 from trainwright.errors import ConfigError
 
-__all__ = ["NodeLayout", "HierGroups", "node_layout", "create_groups", "host_names",
+__all__ = ["NodeLayout", "HierGroups", "node_key", "node_layout", "create_groups", "host_names",
            "slice_bounds", "free_memory", "measure_speed", "agree_weights", "resolve_weights"]
 
 
@@ -90,10 +90,22 @@ def node_layout(members: Sequence[int], ranks_per_node: int = 0,
     return NodeLayout(tuple(r for rs in by_host.values() for r in rs), len(members) // len(by_host))
 
 
+def node_key(environ=None) -> str:
+    """What names this process's node: ``TRAINWRIGHT_HOST`` if set; under torchrun its
+    agent's ``GROUP_RANK`` (torchrun's own node; hosts may share a host name, e.g. network
+    namespaces or containers); else the host name."""
+    e = os.environ if environ is None else environ
+    if e.get("TRAINWRIGHT_HOST"):
+        return e["TRAINWRIGHT_HOST"]
+    if "GROUP_RANK" in e and "LOCAL_WORLD_SIZE" in e:
+        return f"torchrun-node-{e['GROUP_RANK']}"
+    return socket.gethostname()
+
+
 def host_names() -> list[str]:
-    """Host name of every rank of the default group (a collective)."""
+    """Node name (:func:`node_key`) of every rank of the default group (a collective)."""
     names: list = [None] * dist.get_world_size()
-    coll.all_gather_object(names, os.environ.get("TRAINWRIGHT_HOST") or socket.gethostname())
+    coll.all_gather_object(names, node_key())
     return names
 
 

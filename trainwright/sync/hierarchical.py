@@ -1,8 +1,9 @@
 """Seed 003: hierarchical sharded gradient sync, slices sized by each device's memory.
 
-Ranks that share a host form a *node* (``hierarchical.ranks_per_node`` overrides that, to
-emulate nodes on one host). Every node cuts the flat gradient into one slice per local rank,
-sized in proportion to the ranks' free memory (optionally times their speed). One sync is:
+Ranks that share a host form a *node* (under torchrun: ranks of one agent, ``GROUP_RANK``;
+``hierarchical.ranks_per_node`` overrides that, to emulate nodes on one host). Every node
+cuts the flat gradient into one slice per local rank, sized in proportion to the ranks'
+free memory (optionally times their speed). One sync is:
 
 1. intra-node reduce-scatter: local rank ``j`` receives slice ``j`` of every other local
    rank's gradient and sums it (point-to-point ``isend`` / ``irecv``, uneven sizes);
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -532,6 +534,12 @@ def pipeline_sync(cfg, topo) -> HierarchicalSync:
     hosts = host_names() if h.ranks_per_node == 0 else None
     layouts = [node_layout([d * topo.pp + s for d in range(topo.dp)], h.ranks_per_node, hosts)
                for s in range(topo.pp)]
+    logging.getLogger(__name__).info(
+        "hierarchical sync: each stage's replicas on %d node(s) x %d rank(s) (nodes from %s)",
+        layouts[0].nodes, layouts[0].ranks_per_node,
+        f"hierarchical.ranks_per_node = {h.ranks_per_node}" if h.ranks_per_node else
+        "torchrun's GROUP_RANK" if hosts and hosts[0].startswith("torchrun-node-") else
+        "host names")
     groups = create_groups(layouts, topo.rank)
     return HierarchicalSync(groups, lambda ps: build_optimizer(cfg, ps), h,
                             cfg.runtime.collective_timeout_s)

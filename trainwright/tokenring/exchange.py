@@ -7,7 +7,8 @@ by their count, goes into ``p.grad`` and each layer's optimizer steps). A node t
 step already closed skips its compute (:meth:`RingExchange.begin_step`); one that fell
 behind applies several closed steps at once (:meth:`RingExchange.applied_through`).
 
-Emulation for benchmarks (``tokenring.slow_node``, ``slow_factor``, ``pace_s``) and fault
+Emulation for benchmarks (``tokenring.slow_node``, ``slow_probability``, ``slow_factor``,
+``pace_s``) and fault
 injection (``kill_step``, ``kill_nodes``) live here too, since they act around the exchange.
 """
 
@@ -15,17 +16,36 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import signal
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from trainwright.config import TokenRingConfig
 from trainwright.sync.base import GradSync
 from trainwright.tokenring.ring import TokenRing, sum_canonical
+from trainwright.tokenring.state import snapshot
 
-__all__ = ["RingExchange", "param_hash"]
+__all__ = ["RingExchange", "param_hash", "transient_slow", "is_slow"]
+
+
+def transient_slow(seed: int, step: int, node: int, probability: float) -> bool:
+    """Whether ``node`` is a transient straggler in ``step``: an independent draw per
+    (step, node) with ``probability``, the same in every process and system for one
+    ``seed`` (benchmarks compare systems under the same pattern)."""
+    return probability > 0 and random.Random(f"{seed}:{step}:{node}").random() < probability
+
+
+def is_slow(cfg: TokenRingConfig, index: int, step: int) -> bool:
+    """Whether node ``index`` emulates a slower machine in ``step``: the permanent
+    ``slow_node``, or a transient straggler (``slow_probability``)."""
+    if cfg.slow_factor <= 1:
+        return False
+    return index == cfg.slow_node or transient_slow(cfg.slow_seed, step, index,
+                                                    cfg.slow_probability)
 
 
 def param_hash(params: list[torch.Tensor]) -> str:
@@ -44,16 +64,26 @@ class RingExchange(GradSync):
         index: this node's index.
         restarted: this process replaces a node killed by fault injection (it is not killed
             again).
+        on_applied: called with ``(step, slots)`` after each applied step (the node
+            writes checkpoints there).
     """
 
-    def __init__(self, cfg: TokenRingConfig, index: int, restarted: bool = False):
+    def __init__(self, cfg: TokenRingConfig, index: int, restarted: bool = False,
+                 on_applied: Callable[[int, list], None] | None = None):
         self.cfg, self.index, self.restarted = cfg, index, restarted
+        self.on_applied = on_applied
         self.ring: TokenRing | None = None
         self.hashes: dict[int, str] = {}
         """Parameter hash after every applied step (``tokenring.record_hashes``)."""
         self.last_applied = 0
         self._step, self._t0 = 0, 0.0
         self._computes: list[float] = []
+        self.step_start: dict[int, float] = {}
+        """Wall time (``time.time()``) at which this node began each step it computed."""
+        self.applied_time: dict[int, float] = {}
+        """Wall time at which each step's update was applied here."""
+        self.snapshots: list[dict] = []
+        """With ``record_weights``: ``{"step", "params"}`` after every applied step."""
 
     def use(self, ring: TokenRing, applied: int) -> None:
         """Exchange through ``ring`` from now on (after formation or a rejoin)."""
@@ -61,13 +91,13 @@ class RingExchange(GradSync):
 
     @property
     def _slow(self) -> bool:
-        """This node emulates a slower machine by idling (without pacing)."""
-        r = self.cfg
-        return self.index == r.slow_node and r.slow_factor > 1 and not r.pace_s
+        """This node emulates a slower machine in this step by idling (without pacing)."""
+        return is_slow(self.cfg, self.index, self._step) and not self.cfg.pace_s
 
     def begin_step(self, step: int) -> bool:
         """Idle first if this node emulates a slow one; skip a step that closed meanwhile."""
         self._step = step
+        self.step_start.setdefault(step, time.time())
         if self._slow and self._computes:
             # (factor-1) x the recent compute time, so the node uses as little CPU as a
             # slower machine would; a step that closes meanwhile is abandoned at once
@@ -88,10 +118,10 @@ class RingExchange(GradSync):
         if self._slow and len(self._computes) == 1:  # no estimate before the first step
             ring.wait_closed(step, (r.slow_factor - 1) * compute)
         if r.pace_s:  # pad forward+backward to the target time, as on a dedicated device
-            target = r.pace_s * (r.slow_factor if self.index == r.slow_node else 1.0)
+            target = r.pace_s * (r.slow_factor if is_slow(r, self.index, step) else 1.0)
             ring.wait_closed(step, target - compute)
         if step == r.kill_step and self.index in r.kill_nodes and not self.restarted:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, r.kill_signal))
         if not ring.closed(step):
             ring.offer(step, grads)
         ring.wait_close(step)
@@ -106,7 +136,8 @@ class RingExchange(GradSync):
         return self.last_applied
 
     def _apply(self, step: int, slots: list) -> None:
-        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer."""
+        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer
+        (any ``torch.optim`` optimizer: the ring only decides what goes into ``p.grad``)."""
         ring = self.ring
         contributors = ring.close_of(step)
         acc = sum_canonical(ring.gradients(step, contributors))
@@ -116,6 +147,15 @@ class RingExchange(GradSync):
         super().step(slots)
         if self.cfg.record_hashes:
             self.hashes[step] = param_hash(params)
+        self.applied_time[step] = time.time()
+        if self.cfg.record_weights:
+            self.snapshots.append({"step": step, "params": [p.detach().clone() for p in params]})
         self.last_applied = step
         every = self.cfg.batch_steps
-        ring.note_applied(step, params if ring.wants_weights(step, every) else None, every)
+        if ring.wants_weights(step, every):  # admitting: parameters and optimizer state
+            tensors, skeleton = snapshot(slots)
+            ring.note_applied(step, tensors, every, extra={"state": skeleton})
+        else:
+            ring.note_applied(step, None, every)
+        if self.on_applied is not None:
+            self.on_applied(step, slots)

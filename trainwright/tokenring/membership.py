@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ import zmq
 from trainwright.errors import CommError
 
 __all__ = ["Epoch", "announce_delay", "ring_distance", "Rendezvous", "join_rendezvous",
-           "FormationResult"]
+           "FormationResult", "local_address", "endpoint_host"]
 
 
 @dataclass
@@ -207,3 +208,28 @@ def join_rendezvous(ctx: zmq.Context, endpoint: str, want: int, addr: str, deadl
         return FormationResult(rep["index"], True)
     return FormationResult(rep["index"], False,
                            {int(i): a for i, a in rep["members"].items()})
+
+
+def endpoint_host(endpoint: str) -> str:
+    """``host`` of ``tcp://host:port``."""
+    return endpoint.split("//", 1)[-1].rsplit(":", 1)[0]
+
+
+def local_address(endpoint: str) -> str:
+    """This machine's IPv4 address on the route to ``endpoint``'s host: the address other
+    nodes reach this one at (``127.0.0.1`` for a loopback rendezvous). A UDP socket is
+    connected to find the route; no packet is sent."""
+    try:
+        ip = socket.gethostbyname(endpoint_host(endpoint))
+    except OSError as exc:
+        raise CommError(f"token ring rendezvous {endpoint}: cannot resolve its host ({exc}); "
+                        f"set tokenring.rendezvous = \"tcp://HOST:PORT\"") from None
+    if ip.startswith("127.") or ip == "0.0.0.0":
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, 9))
+        except OSError as exc:
+            raise CommError(f"token ring rendezvous {endpoint}: no route to {ip} ({exc})"
+                            ) from None
+        return s.getsockname()[0]

@@ -3,7 +3,10 @@
 A token circulates over the ring members. Only its holder broadcasts: a holder whose
 gradient for the token's step is ready sends it to every member as raw tensor frames and
 adds itself to the token's contributions; a holder not ready passes the token at once.
-When the contributions cover ``close_fraction`` of the members, the holder closes the step:
+When every member has contributed, the holder closes the step at once; when the
+contributions cover ``close_fraction`` of the members (the seed's rule: the floor), it closes
+it once ``close_grace_s`` has passed since that quorum, so a node only a little late is not
+thrown away:
 ``close(step, contributors)`` travels inside every later token (a window of recent closes),
 so a node that misses one message still learns every close. Every node applies exactly the
 listed contributors, summed in index order, ``w <- w - lr * sum / n``: replicas stay
@@ -61,6 +64,7 @@ class RingTimes:
     idle_hold_s: float = 0.02
     close_timeout_s: float = 120.0
     fetch_after_s: float = 0.3
+    close_grace_s: float = 0.0
 
 
 def contributors_needed(close_fraction: float, members: int) -> int:
@@ -150,6 +154,8 @@ class TokenRing:
         self._wanted_sent = 0
         self._finishing = self._done_sent = False
         self.close_time: dict[int, float] = {}
+        self._quorum_at: dict[int, float] = {}
+        """Per step: when this node first saw its contributions reach the fraction rule."""
         self._early = list(early or [])
         self._ever = set(epoch.members)
         self._stop = threading.Event()
@@ -236,9 +242,10 @@ class TokenRing:
                     self.stats.fetches += len(missing)
 
     def note_applied(self, step: int, weights: list[torch.Tensor] | None = None,
-                     admit_every: int = 0) -> None:
+                     admit_every: int = 0, extra: dict | None = None) -> None:
         """The trainer applied ``step``. On the first node at a batch boundary
-        (``step % admit_every == 0``) standby nodes are admitted with ``weights``."""
+        (``step % admit_every == 0``) standby nodes are admitted with ``weights`` (and
+        ``extra`` in their welcome header: where the optimizer state is among them)."""
         with self.cv:
             self.applied = step
             for key in [k for k in self.grads if k[0] <= step - RETAIN_STEPS]:
@@ -246,7 +253,7 @@ class TokenRing:
             if (weights is not None and admit_every and step % admit_every == 0
                     and step < self.total and self.rdzv is not None
                     and self.epoch.first() == self.index and self.rdzv.standby):
-                self._admit = ([w.detach().clone() for w in weights], step)
+                self._admit = ([w.detach().clone() for w in weights], step, extra)
 
     def wants_weights(self, step: int, admit_every: int) -> bool:
         """Whether :meth:`note_applied` for ``step`` should get a weight snapshot."""
@@ -269,13 +276,13 @@ class TokenRing:
             s.close(0)
         self.pull.close(0)
 
-    def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor]
-                     ) -> None:
+    def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor],
+                     extra: dict | None = None) -> None:
         """Send ``idx`` the membership, the closes after ``applied`` and the weights (before
-        :meth:`start`, or from the thread)."""
+        :meth:`start`, or from the thread); ``extra`` goes into the header."""
         closes = {str(s): c for s, c in self.closes.items() if s > applied}
-        self._send(idx, addr, {"t": "welcome", "ep": self.epoch.to_json(), "applied": applied,
-                               "closes": closes}, weights)
+        self._send(idx, addr, {**(extra or {}), "t": "welcome", "ep": self.epoch.to_json(),
+                               "applied": applied, "closes": closes}, weights)
 
     def expect_from(self, src: int, inc: int, seq: int) -> None:
         """Continue the sequence check of ``(src, inc)`` after a message read outside."""
@@ -471,6 +478,7 @@ class TokenRing:
             return
         self.tok = tok
         self._last_heard = time.monotonic()
+        self._may_close(tok)  # starts this node's grace clock once the quorum is reached
 
     # ---------------------------------------------------------------- holder
     def _act(self) -> None:
@@ -489,11 +497,12 @@ class TokenRing:
             t.idle = 0
             self.stats.contributed.append(step)
         elif (t.idle >= len(self.epoch.members) and not self._wanted(t)
+              and not self._may_close(t)
               and time.monotonic() - self._hold_since < self.times.idle_hold_s):
             return  # an idle ring that nobody waits for: keep the token rather than spin it
         else:
             t.idle += 1
-        if len(t.contribs) >= contributors_needed(self.close_fraction, len(self.epoch.members)):
+        if self._may_close(t):
             self.closes[t.step] = sorted(t.contribs)
             self.close_time[t.step] = time.time()
             t.step, t.contribs, t.idle = t.step + 1, [], 0
@@ -504,13 +513,28 @@ class TokenRing:
         t.hop += 1
         self._send_token()
 
+    def _may_close(self, t: Token) -> bool:
+        """The close rule: every member contributed, or the contributions met the fraction
+        rule (the floor) at least ``close_grace_s`` ago, so that a node only a little later
+        than the others is not thrown away. The grace runs on each node's own clock from
+        when it first saw the quorum (no clock agreement between hosts needed)."""
+        members = len(self.epoch.members)
+        if len(t.contribs) >= members:
+            return True
+        if len(t.contribs) < contributors_needed(self.close_fraction, members):
+            return False
+        since = self._quorum_at.setdefault(t.step, time.monotonic())
+        for old in [k for k in self._quorum_at if k < t.step - CLOSE_WINDOW]:
+            del self._quorum_at[old]
+        return time.monotonic() - since >= self.times.close_grace_s
+
     def _wanted(self, t: Token) -> bool:
         """Whether a member said its gradient for the token's step is ready."""
         return any(step == t.step and node not in t.contribs and node in self.epoch.members
                    for node, step in self._wants.items())
 
     def _admit_standby(self) -> None:
-        weights, step = self._admit
+        weights, step, extra = self._admit
         self._admit = None
         new = self.rdzv.take_standby(exclude=set(self.epoch.members))
         if not new:
@@ -522,7 +546,7 @@ class TokenRing:
                                   "key": list(self.epoch.key), "t": time.time()})
         log.info("token ring: node(s) %s rejoin after step %d", sorted(new), step)
         for i, addr in new.items():
-            self.send_welcome(i, addr, step, weights)
+            self.send_welcome(i, addr, step, weights, extra)
 
     # ---------------------------------------------------------------- failures
     def _check_silence(self) -> None:

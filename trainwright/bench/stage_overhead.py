@@ -1,0 +1,104 @@
+"""What per-layer segments cost: one stage alone against one plain autograd graph.
+
+The workload's whole model runs in one process, one thread, on the same micro-batches:
+
+* ``plain``: ``nn.Sequential`` forward, loss, ``backward()`` per micro-batch (one graph:
+  what torch pipelining's ``PipelineStage`` runs);
+* ``ours_fast``: our :class:`~trainwright.pipeline.stage.Stage` on a fast step (what most
+  steps of a run without a memory limit or rebalancing are: consecutive ``keep`` layers
+  fused into one segment, nothing measured);
+* ``ours_measured``: the same stage on a measured step (first and profile steps, or every
+  step under a memory limit: one segment per layer, saved bytes counted by pack hooks).
+
+Rounds alternate the order (ABBA); the headline is the median of the per-round paired
+ratios ``ours_fast / plain`` of step times.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainwright.bench.paired import paired, round_order
+from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.model.build import split_microbatches
+from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.store import ActivationStore
+
+__all__ = ["measure"]
+
+SYSTEMS = ("plain", "ours_fast", "ours_measured")
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _steppers(spec: PipelineBenchSpec) -> tuple[dict, list]:
+    layers = spec.layers()
+    m = spec.micro_batches
+    plain = nn.Sequential(*layers)
+    stage = Stage([LayerSlot(i, f"l{i}", mod) for i, mod in enumerate(layers)],
+                  ActivationStore(), LayerProfiler(), is_first=True, loss_fn=_loss,
+                  loss_scale=1.0 / m)
+
+    def run_plain(xs, ys):
+        for x, y in zip(xs, ys, strict=True):
+            (_loss(plain(x), y) / m).backward()
+
+    def run_stage(xs, ys, fast: bool):
+        stage.fast = fast
+        for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            stage.forward(mb, (x,), y)
+            stage.backward(mb)
+        stage.profiler.end_step()
+
+    steppers = {"plain": run_plain,
+                "ours_fast": lambda xs, ys: run_stage(xs, ys, True),
+                "ours_measured": lambda xs, ys: run_stage(xs, ys, False)}
+    return steppers, list(plain.parameters())
+
+
+def measure(spec: PipelineBenchSpec, rounds: int = 8, steps: int = 6, warmup: int = 1) -> dict:
+    """Time one step of each system ``steps`` times per round, ``rounds`` rounds (ABBA).
+
+    Returns:
+        ``rows`` (per system: per-round median step seconds), ``ratio`` (median of the
+        paired ``ours_fast / plain`` ratios), ``paired_ratios``, ``ratio_spread``, and
+        ``measured_ratio`` (the same for measured steps).
+    """
+    torch.set_num_threads(spec.threads_per_rank)
+    steppers, params = _steppers(spec)
+    data = spec.data()
+    per_round: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    step_no = 0
+    for r in range(rounds):
+        for name in round_order(SYSTEMS, r):
+            times = []
+            for i in range(warmup + steps):
+                step_no += 1
+                x, y = data.batch(step_no, spec.batch_size)
+                xs, ys = split_microbatches(x, spec.micro_batches), \
+                    split_microbatches(y, spec.micro_batches)
+                for p in params:
+                    p.grad = None
+                t0 = time.perf_counter()
+                steppers[name](xs, ys)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+            per_round[name].append(statistics.median(times))
+    fast = paired(per_round["ours_fast"], per_round["plain"])
+    measured = paired(per_round["ours_measured"], per_round["plain"])
+    return {"question": "one stage's forward + backward per step: our per-layer segments "
+                        "(fast step) over one plain autograd graph, same work, one thread",
+            "rounds": rounds, "steps_per_round": steps,
+            "rows": {k: [round(v, 5) for v in vals] for k, vals in per_round.items()},
+            **fast,
+            "measured_ratio": measured["ratio"],
+            "measured_paired_ratios": measured["paired_ratios"],
+            "measured_ratio_spread": measured["ratio_spread"]}
