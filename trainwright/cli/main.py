@@ -1,4 +1,4 @@
-"""``trainwright run | report | schedule | bench | plan | simulate``: the command line.
+"""``trainwright run | report | export | schedule | bench | plan | simulate``: the command line.
 
 Configuration errors print one line and exit 2 before any process starts.
 """
@@ -89,10 +89,12 @@ def _preflight(cfg) -> None:
         return
     from trainwright.model.build import build_layers
     from trainwright.pipeline.budget import check_limits
+    from trainwright.pipeline.tied import check_ties
 
     named = build_layers(cfg)
     cfg.check_layers(len(named))
     check_limits(cfg, named)
+    check_ties(cfg, named)
 
 
 def _finish_message(cfg, run_dir: Path | None) -> None:
@@ -110,6 +112,14 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {args.run_dir!r} does not exist")
     print(write_report(run_dir))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from trainwright.run.export import export_run
+
+    for path in export_run(Path(args.run_dir), Path(args.to), args.step):
+        print(f"wrote {path}")
     return 0
 
 
@@ -202,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write RUN_DIR/report.html from a run's outputs")
     rep.add_argument("run_dir")
     rep.set_defaults(func=_cmd_report)
+
+    exp = sub.add_parser("export", help="write a run's trained weights as safetensors (a "
+                         "transformers model: a from_pretrained folder)")
+    exp.add_argument("run_dir")
+    exp.add_argument("--to", required=True, metavar="DIR", help="new or empty output folder")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    exp.set_defaults(func=_cmd_export)
 
     sch = sub.add_parser("schedule", help="print a pipeline schedule as a step x stage grid")
     sch.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))

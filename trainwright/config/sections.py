@@ -98,6 +98,12 @@ class ModelConfig(Section):
     """MLP: input features."""
     n_classes: PositiveInt = 10
     """MLP: output classes."""
+    group_by: Literal["auto", "top", "blocks"] = "auto"
+    """How a captured ``(module, example_args)`` factory model is cut into layers:
+    ``"auto"`` opens the module holding the block list (Hugging Face ``transformer.h``,
+    ``model.layers``): ``embed``, one layer per block, ``head``; ``"top"``: one layer per
+    top-level child (and per item of a top-level ``ModuleList``); ``"blocks"``: also opens
+    every module that holds a ``ModuleList`` (finest). See docs/models.md."""
 
     @property
     def n_layers(self) -> int | None:

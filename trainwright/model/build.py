@@ -19,6 +19,7 @@ from trainwright.errors import ConfigError, PlanError
 from trainwright.model.data import CharCorpus, SyntheticRegression, SyntheticTokens, stdlib_corpus
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.model.graph import layers_from_export, layers_from_sequential
+from trainwright.model.hf import captured
 from trainwright.model.mlp import mlp_layers
 from trainwright.model.text_data import (
     TokenWindows,
@@ -28,8 +29,8 @@ from trainwright.model.text_data import (
     wrap_dataset,
 )
 
-__all__ = ["build_layers", "build_optimizer", "build_data", "loss_fn", "split_microbatches",
-           "load_factory", "cross_entropy", "vocab_size", "check_data"]
+__all__ = ["build_layers", "build_model", "build_optimizer", "build_data", "loss_fn",
+           "split_microbatches", "load_factory", "cross_entropy", "vocab_size", "check_data"]
 
 
 def load_factory(spec: str, key: str) -> Callable:
@@ -48,21 +49,40 @@ def load_factory(spec: str, key: str) -> Callable:
                           f"is importable from the working directory or installed") from None
 
 
-def _factory_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
+def _factory_layers(cfg: Config) -> tuple[list[tuple[str, nn.Module]], nn.Module]:
     factory = load_factory(cfg.model.factory, "model.factory")
     takes_cfg = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                     for p in inspect.signature(factory).parameters.values())
     made = factory(cfg) if takes_cfg else factory()
     if isinstance(made, tuple):  # (module, example_args): capture and cut with torch.export
         model, example_args = made
+        args = (example_args,) if isinstance(example_args, torch.Tensor) else tuple(example_args)
         try:
-            layers = layers_from_export(model, tuple(example_args), dynamic_batch=True)
+            with captured(model, len(args)):
+                layers = layers_from_export(model, args, group_by=cfg.model.group_by,
+                                            dynamic_batch=True)
         except PlanError as exc:
             raise ConfigError(f"model.factory = {cfg.model.factory!r}: {exc}") from None
     else:
         layers = layers_from_sequential(made)
+        model = made if isinstance(made, nn.Module) else nn.Sequential(*layers)
     return [(getattr(m, "name", None) or f"{i}.{type(m).__name__}", m)
-            for i, m in enumerate(layers)]
+            for i, m in enumerate(layers)], model
+
+
+def build_model(cfg: Config) -> tuple[list[tuple[str, nn.Module]], nn.Module]:
+    """The layers (as :func:`build_layers`) and the module they come from.
+
+    The layers share the module's parameter and buffer objects, so loading trained weights
+    into the layers trains the module too: for a factory model the module is the user's
+    own (an ``nn.Sequential`` of the layers when the factory returned a list); for a
+    built-in model it is ``nn.Sequential`` of the layers.
+    """
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.factory:
+        return _factory_layers(cfg)
+    named = build_layers(cfg)
+    return named, nn.Sequential(*(m for _, m in named))
 
 
 def build_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
@@ -70,7 +90,7 @@ def build_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
     m = cfg.model
     torch.manual_seed(cfg.train.seed)
     if m.factory:
-        return _factory_layers(cfg)
+        return _factory_layers(cfg)[0]
     if m.name == "gpt":
         layers = gpt_layers(GPTConfig(vocab=vocab_size(cfg), context=m.context, d_model=m.d_model,
                                       n_heads=m.n_heads, n_blocks=m.n_blocks))

@@ -12,7 +12,9 @@ an ``nn.Sequential`` model gives one group per child); a container (``ModuleList
 ``ModuleDict``) is opened and each of its items is a group (``blocks.0``); any other
 module, ``nn.Sequential`` included, is a group (``group_by="top"``), or, with
 ``group_by="blocks"``, is opened too when a container lies somewhere below it (so Hugging
-Face ``transformer.h.0`` becomes its own group). A node that belongs to an opened module
+Face ``transformer.h.0`` becomes its own group); ``group_by="auto"`` opens only the modules
+holding the model's block list and makes ``embed``, one group per block, and ``head``
+(:mod:`trainwright.model.blocks`). A node that belongs to an opened module
 only (a residual ``add`` at top level, input processing, a mask built in
 ``GPT2Model.forward``) is *glue*: it joins the group of the previous node in execution
 order, or the first group when nothing precedes it. A ``getitem`` follows its
@@ -45,12 +47,13 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from trainwright.errors import PlanError
+from trainwright.model.blocks import auto_key, find_block_list, name_outside_groups
 
 __all__ = ["layers_from_sequential", "layers_from_export", "boundary_bytes"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: always opened
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
-_GROUP_BY = ("top", "blocks")
+_GROUP_BY = ("auto", "top", "blocks")
 _PRESERVED = getattr(fx.graph_module, "_USER_PRESERVED_ATTRIBUTES_KEY",
                      "_user_preserved_attributes")
 
@@ -170,9 +173,11 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
         example_args: positional tensor arguments of one forward call (a bare tensor is
             taken as a 1-tuple). Layer 0 takes ``example_args[0]`` alone when there is one
             argument, else the tuple.
-        group_by: ``"top"`` (top-level children; container items) or ``"blocks"`` (also
-            open modules that hold a container, e.g. Hugging Face ``transformer``). See the
-            module docstring for the full rule.
+        group_by: ``"top"`` (top-level children; container items), ``"blocks"`` (also
+            open modules that hold a container, e.g. Hugging Face ``transformer``) or
+            ``"auto"`` (open the module holding the block list: ``embed``, one layer per
+            block, ``head``; see :mod:`trainwright.model.blocks`). See the module docstring
+            for the full rule.
         dynamic_batch: export dimension 0 of every input as dynamic, so the layers accept
             other batch sizes; the example batch must then be at least 2.
 
@@ -189,11 +194,16 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
     """
     if group_by not in _GROUP_BY:
         raise ValueError(f"group_by must be one of {_GROUP_BY}, not {group_by!r}")
+    block = find_block_list(model) if group_by == "auto" else None
+    if group_by == "auto" and (block is None or "." not in block):
+        group_by = "top"  # no block list, or a top-level one: "top" already opens it
     ep = _export(model, example_args, dynamic_batch)
     graph = ep.graph_module.graph
     inputs, attrs = _split_inputs(model, ep)
     user_outputs, mutations = _split_outputs(ep, attrs)
-    names, members, group_of = _group_nodes(model, graph, inputs, group_by)
+    names, members, group_of = _group_nodes(model, graph, inputs, group_by, block)
+    if group_by == "auto":
+        names = name_outside_groups(names)
     frontiers = _frontiers(graph, inputs, user_outputs, names, group_of)
     layer_mutations: list[list[tuple[Any, fx.Node]]] = [[] for _ in members]
     for value, buffer in mutations:
@@ -265,7 +275,8 @@ def _split_outputs(ep: torch.export.ExportedProgram, attrs: dict[fx.Node, tuple[
     return user_outputs, mutations
 
 
-def _group_nodes(model: nn.Module, graph: fx.Graph, inputs: list[fx.Node], group_by: str
+def _group_nodes(model: nn.Module, graph: fx.Graph, inputs: list[fx.Node], group_by: str,
+                 block: str | None = None
                  ) -> tuple[list[str], list[list[fx.Node]], dict[fx.Node, int]]:
     """Group the compute nodes: maximal runs of one key; glue joins the previous group.
 
@@ -285,7 +296,8 @@ def _group_nodes(model: nn.Module, graph: fx.Graph, inputs: list[fx.Node], group
         source = node.args[0] if node.target is operator.getitem else None
         path = _module_path(node)
         if path not in key_of:
-            key_of[path] = _group_key(model, path, group_by)
+            key_of[path] = (auto_key(block, path) if group_by == "auto" and block
+                            else _group_key(model, path, group_by))
         key = key_of[path]
         if isinstance(source, fx.Node) and group_of.get(source, -1) >= 0:
             group = group_of[source]

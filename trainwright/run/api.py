@@ -13,6 +13,7 @@ from trainwright.errors import TrainwrightError
 from trainwright.model.build import build_layers, check_data
 from trainwright.pipeline.budget import check_limits
 from trainwright.pipeline.stage import LayerSlot
+from trainwright.pipeline.tied import check_ties
 from trainwright.run import checkpoint
 
 __all__ = ["fit", "load_model"]
@@ -53,6 +54,7 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
     if cfg.sync.strategy == "tokenring":
         return _fit_ring(cfg, Path(resume) if resume else None)
     check_limits(cfg, named)
+    check_ties(cfg, named)
     run_dir = create_run_dir(cfg, Path(resume) if resume else None)
     result = launch_local(cfg, run_dir, resume=resume is not None)
     if not result.ok:
@@ -74,13 +76,19 @@ def _fit_ring(cfg, resume: Path | None) -> Path:
     return run_dir
 
 
-def load_model(run_dir: str | Path, step: int | None = None) -> nn.Sequential:
-    """The whole trained model of a run as ``nn.Sequential`` (its layers in order).
+def load_model(run_dir: str | Path, step: int | None = None, *,
+               original: bool = False) -> nn.Module:
+    """The whole trained model of a run.
 
     Args:
         run_dir: a run directory.
         step: which checkpoint (default: the latest).
+        original: return the module the model factory built (e.g. the ``transformers``
+            model) with the trained weights, instead of ``nn.Sequential`` of the layers.
     """
+    if original:
+        from trainwright.run.export import trained_module
+        return trained_module(run_dir, step)
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.toml")
     step = checkpoint.latest_step(run_dir) if step is None else step

@@ -14,13 +14,18 @@ from trainwright.model.build import build_data, build_layers, build_optimizer, l
 __all__ = ["train_reference"]
 
 
-def train_reference(cfg: Config, steps: int | None = None) -> tuple[nn.Sequential, list[float]]:
+def train_reference(cfg: Config, steps: int | None = None,
+                    layers: list[nn.Module] | None = None) -> tuple[nn.Sequential, list[float]]:
     """Train the configured model for ``steps`` (default ``train.steps``) in one process.
+
+    ``layers`` replaces the model the config builds (the same layers the parallel run got).
 
     Returns:
         The trained model (its children are the layers, in order) and the loss per step.
     """
-    model = nn.Sequential(*(layer for _, layer in build_layers(cfg)))
+    if layers is None:
+        layers = [layer for _, layer in build_layers(cfg)]
+    model = nn.Sequential(*layers)
     opt = build_optimizer(cfg, list(model.parameters()))
     data = build_data(cfg)
     criterion = loss_fn(cfg)

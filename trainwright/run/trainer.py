@@ -52,6 +52,14 @@ from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, StepStats, kill_self_at
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
+from trainwright.pipeline.tied import (
+    counts_after,
+    duplicate_copies,
+    expect_partition,
+    owned_parameters,
+    prepare_ties,
+    wrap_tied,
+)
 from trainwright.run import checkpoint
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
@@ -129,15 +137,16 @@ class Trainer:
         cfg, s = self.cfg, self.topo.stage
         named = self.build_layers()
         cfg.check_layers(len(named))
+        self.ties = prepare_ties(cfg, named)  # tied weights: one copy per holder across stages
         self.resumed = checkpoint.latest_step(self.run_dir) if resume else None
         self.parts = self._resumed_partition(len(named)) or cfg.partition(len(named))
         first = sum(self.parts[:s])
-        self.slots = []
+        self.slots, seen = [], set()
         for i in range(first, first + self.parts[s]):
             name, module = named[i]
             module.to(self.device)
             self.slots.append(LayerSlot(i, name, module, self.make_optimizer(
-                list(module.parameters()))))
+                owned_parameters(module, seen))))
         self.start = 1 if self.resumed is None else self.resumed + 1
         if hasattr(self.data, "state_dict") and hasattr(self.data, "load_state_dict"):
             self.register_state("data", self.data)
@@ -226,14 +235,17 @@ class Trainer:
         return plan
 
     def _setup_grad_sync(self, grad_sync: GradSync | None) -> None:
-        """The gradient exchange across replicas, told which layers this stage holds, and the
-        optimizer step around it (loss-scale check, clipping, learning rate)."""
-        self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
+        """The gradient exchange across replicas (tied copies summed across stages), told
+        which layers this stage holds, and the optimizer step around it (loss-scale check,
+        clipping, learning rate)."""
+        self.sync = wrap_tied(grad_sync or make_grad_sync(self.cfg, self.topo), self.ties,
+                              self.topo, self.stage, self.parts)
         self.sync.attach([slot.module for slot in self.stage.slots])
         self.update = make_update_step(self.cfg, self.sync, self.stage, self.topo, self.start,
                                        self.device)
         if isinstance(self.update, UpdateStep):  # LR schedule and loss scale: in checkpoints
             self.register_state("update", self.update)
+            self.update.norm_skip = lambda: duplicate_copies(self.ties, self.stage.slots)
 
     def _p2p(self, group) -> P2P:
         topo, rt = self.topo, self.cfg.runtime
@@ -402,6 +414,7 @@ class Trainer:
         ms = self.rebalancer.migration_for(step)
         if ms is None:
             return None
+        expect_partition(self.sync, counts_after(self.rebalancer.counts, ms.moves))
         if any(self.topo.stage in (m.giver, m.receiver) for m in ms.moves):
             self.sync.layers_changing(self.stage.slots)  # optimizer state travels with layers
         return Migration(ms, self.topo.stage, self.stage, self.rebalancer.ctrl,
