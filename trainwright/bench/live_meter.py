@@ -5,8 +5,11 @@ not nest (only the innermost pair applies), so it cannot watch trainwright's act
 store or ``torch.utils.checkpoint``, which install theirs. :class:`LiveStorageMeter` sits
 one level lower, as a ``TorchDispatchMode`` entered around every layer's forward
 (:class:`Metered`): it records every storage that a layer's forward *creates or receives
-as input* (parameters and buffers excluded) and counts it until the storage is freed
-(checked with a weak reference before each new storage is counted, so the peak is exact).
+as input* (parameters and buffers excluded) and counts it until the storage is freed (a
+finalizer on the storage, so the peak is exact). In the benchmarks' training steps
+(:func:`bench_data`) the mode covers the whole step instead: whatever runs outside
+backward with grad enabled (the loss, received stage inputs) counts as well, gradients
+and the optimizer step do not.
 Whatever holds the tensor (autograd's saved variables, the pipeline's store, a
 checkpoint's boundary) it is counted while it lives; recomputation inside backward runs a
 forward again and is counted too; what is allocated only in backward (gradients) is not.
@@ -55,6 +58,30 @@ class LiveStorageMeter:
         """Whether metered forwards count (the bench data switches it off after warm-up)."""
         self.out_path: Path | None = None
         self._written = -1
+        self.in_layer = 0
+        self._whole: _Mode | None = None
+
+    def counting(self) -> bool:
+        """Inside a metered layer's forward, or outside backward with grad enabled (the
+        loss, received stage inputs): what the whole-step mode counts."""
+        return bool(self.in_layer) or (torch.is_grad_enabled()
+                                       and torch._C._current_graph_task_id() == -1)
+
+    def start_steps(self) -> None:
+        """Meter everything the training steps run (not only layer forwards) from now on:
+        the loss and the received inputs too, never gradients or the optimizer."""
+        if self._whole is None:
+            self._whole = _Mode(self, whole=True)
+            self._whole.__enter__()
+        self.active = True
+
+    def stop_steps(self) -> None:
+        """Stop metering (the timed steps run at full speed)."""
+        if self._whole is not None:
+            self._whole.__exit__(None, None, None)
+            self._whole = None
+        self.active = False
+        self.flush()
 
     def _release(self, key: int) -> None:
         self.bytes -= self._live.pop(key, 0)
@@ -86,14 +113,15 @@ class LiveStorageMeter:
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, m: LiveStorageMeter):
+    def __init__(self, m: LiveStorageMeter, whole: bool = False):
         super().__init__()
-        self.m = m
+        self.m, self.whole = m, whole
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            self.m.add(t)
+        if not self.whole or self.m.counting():
+            for t in tree_leaves(out):
+                self.m.add(t)
         return out
 
 
@@ -103,6 +131,8 @@ _METER: LiveStorageMeter | None = None
 def reset_meter() -> LiveStorageMeter:
     """Start a new meter for this process (before building the next run's model)."""
     global _METER
+    if _METER is not None:
+        _METER.stop_steps()
     _METER = LiveStorageMeter()
     return _METER
 
@@ -129,8 +159,15 @@ class Metered(nn.Module):
             return self.layer(*args)
         for t in tree_leaves(args):
             m.add(t)
-        with _Mode(m):
-            out = self.layer(*args)
+        m.in_layer += 1
+        try:
+            if m._whole is not None:
+                out = self.layer(*args)
+            else:
+                with _Mode(m):
+                    out = self.layer(*args)
+        finally:
+            m.in_layer -= 1
         m.flush()
         return out
 
@@ -169,6 +206,8 @@ def bench_gpt(cfg) -> list[nn.Module]:
     out_dir = os.environ.get("TW_BENCH_METER_DIR")
     if out_dir and "RANK" in os.environ:
         meter().out_path = Path(out_dir) / f"rank{os.environ['RANK']}.json"
+    if metered and os.environ.get("TW_BENCH_METER_STEPS", "0") not in ("", "0"):
+        meter().active = False  # set-up (plan profiling) is not counted; see bench_data
     wrapped = []
     for i, layer in enumerate(layers):
         if metered:
@@ -184,9 +223,13 @@ class _MeteredSteps:
         self.data, self.last = data, last
 
     def batch(self, step: int, batch_size: int):
-        """The corpus's batch; the meter stays on through step ``last`` (1-based)."""
+        """The corpus's batch; the meter counts steps 1 to ``last`` whole (not the set-up
+        before them, nor the steps after them)."""
         if self.last:
-            meter().active = step <= self.last
+            if step <= self.last:
+                meter().start_steps()
+            else:
+                meter().stop_steps()
         return self.data.batch(step, batch_size)
 
 

@@ -155,6 +155,7 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
                 run_dir.mkdir(parents=True, exist_ok=True)
             dist.barrier()
             Trainer(cfg, run_dir).fit()
+            m.stop_steps()
             dist.barrier()
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             out.append(_run_record(name, rows, m.peak_bytes, rank, world_size, spec))
