@@ -39,6 +39,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.progress import Progress
+
 from trainwright.bench import peers
 from trainwright.bench.paired import host_info, paired, round_order, spread
 from trainwright.config import Config, load_config
@@ -52,8 +54,8 @@ FACTORY = 'model.factory="trainwright.bench.live_meter:bench_gpt"'
 class MemoryBenchSpec:
     """GPT of ``n_blocks`` blocks cut into embed, attn/mlp pairs, head; 4 stages, 1F1B."""
 
-    n_blocks: int = 6
-    d_model: int = 256
+    n_blocks: int = 4
+    d_model: int = 192
     n_heads: int = 4
     context: int = 128
     stages: int = 4
@@ -288,8 +290,14 @@ def _result(spec, repeats, unconstrained, limit, best, systems, per) -> dict:
 
 
 def main(args: argparse.Namespace) -> dict:
-    """CLI entry: ``trainwright bench memory [--repeats N] [--steps N]``; returns the result."""
+    """CLI entry: ``trainwright bench memory [--repeats N] [--steps N]``; returns the result.
+
+    At least 5 rounds (``--repeats`` below 5 is raised to 5).
+    """
     spec = MemoryBenchSpec()
     if args.steps:
         spec.steps = args.steps
-    return run(spec, repeats=args.repeats or 5)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("bench memory", total=None)
+        return run(spec, repeats=max(5, args.repeats or 5),
+                   progress=lambda s: bar.update(task, description=f"bench memory: {s}"))
