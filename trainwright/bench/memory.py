@@ -55,9 +55,9 @@ class MemoryBenchSpec:
     """GPT of ``n_blocks`` blocks cut into embed, attn/mlp pairs, head; 4 stages, 1F1B."""
 
     n_blocks: int = 4
-    d_model: int = 192
+    d_model: int = 128
     n_heads: int = 4
-    context: int = 128
+    context: int = 64
     stages: int = 4
     micro_batches: int = 8
     micro_batch_size: int = 2
