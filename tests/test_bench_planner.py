@@ -10,6 +10,7 @@ from trainwright.bench.planner import PlannerBenchSpec, dgx1_table, plan_175b, r
 from trainwright.bench.planner_forecast import ForecastSpec
 
 
+@pytest.mark.slow  # 4 `trainwright run` subprocesses + the families: about 2 min idle
 @pytest.mark.timeout(900)
 def test_bench_planner_forecast_runs_and_keys_come_from_its_rows():
     spec = PlannerBenchSpec(n_blocks=2, d_model=32, n_heads=2, context=16, vocab=64,
