@@ -65,3 +65,35 @@ def insert_heavy(step: int) -> list:
     if step == 3:
         return [InsertLayer(at=1, build=lambda: Heavy(32, 24), name="heavy")]
     return []
+
+
+class _Statistic(nn.Module):
+    """Returns a Python number (``.item()``), not a tensor."""
+
+    def forward(self, x: torch.Tensor) -> float:
+        return x.abs().mean().item()
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+class NumberAcrossLayers(nn.Module):
+    """One top-level submodule hands the next a Python number: not a pipeline layer cut."""
+
+    def __init__(self):
+        super().__init__()
+        self.stat, self.head = _Statistic(), _Scaled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x, self.stat(x))
+
+
+def number_across_layers():
+    """A model whose cut would pass a Python number between layers (refused at start)."""
+    return NumberAcrossLayers(), (torch.randn(4, 16),)

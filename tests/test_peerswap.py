@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch.distributed as dist
 
 from trainwright.dist.testing import run_workers
 from trainwright.observe.tensor_profile import profile_tensors
-from trainwright.pipeline.peerswap import ChunkMeta, TensorMeta, metadata_table
+from trainwright.pipeline.peerswap import HOST, ChunkMeta, TensorMeta, metadata_table
 from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.placement import Rules
 from trainwright.plan.planner import PlanRequest, make_plan
@@ -73,9 +74,56 @@ def test_metadata_table_rows():
     assert rows == [TensorMeta(1, 3, 8, (ChunkMeta(12, 8),)),
                     TensorMeta(2, 1, 10, (ChunkMeta(11, 6), ChunkMeta(13, 4)))]
     assert [r.n_chunks for r in rows] == [1, 2]
+    mixed = metadata_table([{"layer": 0, "index": 0, "bytes": 10, "policy": "peer",
+                             "chunks": [[1, 6], [-1, 4]]}], {1: 11})
+    assert mixed == [TensorMeta(0, 0, 10, (ChunkMeta(11, 6), ChunkMeta(HOST, 4)))]
+    assert metadata_table([{"layer": 0, "index": 0, "bytes": 10, "policy": "host",
+                            "chunks": [[-1, 10]]}], {1: 11}) == []  # the swap policy's
     with pytest.raises(ValueError, match="do not add up"):
         metadata_table([{"layer": 0, "index": 0, "bytes": 10, "policy": "peer",
-                         "chunks": [[1, 6], [-1, 4]]}], {1: 1})
+                         "chunks": [[1, 6], [-1, 3]]}], {1: 1})
+
+
+def _with_host_chunks(plan: dict) -> list[int]:
+    """Move half of the first peer chunk of every peer tensor to the host; the bytes moved
+    per stage."""
+    moved = []
+    for stage in plan["tensors"]:
+        moved.append(0)
+        for t in stage:
+            target, n = t["chunks"][0] if t["chunks"] else (-1, 0)
+            if t["policy"] == "peer" and target >= 0 and n // 2:
+                t["chunks"][0:1] = [[target, n - n // 2], [-1, n // 2]]
+                moved[-1] += n // 2
+    return moved
+
+
+def _mixed_worker(rank: int, world: int, job: GPTJob) -> None:
+    keep = run_gpt_pipeline(job)
+    peaks: list = [None] * world
+    dist.all_gather_object(peaks, max(keep["peak_bytes"]))
+    budgets = [int(0.7 * peaks[0])] + [p + peaks[0] // 2 for p in peaks[1:]]
+    box = [plan_for(job, budgets) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    plan = box[0]
+    mixed = copy.deepcopy(plan)
+    moved = _with_host_chunks(mixed)
+    assert moved[0] > 0, plan["tensors"][0]
+    split = run_gpt_pipeline(job, peer_plan=mixed)
+    torch.testing.assert_close(split["params"], keep["params"], rtol=0, atol=0)
+    # only the peer chunks travel (every tensor is packed once per micro-batch and step)
+    peer = sum(n for t in mixed["tensors"][rank] if t["policy"] == "peer"
+               for target, n in t["chunks"] if target >= 0)
+    assert split["sent_bytes"] == peer * job.micro_batches * job.steps, (split, peer, moved)
+
+
+@pytest.mark.timeout(180)
+def test_peer_swap_with_host_chunks_matches_keep():
+    """A tensor split between peers and host memory (the planner's fallback for a piece no
+    peer can take) trains bit-identically to keeping everything."""
+    job = GPTJob(n_blocks=2, parts=[2, 2], schedule="1f1b", micro_batches=4, steps=2,
+                 timeout_s=150)
+    run_workers(_mixed_worker, 2, job, timeout_s=170)
 
 
 @pytest.mark.timeout(300)

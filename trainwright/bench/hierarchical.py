@@ -46,6 +46,7 @@ from trainwright.bench.netns import (
     inter_node_bytes,
     run_ranks,
 )
+from trainwright.dist import collective as coll
 from trainwright.errors import ConfigError
 
 __all__ = ["HierBenchSpec", "run", "main", "SYSTEMS"]
@@ -142,9 +143,9 @@ def _run_system(system: str, spec: HierBenchSpec, rank: int, x: torch.Tensor) ->
     before = None
     for step in range(spec.steps + 1):
         if step == 1:
-            dist.barrier()
+            coll.barrier()
             before = inter_node_bytes()
-        dist.barrier()
+        coll.barrier()
         t0 = time.perf_counter()
         _fwd_bwd(hdp if hdp is not None else model, x)
         t1 = time.perf_counter()
@@ -169,7 +170,7 @@ def _run_system(system: str, spec: HierBenchSpec, rank: int, x: torch.Tensor) ->
             out["sync_s"].append(sync_s)
             out["step_s"].append(t3 - t0)
             out["compute_s"].append(t1 - t0)
-    dist.barrier()
+    coll.barrier()
     after = inter_node_bytes()
     out["inter_node_bytes"] = None if before is None or after is None else \
         (after - before) / spec.steps
@@ -201,7 +202,7 @@ def worker(tmp: str, rank: int) -> None:
             mine = _run_system(system, spec, rank, x)
             mine["round"] = rep
             gathered: list | None = [None] * spec.world if rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0)
+            coll.gather_object(mine, gathered, dst=0)
             done += 1
             if rank == 0:
                 rows += gathered
@@ -210,7 +211,7 @@ def worker(tmp: str, rank: int) -> None:
         tmp_out = Path(tmp) / ".result.json.tmp"
         tmp_out.write_text(json.dumps(rows))
         os.replace(tmp_out, Path(tmp) / "result.json")
-    dist.barrier()
+    coll.barrier()
     dist.destroy_process_group()
 
 

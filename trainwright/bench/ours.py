@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from trainwright.bench import peers
 from trainwright.config import Config
+from trainwright.dist import collective as coll
 
 __all__ = ["RunRecords", "train_rank"]
 
@@ -56,7 +57,7 @@ def train_rank(rank: int, world_size: int, master_port: int, threads: int,
         cfg = make_config(run_dir)
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        coll.barrier()
         Trainer(cfg, run_dir).fit()
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return RunRecords(run_dir, rows)

@@ -72,6 +72,7 @@ from torch import nn
 
 from trainwright.bench.meter import SavedTensorMeter
 from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.dist import collective as coll
 from trainwright.dist.ports import free_port
 
 __all__ = [
@@ -225,7 +226,7 @@ def torch_pipelining_worker(
         for step in range(spec.steps):
             ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
             mb_losses: list[torch.Tensor] = []
-            dist.barrier()
+            coll.barrier()
             t0 = time.perf_counter()
             optimizer.zero_grad()
             inputs = (ids,) if rank == 0 else ()
@@ -411,7 +412,7 @@ def deepspeed_worker(
         for step in range(spec.steps):
             ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
             micro = _micro_batch_iter(ids, targets, n_mb)
-            dist.barrier()
+            coll.barrier()
             t0 = time.perf_counter()
             with meter.measure():
                 loss = engine.train_batch(data_iter=micro)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, emulated, run_ranks
+from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
 
@@ -83,12 +84,12 @@ def _ids(spec: SparseBenchSpec, rank: int, density: float) -> torch.Tensor:
 
 def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    coll.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def _timed(fn) -> float:
-    dist.barrier()
+    coll.barrier()
     t0 = time.perf_counter()
     fn()
     return _slowest(time.perf_counter() - t0)
@@ -142,7 +143,7 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
     for rep in range(spec.repeats + 1):
         dense.weight.grad = None
         dfb = _timed(lambda: dense(ids).backward(gout))
-        dsy = _timed(lambda: (dist.all_reduce(dense.weight.grad), dense.weight.grad.div_(world)))
+        dsy = _timed(lambda: (coll.all_reduce(dense.weight.grad), dense.weight.grad.div_(world)))
         if rep:
             dense.weight.grad = None
         fb = _timed(lambda: ours(ids).backward(gout))
@@ -168,7 +169,7 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
     med = {k: statistics.median(v) for k, v in times.items()}
     unique = torch.tensor([ids.unique().numel()], dtype=torch.int64)
     every = [torch.zeros_like(unique) for _ in range(world)]
-    dist.all_gather(every, unique)
+    coll.all_gather(every, unique)
     counts = [int(c) for c in every]
     w, row_bytes = world, spec.dim * 4
     return [
@@ -232,7 +233,7 @@ def worker(tmp: str, rank: int) -> None:
                             timeout=datetime.timedelta(seconds=data["timeout_s"]))
     _bench_rank(rank, spec.world, spec, str(Path(tmp) / "result.json"),
                 str(Path(tmp) / "progress"))
-    dist.barrier()
+    coll.barrier()
     dist.destroy_process_group()
     exit_now(0)
 

@@ -145,9 +145,9 @@ def _tokenring(spec: StragglerSpec, steps: int, warmup: int, straggler: bool, tm
 
 def _ddp_worker(rank: int, world: int, spec_d: dict, steps: int, warmup: int,
                 straggler: bool, out: str) -> None:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from trainwright.dist import collective as coll
     from trainwright.model.data import shard
 
     spec = StragglerSpec(**spec_d)
@@ -165,7 +165,7 @@ def _ddp_worker(rank: int, world: int, spec_d: dict, steps: int, warmup: int,
     fwd_bwd_per_fwd = statistics.median(ratios)
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr)
-    dist.barrier()
+    coll.barrier()
     times = []
     for step in range(1, steps + 1):
         t0 = time.perf_counter()

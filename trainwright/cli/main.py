@@ -22,6 +22,7 @@ EXIT_CONFIG = 2
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from trainwright.config import load_config
+    from trainwright.config.combinations import check_start
     from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
     from trainwright.run.worker import resume_hint
 
@@ -38,10 +39,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resume_dir = None
         cfg = load_config(args.config, args.set)
 
+    check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None,
+                run_dir=resume_dir)
     if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
-        if resume_dir is not None:
-            raise ConfigError("--resume is not supported with sync.strategy = 'tokenring'; "
-                              "start a new run")
         return _run_tokenring(cfg)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainwright.config.combinations import check_ring
 from trainwright.config.messages import one_line
 from trainwright.config.sections import (
     SECTIONS,
@@ -115,6 +116,9 @@ class Config(BaseModel):
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
         self._validate_peer_swap()
+        if self.fault.kill_rank >= self.world_size:
+            raise ConfigError(f"fault.kill_rank = {self.fault.kill_rank} is not a rank of this "
+                              f"job; ranks are 0..{self.world_size - 1} (parallel.pp * dp)")
         bad = [x for x in self.memory.policies if x not in POLICIES]
         if bad:
             raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")
@@ -131,6 +135,7 @@ class Config(BaseModel):
                               f"{self.sync.strategy!r}; set sync.sparse = false or use \"dense\"")
         t = self.train
         if self.sync.strategy == "tokenring":
+            check_ring(self)
             self.validate_tokenring()
             return
         if t.batch_size % par.dp:
@@ -168,17 +173,10 @@ class Config(BaseModel):
         if (rb.enabled or rb.at_step) and m < 2:
             raise ConfigError("rebalancing moves layers between micro-batches and needs "
                               "train.micro_batches >= 2")
-        if rb.smoothing > 1 or rb.threshold_rel < 0 or rb.threshold_s < 0 or rb.cooldown < 0:
-            raise ConfigError("rebalance.smoothing must be in (0, 1], rebalance.threshold_rel, "
-                              "threshold_s and cooldown >= 0")
-        if rb.at_step < 0:
-            raise ConfigError(f"rebalance.at_step = {rb.at_step} must be >= 0 (0: no manual "
-                              f"re-partition)")
         if bool(rb.at_step) != bool(rb.to):
             raise ConfigError("rebalance.at_step and rebalance.to go together: give both (a "
                               "step and the layers per stage to move to) or neither")
-        if rb.to and (len(rb.to) != self.parallel.pp
-                      or not all(isinstance(x, int) and x > 0 for x in rb.to)):
+        if rb.to and len(rb.to) != self.parallel.pp:
             raise ConfigError(f"rebalance.to = {rb.to} must be {self.parallel.pp} positive "
                               f"integers (layers per stage)")
         if rb.edits and ":" not in rb.edits:
@@ -203,20 +201,15 @@ class Config(BaseModel):
             if isinstance(v, bool) or not isinstance(v, (int, str)) or parse_bytes(v) <= 0:
                 raise ConfigError(f"hierarchical.available_memory = {mem!r}: write a size such "
                                   f"as \"8GiB\", or a list with one size per local rank")
-        if self.sync.strategy == "hierarchical" and self.rebalance.enabled:
+        rb = self.rebalance
+        if self.sync.strategy == "hierarchical" and (rb.enabled or rb.at_step or rb.edits):
             raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
-                              "layers cannot migrate; set rebalance.enabled = false")
+                              "layers cannot migrate; set rebalance.enabled = false (and no "
+                              "rebalance.at_step / edits), or use sync.strategy = 'dense'")
 
     def validate_tokenring(self) -> None:
         """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""
         r, t = self.tokenring, self.train
-        if r.pace_s < 0:
-            raise ConfigError(f"tokenring.pace_s = {r.pace_s} must be >= 0 (0 = no pacing)")
-        if not 0 < r.close_fraction <= 1:
-            raise ConfigError(f"tokenring.close_fraction = {r.close_fraction} must be in (0, 1]")
-        if r.min_nodes > r.nodes:
-            raise ConfigError(f"tokenring.min_nodes = {r.min_nodes} is more than tokenring.nodes"
-                              f" = {r.nodes}; use at most {r.nodes}")
         if t.batch_size % r.nodes:
             raise ConfigError(f"train.batch_size = {t.batch_size} does not split into "
                               f"tokenring.nodes = {r.nodes} shards; use a multiple of {r.nodes}")
@@ -224,10 +217,6 @@ class Config(BaseModel):
             raise ConfigError("sync.strategy = 'tokenring' applies w <- w - lr * sum / n (plain "
                               "SGD); set train.optimizer=\"sgd\" with momentum and "
                               "weight_decay 0")
-        bad = [i for i in [*r.kill_nodes, r.slow_node] if i != -1 and not 0 <= i < r.nodes]
-        if bad or not all(isinstance(i, int) for i in r.kill_nodes):
-            raise ConfigError(f"tokenring fault injection names node {bad[0] if bad else '?'};"
-                              f" node indices are 0..{r.nodes - 1}")
 
     def stage_limits(self) -> list[int | str | None]:
         """``memory.limit`` per stage: bytes, ``"auto"``, or None (no limit).

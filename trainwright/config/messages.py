@@ -87,8 +87,10 @@ def one_line(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> 
     if kind in _EXPECTED:
         return ConfigError(f"{key} = {value!r} has the wrong type ({type(value).__name__}); "
                            f"expected {_EXPECTED[kind]}")
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "range"):
         return ConfigError(f"{key} = {value!r} {_range_text(info, ctx)}")
+    if kind == "finite_number":
+        return ConfigError(f"{key} = {value!r} is not a finite number; give a finite number")
     return ConfigError(f"{key} = {value!r}: {err['msg']}")
 
 
@@ -104,6 +106,8 @@ def _range_text(info: Any, ctx: dict[str, Any]) -> str:
     for m in getattr(info, "metadata", []):
         if isinstance(m, Allowed):
             return m.text
+    if not ctx:  # a custom range check without an Allowed text
+        return "is out of range"
     op, bound = next(iter(ctx.items()))
     if op == "gt" and bound == 0:
         return "must be positive"

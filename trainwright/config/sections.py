@@ -13,16 +13,21 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
+    Field,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from trainwright.config.messages import Allowed, one_line
+from trainwright.errors import ConfigError
 
 __all__ = ["Section", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig",
            "MemoryConfig", "SyncConfig", "HierarchicalConfig", "TokenRingConfig",
@@ -31,12 +36,26 @@ __all__ = ["Section", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfi
 MEASURED = Allowed("must be >= 0 (0 = measure at start)")
 
 
+def _not_zero(value: int) -> int:
+    """Reject 0 for keys whose "off" value is -1 and whose steps count from 1."""
+    if value == 0:
+        raise PydanticCustomError("range", "0 is not a step")
+    return value
+
+
+NEVER_OR_STEP = Annotated[int, Field(ge=-1), AfterValidator(_not_zero),
+                          Allowed("must be -1 (never) or a step >= 1")]
+"""A step number counted from 1, or -1 for never (fault injection)."""
+UNIT = Annotated[float, Field(ge=0, le=1)]
+"""A fraction in [0, 1]."""
+
+
 class Section(BaseModel):
     """Base of the section models: unknown keys and loose types are errors, assignments are
     checked too, and a failure is raised as a one-line ConfigError."""
 
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True,
-                              use_attribute_docstrings=True)
+                              use_attribute_docstrings=True, allow_inf_nan=False)
 
     def __init__(self, **values: Any) -> None:
         try:
@@ -115,13 +134,13 @@ class TrainConfig(Section):
     """Pipeline schedule: ``"1f1b"`` or ``"gpipe"``."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
-    lr: float = 3e-3
+    lr: PositiveFloat = 3e-3
     """Learning rate (constant)."""
-    momentum: float = 0.0
+    momentum: Annotated[float, Field(ge=0, lt=1), Allowed("must be in [0, 1)")] = 0.0
     """SGD momentum."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """Weight decay of the optimizer."""
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0, lt=2**32), Allowed("must be in 0 .. 2**32 - 1")] = 0
     """Seed for model initialisation and data order."""
 
 
@@ -132,11 +151,11 @@ class ParallelConfig(Section):
     """Pipeline stages."""
     dp: PositiveInt = 1
     """Data-parallel replicas of each stage."""
-    partition: list[int] = []
+    partition: list[PositiveInt] = []
     """Layers per stage, e.g. ``[3, 3]``; empty = as even as possible."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
-    threads_per_rank: int = 0
+    threads_per_rank: NonNegativeInt = 0
     """Intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
     bucket_mb: PositiveFloat = 25.0
     """Size of the data-parallel all-reduce buckets, MiB."""
@@ -153,7 +172,7 @@ class MemoryConfig(Section):
     policies: list[str] = []
     """Fixed per-layer policies (``"keep"``, ``"swap"``, ``"recompute"``), one per layer of
     the model, or one value for all; empty = planned from the limit."""
-    host_bandwidth: float = 0.0
+    host_bandwidth: Annotated[NonNegativeFloat, MEASURED] = 0.0
     """Device-to-host copy bandwidth in bytes/s for the planner; 0 = measure at start."""
     reserve: str = "2GiB"
     """With ``limit = "auto"`` on CUDA: device memory left for parameters, optimizer state
@@ -162,7 +181,7 @@ class MemoryConfig(Section):
     """Seed 004: plan every saved tensor at start (``trainwright plan``'s planner) and move
     those of stages over their ``limit`` to the spare memory of other stages, in chunks over
     point-to-point links, before recomputing or swapping to the host. Needs a ``limit``."""
-    peer_bandwidth: float = 0.0
+    peer_bandwidth: Annotated[NonNegativeFloat, MEASURED] = 0.0
     """With ``peer_swap``: bytes/s between stages for the planner; 0 = measure at start."""
 
 
@@ -219,7 +238,7 @@ class HierarchicalConfig(Section):
 class TokenRingConfig(Section):
     """``[tokenring]``: barrier-free data parallel over a token ring (seed 002)."""
 
-    close_fraction: float = 0.9
+    close_fraction: Annotated[float, Field(gt=0, le=1), Allowed("must be in (0, 1]")] = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
     nodes: PositiveInt = 4
     """Nodes the local launcher starts; also the number of data shards (a node trains on
@@ -247,21 +266,21 @@ class TokenRingConfig(Section):
     """Steps per batch boundary: after each, the first node admits standby nodes."""
     standby_timeout_s: PositiveFloat = 120.0
     """How long a standby node waits to be admitted before giving up."""
-    slow_node: int = -1
+    slow_node: Annotated[int, Field(ge=-1), Allowed("must be -1 (none) or a node index")] = -1
     """Fault injection: this node index is slowed by ``slow_factor``: before each step it
     idles ``(slow_factor - 1)`` times its recent compute time (abandoning the step if the
     ring closes it meanwhile), so it also takes as little CPU as a slower machine."""
     slow_factor: PositiveFloat = 1.0
     """Fault injection: slowdown of ``slow_node``."""
-    pace_s: float = 0.0
+    pace_s: Annotated[NonNegativeFloat, Allowed("must be >= 0 (0 = no pacing)")] = 0.0
     """Emulation (benchmarks): pad every node's forward+backward to this many seconds (the
     slow node's to ``slow_factor`` times it) by idling between forward and backward, as if
     each node had its own device; 0 = off. On a shared CPU a sleeping straggler frees cores
     for the others, which hides the straggler; pacing removes that artefact."""
-    kill_nodes: list[int] = []
+    kill_nodes: list[NonNegativeInt] = []
     """Fault injection: node indices that SIGKILL themselves in step ``kill_step``, after
     computing their gradient (the ``[fault]`` section is for the pipeline runner)."""
-    kill_step: int = -1
+    kill_step: NEVER_OR_STEP = -1
     """Fault injection: the step (1-based) in which ``kill_nodes`` die."""
     restart_killed: bool = False
     """Fault injection: the local launcher restarts killed nodes once, as standby nodes
@@ -269,6 +288,19 @@ class TokenRingConfig(Section):
     record_hashes: bool = True
     """Record a SHA-256 of the parameters after every step in ``node<i>.json`` (to check
     that replicas are bit-identical; costs a pass over the weights per step)."""
+
+    @model_validator(mode="after")
+    def _node_indices(self) -> TokenRingConfig:
+        """Node counts and indices agree with ``nodes``, whether or not the ring is used."""
+        if self.min_nodes > self.nodes:
+            raise ConfigError(f"tokenring.min_nodes = {self.min_nodes} is more than "
+                              f"tokenring.nodes = {self.nodes}; use at most {self.nodes}")
+        for key, nodes in (("slow_node", [self.slow_node]), ("kill_nodes", self.kill_nodes)):
+            bad = [i for i in nodes if i >= self.nodes]
+            if bad:
+                raise ConfigError(f"tokenring.{key} names node {bad[0]}; node indices are "
+                                  f"0..{self.nodes - 1} (tokenring.nodes = {self.nodes})")
+        return self
 
 
 class RebalanceConfig(Section):
@@ -278,26 +310,26 @@ class RebalanceConfig(Section):
     """Detect unbalanced stages and migrate layers live (seed 000)."""
     check_every: PositiveInt = 5
     """Steps between imbalance checks (each gathers the per-layer times on the last stage)."""
-    threshold_rel: float = 0.1
+    threshold_rel: UNIT = 0.1
     """Stages are balanced when ``(max - min) / max`` of their times is at most this."""
-    threshold_s: float = 0.0
+    threshold_s: NonNegativeFloat = 0.0
     """...and when ``max - min`` is at most this many seconds per micro-batch (0: unchecked)."""
     patience: PositiveInt = 2
     """Consecutive unbalanced checks before a re-partition (hysteresis against noise)."""
-    cooldown: int = 2
+    cooldown: NonNegativeInt = 2
     """Checks ignored after a re-partition, while the new stage times settle."""
-    smoothing: PositiveFloat = 0.5
+    smoothing: Annotated[float, Field(gt=0, le=1), Allowed("must be in (0, 1]")] = 0.5
     """Weight of the newest check in the moving average of stage times."""
-    min_gain: float = 0.05
+    min_gain: Annotated[float, Field(ge=0, lt=1), Allowed("must be in [0, 1)")] = 0.05
     """Re-partition only when the new plan's largest stage time is at least this fraction
     below the current one (a move must pay for itself)."""
     link_bandwidth: PositiveFloat = 1e9
     """Bytes/s between neighbouring stages: prices a cut among balanced partitions."""
-    switch_mb: int = 0
+    switch_mb: NonNegativeInt = 0
     """Micro-batch after whose forward the moving layers change stage (0 .. micro_batches-2)."""
-    at_step: int = 0
+    at_step: Annotated[NonNegativeInt, Allowed("must be >= 0 (0: never)")] = 0
     """Manual re-partition: move to ``to`` during this step (0: never)."""
-    to: list[int] = []
+    to: list[PositiveInt] = []
     """Manual re-partition target, layers per stage (with ``at_step``)."""
     edits: str = ""
     """Dynamic model hook ``"module:function"``: ``function(step)`` returns the layers to
@@ -311,11 +343,11 @@ class RunConfig(Section):
     """Parent folder of run directories."""
     name: str = ""
     """Run directory name; empty = ``<model>-<timestamp>``."""
-    checkpoint_every: int = 50
+    checkpoint_every: Annotated[NonNegativeInt, Allowed("must be >= 0 (0 = only at the end)")] = 50
     """Write a checkpoint every N steps (0 = only at the end)."""
-    profile_every: int = 10
+    profile_every: PositiveInt = 10
     """Write the per-layer profile to the metrics every N steps."""
-    trace_steps: int = 20
+    trace_steps: NonNegativeInt = 20
     """Record the actions of the first N steps in trace.json (0 = none)."""
     progress: bool = True
     """Show a progress bar on rank 0."""
@@ -337,9 +369,9 @@ class RuntimeConfig(Section):
 class FaultConfig(Section):
     """``[fault]``: fault injection for tests of the pipeline runner."""
 
-    kill_rank: int = -1
+    kill_rank: Annotated[int, Field(ge=-1), Allowed("must be -1 (none) or a rank")] = -1
     """Testing: this rank SIGKILLs itself in the middle of step ``kill_step``."""
-    kill_step: int = -1
+    kill_step: NEVER_OR_STEP = -1
     """Testing: the step (1-based) in which ``kill_rank`` dies."""
     kill_before: str = ""
     """Testing: die just before the first action of this kind (e.g. ``"MIG_RECV"``) instead

@@ -1,6 +1,8 @@
 """Processes talking: point-to-point with headers and deadlines, the heartbeat watchdog,
 the ``pp x dp`` mesh, device probes, free ports and the multi-process test helper.
 
+* :mod:`~trainwright.dist.collective`: the one way to call a ``torch.distributed``
+  collective or transfer (tensors on the device of the group's backend);
 * :mod:`~trainwright.dist.comm`: :class:`~trainwright.dist.comm.P2P`, the watchdog;
 * :mod:`~trainwright.dist.topology`: the mesh with named axes and its process groups;
 * :mod:`~trainwright.dist.probe`: ``nvidia-smi`` and point-to-point bandwidth probes;

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from trainwright.dist import collective as coll
 
 from trainwright.errors import CommError, PeerLost
 
@@ -106,8 +107,8 @@ class P2P:
         payload = [t.detach().contiguous() for t in tensors if t is not None]
         # gloo sends from host memory; the header always lives on CPU for gloo, device for NCCL
         header = header.to(self.device)
-        works = [dist.isend(header, dst=peer, group=self.group)]
-        works += [dist.isend(t, dst=peer, group=self.group) for t in payload]
+        works = [coll.isend(header, dst=peer, group=self.group)]
+        works += [coll.isend(t, dst=peer, group=self.group) for t in payload]
         self._pending.extend((w, [header, *payload]) for w in works)
         if len(self._pending) > 64:
             self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
@@ -120,7 +121,7 @@ class P2P:
             PeerLost: the peer (or another rank, per the watchdog) is gone.
         """
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, src=peer, group=self.group), peer, f"{kind} header")
+        self._wait(coll.irecv(header, src=peer, group=self.group), peer, f"{kind} header")
         got_kind, got_mb, metas = unpack_header(header.cpu())
         if got_kind != KIND_CODES[kind] or got_mb != mb:
             names = {v: k for k, v in KIND_CODES.items()}
@@ -134,7 +135,7 @@ class P2P:
                 continue
             dtype, _, shape = meta
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(t, src=peer, group=self.group), peer, f"{kind} payload")
+            self._wait(coll.irecv(t, src=peer, group=self.group), peer, f"{kind} payload")
             out.append(t)
         return out
 

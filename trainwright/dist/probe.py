@@ -38,10 +38,10 @@ def measure_p2p(nbytes: int = 4 * 2**20, repeats: int = 3, memory_bytes: int = 0
 
     import torch
     import torch.distributed as dist
+    from trainwright.dist import collective as coll
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if \
-        dist.get_backend(group) == "nccl" else torch.device("cpu")
+    dev = coll.backend_device(group) or torch.device("cpu")
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=dev)
     row = torch.zeros(world, dtype=torch.float64)
     glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
@@ -49,30 +49,30 @@ def measure_p2p(nbytes: int = 4 * 2**20, repeats: int = 3, memory_bytes: int = 0
         for dst in range(world):
             if src == dst:
                 continue
-            dist.barrier(group)
+            coll.barrier(group)
             if rank not in (src, dst):
                 continue
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 if rank == src:
-                    dist.send(buf, glob(dst), group=group)
-                    dist.recv(buf[:1], glob(dst), group=group)  # ack: the payload has landed
+                    coll.send(buf, glob(dst), group=group)
+                    coll.recv(buf[:1], glob(dst), group=group)  # ack: the payload has landed
                 else:
-                    dist.recv(buf, glob(src), group=group)
-                    dist.send(buf[:1], glob(src), group=group)
+                    coll.recv(buf, glob(src), group=group)
+                    coll.send(buf[:1], glob(src), group=group)
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 best = min(best, time.perf_counter() - t0)
             if rank == src:
                 row[dst] = nbytes / best
     table = [torch.zeros(world, dtype=torch.float64) for _ in range(world)]
-    dist.all_gather(table, row, group=group)
+    coll.all_gather(table, row, group=group)
     t0 = time.perf_counter()
     buf.clone()
     host = nbytes / max(time.perf_counter() - t0, 1e-9)
     hosts = torch.zeros(world, dtype=torch.float64)
     hosts[rank] = host
-    dist.all_reduce(hosts, group=group)
+    coll.all_reduce(hosts, group=group)
     return DeviceTopology("measured", [memory_bytes] * world, [t.tolist() for t in table],
                           hosts.tolist())

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwright.config import Config
-from trainwright.errors import ConfigError
+from trainwright.errors import ConfigError, PlanError
 from trainwright.model.data import CharCorpus, SyntheticRegression, SyntheticTokens, stdlib_corpus
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.model.graph import layers_from_export, layers_from_sequential
@@ -48,7 +48,10 @@ def _factory_layers(cfg: Config) -> list[tuple[str, nn.Module]]:
     made = factory(cfg) if takes_cfg else factory()
     if isinstance(made, tuple):  # (module, example_args): capture and cut with torch.export
         model, example_args = made
-        layers = layers_from_export(model, tuple(example_args), dynamic_batch=True)
+        try:
+            layers = layers_from_export(model, tuple(example_args), dynamic_batch=True)
+        except PlanError as exc:
+            raise ConfigError(f"model.factory = {cfg.model.factory!r}: {exc}") from None
     else:
         layers = layers_from_sequential(made)
     return [(getattr(m, "name", None) or f"{i}.{type(m).__name__}", m)

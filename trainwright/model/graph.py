@@ -44,6 +44,8 @@ import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from trainwright.errors import PlanError
+
 __all__ = ["layers_from_sequential", "layers_from_export", "boundary_bytes"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: always opened
@@ -141,7 +143,10 @@ def _build_layer(name: str, members: list[fx.Node], inputs: list[fx.Node],
             elif _is_symbolic(node):
                 env[node] = symbolic(node)
             else:
-                raise RuntimeError(f"layer {name!r}: value {node.name!r} is not available")
+                raise PlanError(f"layer {name!r} needs {node.name!r} from an earlier layer, but "
+                                f"only tensors cross the cuts between layers (a Python number "
+                                f"such as x.item() cannot); compute it inside the layer that "
+                                f"uses it (wrap the submodules that share it in one nn.Module)")
         return env[node]
 
     for node in members:
@@ -178,8 +183,9 @@ def layers_from_export(model: nn.Module, example_args: tuple, *, group_by: str =
     Raises:
         ValueError: unknown ``group_by``.
         TypeError: an example argument is not a tensor.
-        NotImplementedError: the graph mutates user inputs or passes a non-tensor value
-            between groups.
+        PlanError: the model cannot be cut into layers: it mutates an input in place, has
+            side-effect tokens, or passes a non-tensor value between groups (the message
+            says which and how to change the model).
     """
     if group_by not in _GROUP_BY:
         raise ValueError(f"group_by must be one of {_GROUP_BY}, not {group_by!r}")
@@ -229,7 +235,10 @@ def _split_inputs(model: nn.Module, ep: torch.export.ExportedProgram
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             attrs[node] = (spec.target, ep.constants[spec.target])
         else:
-            raise NotImplementedError(f"exported input of kind {spec.kind.name} is not supported")
+            raise PlanError(f"the exported model has an input of kind {spec.kind.name} (a side "
+                            f"effect such as a print or an effectful custom op), which cannot "
+                            f"be cut into layers; remove it from forward, or return an "
+                            f"nn.Sequential / a list of layers instead")
     for node in graph.nodes:
         if node.op == "get_attr":  # e.g. the subgraph of a `with torch.no_grad():` region
             attrs[node] = (node.target, operator.attrgetter(node.target)(ep.graph_module))
@@ -249,8 +258,10 @@ def _split_outputs(ep: torch.export.ExportedProgram, attrs: dict[fx.Node, tuple[
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             mutations.append((value, buffer_node[spec.target]))
         else:
-            raise NotImplementedError(f"exported output of kind {spec.kind.name} "
-                                      "is not supported (in-place update of an input?)")
+            raise PlanError(f"the exported model has an output of kind {spec.kind.name} (an "
+                            f"in-place update of an input, e.g. x.add_(1)), which cannot be cut "
+                            f"into layers; use out-of-place ops (x = x + 1), or return an "
+                            f"nn.Sequential / a list of layers instead")
     return user_outputs, mutations
 
 
@@ -303,7 +314,7 @@ def _frontiers(graph: fx.Graph, inputs: list[fx.Node], user_outputs: list[Any],
     """What enters each layer, then the model's outputs: entry k is layer k's input.
 
     Raises:
-        NotImplementedError: a non-tensor value would cross a cut.
+        PlanError: a non-tensor value would cross a cut.
     """
     n_layers = len(names)
     last_use = {v: max((group_of[u] for u in v.users if u in group_of), default=-1)
@@ -317,8 +328,10 @@ def _frontiers(graph: fx.Graph, inputs: list[fx.Node], user_outputs: list[Any],
         frontier = [v for v in values if group_of[v] <= k < last_use[v]]
         for v in frontier:
             if not isinstance(v.meta.get("val"), torch.Tensor):
-                raise NotImplementedError(f"value {v.name!r} ({type(v.meta.get('val')).__name__})"
-                                          f" would cross the boundary after {names[k]!r}")
+                raise PlanError(f"value {v.name!r} ({type(v.meta.get('val')).__name__}) would "
+                                f"cross the boundary after layer {names[k]!r}, but layers pass "
+                                f"only tensors; compute it inside the layer that uses it (wrap "
+                                f"the submodules that share it in one nn.Module)")
         frontiers.append(frontier)
     frontiers.append(user_outputs)
     return frontiers

@@ -17,8 +17,8 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 
+from trainwright.dist import collective as coll
 from trainwright.errors import ConfigError
 
 __all__ = ["runtime_policies", "peer_plan_json", "plan_job", "agree_plan", "attach"]
@@ -115,7 +115,7 @@ def agree_plan(cfg, named: list, parts: list[int], limits: list[int | None], top
                               DeviceTopology("measured", free, matrix, [host] * pp), sample)
         except ConfigError as exc:
             box[0] = exc
-    dist.broadcast_object_list(box, src=0)
+    coll.broadcast_object_list(box, src=0)
     if isinstance(box[0], ConfigError):
         raise box[0]
     plan = box[0]

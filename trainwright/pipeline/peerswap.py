@@ -17,7 +17,10 @@ which the runtime executes through :meth:`PeerSwap.extensions` and the simulator
 Transfers use their own process group, so they never match a pipeline send by mistake.
 
 Metadata table (per tensor, seed claim 6): chunk count, chunk sizes, target ranks
-(:class:`TensorMeta`). Per-device usage: every byte this rank holds for backward or for
+(:class:`TensorMeta`). A tensor may also have host chunks (target :data:`HOST`, where the
+planner found no peer with room or a fast enough link for that piece): those bytes are
+copied to host memory at pack time and back into the tensor's buffer when it is fetched.
+Per-device usage: every byte this rank holds for backward or for
 a peer is added to its store's ``bytes`` (and so to its measured peak): chunks being
 sent during the forward, chunks held for owners, buffers fetched back for backward.
 """
@@ -30,15 +33,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainwright.dist import collective as coll
 from trainwright.errors import CommError
 from trainwright.schedule.actions import Action
 
-__all__ = ["ChunkMeta", "TensorMeta", "PeerHandle", "PeerSwap", "metadata_table"]
+__all__ = ["HOST", "ChunkMeta", "TensorMeta", "PeerHandle", "PeerSwap", "metadata_table"]
+
+HOST = -1
+"""Chunk rank meaning host memory (the plan's target ``-1``)."""
 
 
 @dataclass(frozen=True)
 class ChunkMeta:
-    """One chunk: the rank holding it and its bytes."""
+    """One chunk: the rank holding it (:data:`HOST`: host memory) and its bytes."""
 
     rank: int
     nbytes: int
@@ -61,17 +68,18 @@ class TensorMeta:
 
 def metadata_table(tensors: list[dict], rank_of_stage: dict[int, int]) -> list[TensorMeta]:
     """Rows for one owner from a plan's per-tensor entries (``trainwright plan`` JSON form:
-    ``{"layer", "index", "bytes", "policy", "chunks": [[peer stage, bytes], ...]}``); host
-    chunks (target -1) are not peer swap and are left out."""
+    ``{"layer", "index", "bytes", "policy", "chunks": [[peer stage, bytes], ...]}``); a
+    chunk with target -1 stays in host memory (:data:`HOST`). Tensors without a peer chunk
+    are the swap policy's, not peer swap, and are left out."""
     rows = []
     for t in tensors:
-        chunks = tuple(ChunkMeta(rank_of_stage[s], n) for s, n in t["chunks"] if s >= 0 and n)
-        if t["policy"] == "peer" and chunks:
+        chunks = tuple(ChunkMeta(rank_of_stage[s] if s >= 0 else HOST, n)
+                       for s, n in t["chunks"] if n)
+        if t["policy"] == "peer" and any(c.rank != HOST for c in chunks):
             if sum(c.nbytes for c in chunks) != t["bytes"]:
-                raise ValueError(f"layer {t['layer']} tensor {t['index']}: peer chunks "
+                raise ValueError(f"layer {t['layer']} tensor {t['index']}: chunks "
                                  f"{[c.nbytes for c in chunks]} do not add up to "
-                                 f"{t['bytes']} bytes (host chunks are not supported at "
-                                 f"runtime yet)")
+                                 f"{t['bytes']} bytes")
             rows.append(TensorMeta(t["layer"], t["index"], t["bytes"], chunks))
     return sorted(rows, key=lambda r: (r.layer, r.index))
 
@@ -122,6 +130,7 @@ class PeerSwap:
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
         self._held: dict[tuple[int, int], tuple[list, list]] = {}  # (owner, mb) -> works, bufs
         self._returning: dict[tuple[int, int], tuple[list, list]] = {}  # sends back, bufs
+        self._host: dict[tuple[int, int, int], list] = {}  # (mb, layer, index) -> host chunks
         self.sent_bytes = 0
         self.held_bytes = 0
         """Bytes this rank holds for other ranks now."""
@@ -160,16 +169,22 @@ class PeerSwap:
                             f"{storage.nbytes()} bytes but the peer-swap plan says "
                             f"{meta.nbytes}; re-plan with this batch shape")
         flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        start = 0
+        start, sent = 0, 0
         for c in meta.chunks:
             piece = flat[start : start + c.nbytes]
+            if c.rank == HOST:
+                self._host.setdefault((mb, meta.layer, meta.index), []).append(
+                    (start, piece.to("cpu", copy=True)))
+                start += c.nbytes
+                continue
             start += c.nbytes
             out = self._sent.setdefault((mb, c.rank), _Outgoing())
-            out.works.append(dist.isend(piece, dst=c.rank, group=self.group))
+            out.works.append(coll.isend(piece, dst=c.rank, group=self.group))
             out.buffers.append(piece)
             out.nbytes += c.nbytes
-        self.sent_bytes += meta.nbytes
-        self.store.add_bytes(meta.nbytes)  # held until PEER_SEND confirms delivery
+            sent += c.nbytes
+        self.sent_bytes += sent
+        self.store.add_bytes(sent)  # held until PEER_SEND confirms delivery
 
     def unpack(self, h: PeerHandle) -> torch.Tensor:
         """The saved view rebuilt on the buffer fetched back (``PEER_WAIT`` has run)."""
@@ -209,10 +224,12 @@ class PeerSwap:
             if key not in bufs:
                 bufs[key] = torch.empty(meta.nbytes, dtype=torch.uint8, device=self._device())
                 self.store.add_bytes(meta.nbytes)
+                for offset, piece in self._host.pop((a.mb, *key), []):  # host chunks back
+                    bufs[key][offset : offset + piece.numel()].copy_(piece)
             start = 0
             for c in meta.chunks:
                 if c.rank == peer:
-                    works.append(dist.irecv(bufs[key][start : start + c.nbytes], src=peer,
+                    works.append(coll.irecv(bufs[key][start : start + c.nbytes], src=peer,
                                             group=self.group))
                 start += c.nbytes
         self._fetch_works[(a.mb, peer)] = works
@@ -237,7 +254,7 @@ class PeerSwap:
             for c in meta.chunks:
                 if c.rank == self.rank:
                     b = torch.empty(c.nbytes, dtype=torch.uint8, device=self._device())
-                    works.append(dist.irecv(b, src=owner, group=self.group))
+                    works.append(coll.irecv(b, src=owner, group=self.group))
                     bufs.append(b)
         nbytes = sum(b.numel() for b in bufs)
         self.held_bytes += nbytes
@@ -250,7 +267,7 @@ class PeerSwap:
         owner = self._peer_rank(a)
         works, bufs = self._held.pop((owner, a.mb))
         self._wait(works, f"receive of micro-batch {a.mb} from rank {owner}")
-        sends = [dist.isend(b, dst=owner, group=self.group) for b in bufs]
+        sends = [coll.isend(b, dst=owner, group=self.group) for b in bufs]
         self._returning[(owner, a.mb)] = (sends, bufs)
 
     def peer_settle(self, a: Action) -> None:

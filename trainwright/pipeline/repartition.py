@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
+from trainwright.dist import collective as coll
 from trainwright.dist.comm import P2P
 from trainwright.pipeline.edit import apply_edits
 from trainwright.plan.imbalance import ImbalanceDetector
@@ -134,7 +134,7 @@ class Rebalancer:
                 times[c["layer"]] = c["forward_s"] + c["backward_s"]
                 out_bytes[c["layer"]] = int(c["output_bytes"])
         if self.topo.dp > 1:  # every replica must decide the same
-            dist.all_reduce(times, group=self.topo.dp_group)
+            coll.all_reduce(times, group=self.topo.dp_group)
             times /= self.topo.dp
         layer_times = times.tolist()
         s, p = self.topo.stage, self.topo.pp

@@ -7,6 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from trainwright.config import load_config
+from trainwright.config.combinations import check_start
 from trainwright.errors import TrainwrightError
 from trainwright.model.build import build_layers
 from trainwright.pipeline.budget import check_limits
@@ -38,6 +39,7 @@ def fit(config: str | Path | None = None, overrides: list[str] | tuple = (),
         cfg = load_config(Path(resume) / "config.toml", list(overrides))
     else:
         cfg = load_config(config, list(overrides))
+    check_start(cfg, via="fit", resume=resume is not None, run_dir=resume)
     named = build_layers(cfg)
     cfg.check_layers(len(named))
     check_limits(cfg, named)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trainwright.config import Config
+from trainwright.dist import collective as coll
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.run.trainer import Trainer
@@ -120,9 +121,9 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
             step_s.append(stats.wall_s)
             peaks.append(stats.activation_peak_bytes)
             profiles.append([c.to_dict() for c in trainer.profiler.table()])
-            dist.barrier()  # every step starts together, as the simulator assumes
+            coll.barrier()  # every step starts together, as the simulator assumes
 
-        dist.barrier()
+        coll.barrier()
         trainer.fit(on_step)
     peer = trainer.store.peer
     return {"params": {f"{s.index}.{n}": p.detach().clone() for s in trainer.stage.slots

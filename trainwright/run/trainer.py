@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainwright.config import Config
+from trainwright.dist import collective as coll
 from trainwright.dist.comm import P2P, Watchdog
 from trainwright.dist.topology import Topology
 from trainwright.errors import PeerLost
@@ -377,7 +378,7 @@ class Trainer:
                                  {r: self.topo.describe(r) for r in range(self.topo.world_size)},
                                  self.cfg.run.report)
         if dist.is_initialized():
-            dist.barrier()
+            coll.barrier()
         return self.recorder.loss if self.recorder is not None else None
 
     # ------------------------------------------------------------------ helpers
@@ -386,7 +387,7 @@ class Trainer:
         if not dist.is_initialized():
             return [obj]
         out: list | None = [None] * self.topo.world_size if self.topo.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        coll.gather_object(obj, out, dst=0)
         return out
 
     def _all_gather_pipeline(self, obj) -> list:
@@ -394,7 +395,7 @@ class Trainer:
         if not dist.is_initialized():
             return [obj]
         out: list = [None] * self.topo.pp
-        dist.all_gather_object(out, obj, group=self.topo.pp_group)
+        coll.all_gather_object(out, obj, group=self.topo.pp_group)
         return out
 
     def _plan_record(self) -> dict:
@@ -409,7 +410,7 @@ class Trainer:
         if topo.replica == 0:
             checkpoint.save_stage(self.run_dir, step, topo.stage, self.stage.slots)
         if dist.is_initialized():
-            dist.barrier()  # every stage file exists before `latest` moves
+            coll.barrier()  # every stage file exists before `latest` moves
         if topo.rank == 0:
             checkpoint.mark_latest(self.run_dir, step)
             checkpoint.prune(self.run_dir)

@@ -40,5 +40,8 @@ def make_grad_sync(cfg: Config, topo: Topology) -> GradSync:
     if strategy == "hierarchical":
         from trainwright.sync.hierarchical import pipeline_sync
         return pipeline_sync(cfg, topo)
-    raise NotImplementedError(f"sync.strategy = {strategy!r} is not available inside the "
-                              f"pipeline yet")
+    from trainwright.config.combinations import RING_VIA_FIT
+    from trainwright.errors import ConfigError
+
+    raise ConfigError(f"sync.strategy = {strategy!r} has no pipeline gradient sync: "
+                      f"{RING_VIA_FIT if strategy == 'tokenring' else 'use dense'}")

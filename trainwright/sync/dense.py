@@ -9,8 +9,8 @@ parameter and is kept as the readable oracle.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from trainwright.dist import collective as coll
 from trainwright.sync.base import GradSync
 
 __all__ = ["BucketedAllReduce", "naive_all_reduce"]
@@ -21,7 +21,7 @@ def naive_all_reduce(params: list[torch.nn.Parameter], group, world: int) -> Non
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=group)
+        coll.all_reduce(p.grad, group=group)
         p.grad.div_(world)
 
 
@@ -65,7 +65,7 @@ class BucketedAllReduce(GradSync):
                 flat = bucket[0].grad.view(-1)
             else:
                 flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            pending.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
+            pending.append((coll.all_reduce(flat, group=self.group, async_op=True), flat, bucket))
         for work, flat, bucket in pending:
             work.wait()
             flat.div_(self.world)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainwright.config import HierarchicalConfig, parse_bytes
+from trainwright.dist import collective as coll
 from trainwright.errors import ConfigError
 
 __all__ = ["NodeLayout", "HierGroups", "node_layout", "create_groups", "host_names",
@@ -92,7 +93,7 @@ def node_layout(members: Sequence[int], ranks_per_node: int = 0,
 def host_names() -> list[str]:
     """Host name of every rank of the default group (a collective)."""
     names: list = [None] * dist.get_world_size()
-    dist.all_gather_object(names, os.environ.get("TRAINWRIGHT_HOST") or socket.gethostname())
+    coll.all_gather_object(names, os.environ.get("TRAINWRIGHT_HOST") or socket.gethostname())
     return names
 
 
@@ -209,10 +210,10 @@ def agree_weights(groups: HierGroups, mine: float) -> list[float]:
     take the smallest per local index over the nodes (a slice must fit on every node)."""
     k = groups.layout.ranks_per_node
     out = [torch.zeros(1, dtype=torch.float64) for _ in range(k)]
-    dist.all_gather(out, torch.tensor([mine], dtype=torch.float64), group=groups.intra_group)
+    coll.all_gather(out, torch.tensor([mine], dtype=torch.float64), group=groups.intra_group)
     vec = torch.cat(out)
     if groups.layout.nodes > 1:
-        dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=groups.inter_group)
+        coll.all_reduce(vec, op=dist.ReduceOp.MIN, group=groups.inter_group)
     return vec.tolist()
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.config import HierarchicalConfig
+from trainwright.dist import collective as coll
 from trainwright.errors import CommError, ConfigError
 from trainwright.sync.base import GradSync
 from trainwright.sync.hier_layout import (
@@ -183,13 +184,13 @@ class HierarchicalSync(GradSync):
                     continue
                 a, b = pieces[j][c]
                 if b > a:
-                    sends.append(dist.isend(self.flat_grad[a:b], dst=peer, group=g.intra_group,
+                    sends.append(coll.isend(self.flat_grad[a:b], dst=peer, group=g.intra_group,
                                             tag=c))
                 a, b = pieces[me][c]
                 if b > a:
                     buf = torch.empty(b - a, dtype=self.flat_grad.dtype,
                                       device=self.flat_grad.device)
-                    recvs[c].append((dist.irecv(buf, src=peer, group=g.intra_group, tag=c), buf))
+                    recvs[c].append((coll.irecv(buf, src=peer, group=g.intra_group, tag=c), buf))
         reduces = []
         for c in range(chunks):
             a, b = pieces[me][c]
@@ -213,7 +214,7 @@ class HierarchicalSync(GradSync):
             for j, owner in enumerate(ranks):
                 a, b = pieces[j][c]
                 if b > a:  # non-owners' buffers are scratch: their slices are cleared at step
-                    works.append(dist.reduce(self.flat_grad[a:b], dst=owner,
+                    works.append(coll.reduce(self.flat_grad[a:b], dst=owner,
                                              group=g.intra_group, async_op=True))
             for work in works:
                 self._wait(work, "intra-node reduce")
@@ -226,7 +227,7 @@ class HierarchicalSync(GradSync):
         """Start the inter-node all-reduce of ``flat_grad[a:b]`` (None with one node)."""
         if self.groups.layout.nodes == 1:
             return None
-        return dist.all_reduce(self.flat_grad[a:b], group=self.groups.inter_group,
+        return coll.all_reduce(self.flat_grad[a:b], group=self.groups.inter_group,
                                async_op=True)
 
     def sync(self, params: list[nn.Parameter]) -> None:
@@ -277,7 +278,7 @@ class HierarchicalSync(GradSync):
             if j != me:
                 for c, (a, b) in enumerate(self.pieces[j]):
                     if b > a:
-                        works.append(dist.irecv(self.flat_param[a:b], src=peer,
+                        works.append(coll.irecv(self.flat_param[a:b], src=peer,
                                                 group=g.intra_group, tag=c))
         for shard, (c, a, b, work) in zip(self.shards, self._pending, strict=True):
             if not self._averaged:
@@ -289,7 +290,7 @@ class HierarchicalSync(GradSync):
                 shard.grad = None
             update_s += time.perf_counter() - u0
             for peer in peers:
-                works.append(dist.isend(self.flat_param[a:b], dst=peer, group=g.intra_group,
+                works.append(coll.isend(self.flat_param[a:b], dst=peer, group=g.intra_group,
                                         tag=c))
         for work in works:
             self._wait(work, "intra-node all-gather")
@@ -311,9 +312,9 @@ class HierarchicalSync(GradSync):
                 continue
             a, b = self.bounds[j]
             if hi > lo:
-                works.append(dist.isend(self.flat_param[lo:hi], dst=peer, group=g.intra_group))
+                works.append(coll.isend(self.flat_param[lo:hi], dst=peer, group=g.intra_group))
             if b > a:
-                works.append(dist.irecv(self.flat_param[a:b], src=peer, group=g.intra_group))
+                works.append(coll.irecv(self.flat_param[a:b], src=peer, group=g.intra_group))
         for work in works:
             self._wait(work, "intra-node all-gather")
 

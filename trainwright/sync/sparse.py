@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainwright.dist import collective as coll
 from trainwright.sync.base import GradSync
 from trainwright.sync.dense import BucketedAllReduce
 from trainwright.sync.rowsparse import (
@@ -124,7 +125,7 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
         # every buffer is sized from the gathered counts before the first transfer
         bufs = [_pack(t, counts[r]) if r == me else
                 torch.empty(counts[r] * per_row, dtype=dtype, device=dev) for r in senders]
-        works = [dist.broadcast(buf, src=_global_rank(group, r), group=group, async_op=True)
+        works = [coll.broadcast(buf, src=_global_rank(group, r), group=group, async_op=True)
                  for r, buf in zip(senders, bufs, strict=True)]
         for w in works:
             w.wait()
@@ -150,7 +151,7 @@ def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None)
     width = math.prod(local.row_shape)
     mark = torch.zeros(local.height, dtype=torch.uint8, device=local.device)
     local.mark(mark)
-    dist.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
+    coll.all_reduce(mark, op=dist.ReduceOp.MAX, group=group)
     rows = mark.nonzero().squeeze(1)
     n = rows.numel()
     slot = union_slots(mark) if n < local.height else None
@@ -160,7 +161,7 @@ def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None)
     block = buffer[: n * width].view(n, width)
     block.zero_()
     local.scatter_into(block, slot)
-    dist.all_reduce(block, group=group)
+    coll.all_reduce(block, group=group)
     return RowSparse(rows, local.height, block.view(n, *local.row_shape))
 
 
@@ -397,7 +398,7 @@ class SparseDataParallel(nn.Module):
         src = _global_rank(process_group, 0)
         with torch.no_grad():
             for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.data, src=src, group=process_group)
+                coll.broadcast(t.data, src=src, group=process_group)
         self._auto, self._enabled, self._queued = auto_sync, True, False
         self._params = [p for p in module.parameters() if p.requires_grad]
         if auto_sync:

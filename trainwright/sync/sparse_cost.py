@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trainwright.dist import collective as coll
+
 __all__ = ["ID_BYTES", "LinkModel", "PathChoice", "calibrate", "all_gather_into",
            "size_band"]
 
 ID_BYTES = 8
 """Row ids travel as int64."""
 
-all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = coll.all_gather_into_tensor
 """The all-gather into one flat tensor (its name in this torch version)."""
 
 
@@ -196,7 +198,7 @@ def calibrate(group=None, device=None, *, chunk_bytes: int = 4 << 20,
 
     def reduce(k):
         buf = torch.ones(k, device=dev)
-        return timed(lambda: dist.all_reduce(buf, group=group))
+        return timed(lambda: coll.all_reduce(buf, group=group))
 
     t_ag0, t_ag = gather(1), gather(n)
     t_ar0, t_ar = reduce(1), reduce(4 * n)
@@ -212,5 +214,5 @@ def calibrate(group=None, device=None, *, chunk_bytes: int = 4 << 20,
         2 * (world - 1) / world * 4 * chunk_bytes / max(t_ar - t_ar0, eps),
         vals.numel() * 4 / max(t_merge, eps),
     ], dtype=torch.float64, device=dev)
-    dist.all_reduce(measured, group=group)
+    coll.all_reduce(measured, group=group)
     return LinkModel(*(measured / world).tolist())

@@ -1,0 +1,101 @@
+"""Rules on how a run is started: combinations that a valid configuration can still not be
+started with, checked before any process starts.
+
+:meth:`Config.validate <trainwright.config.core.Config.validate>` checks the keys; these rules
+also depend on the entry point (``trainwright run``, one rank of a ``torchrun`` job, or
+:func:`trainwright.fit`) and on whether the run resumes. Each refusal names why and what to
+use instead (``docs/combinations.md`` lists every pair of features).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainwright.errors import ConfigError
+
+Config = Any  # trainwright.config.core.Config, which imports this module
+
+__all__ = ["ENTRY_POINTS", "check_start", "check_ring"]
+
+ENTRY_POINTS = ("cli", "torchrun", "fit")
+"""``trainwright run`` on local processes, one rank of a torchrun/SLURM job, the Python API."""
+
+RING_VIA_FIT = ("sync.strategy = 'tokenring' runs through its own node launcher, which "
+                "trainwright.fit does not start yet; run `trainwright run --set "
+                "sync.strategy=tokenring`, or use sync.strategy = 'dense' with fit")
+RING_UNDER_TORCHRUN = ("sync.strategy = 'tokenring' under torchrun would start a separate "
+                       "local ring on every rank; run `trainwright run` (it starts "
+                       "tokenring.nodes node processes itself), or use sync.strategy = "
+                       "'dense' or 'hierarchical' with torchrun")
+RING_RESUME = ("--resume is not supported with sync.strategy = 'tokenring' (a ring run "
+               "saves model.pt, not the per-step checkpoints a resume reads); start a new run")
+HIER_RESUME = ("--resume with sync.strategy = 'hierarchical' and a stateful optimizer "
+               "(adam, adamw or SGD momentum) would restart the sharded optimizer state, "
+               "which checkpoints do not hold yet; start a new run, or use sync.strategy = "
+               "'dense' for runs you resume")
+RING_STAGES = ("sync.strategy = 'tokenring' trains the whole model on every node, so "
+               "there are no stages to {what}; remove {keys}, or use sync.strategy = 'dense' "
+               "with a pipeline")
+
+
+def moved_at(run_dir: str | Path | None) -> int | None:
+    """The first step at which a run moved layers between stages (a live migration or a
+    model edit, from its metrics.jsonl), else None."""
+    path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
+    if path is None or not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if row.get("kind") in ("repartition", "model_edit"):
+            return int(row.get("step", 0))
+    return None
+
+
+def check_ring(cfg: Config) -> None:
+    """Features of the pipeline that a token ring (one stage per node) cannot have."""
+    rb, mem = cfg.rebalance, cfg.memory
+    if rb.enabled or rb.at_step or rb.edits:
+        raise ConfigError(RING_STAGES.format(what="migrate layers between", keys=(
+            "rebalance.enabled, rebalance.at_step and rebalance.edits")))
+    if mem.peer_swap:
+        raise ConfigError(RING_STAGES.format(what="lend activation memory to",
+                                             keys="memory.peer_swap"))
+
+
+def check_start(cfg: Config, *, via: str, resume: bool = False,
+                run_dir: str | Path | None = None) -> None:
+    """Refuse a valid configuration that cannot be started this way.
+
+    Args:
+        cfg: the validated configuration.
+        via: the entry point, one of :data:`ENTRY_POINTS`.
+        resume: whether the run continues from a checkpoint.
+        run_dir: the run directory a resume continues (its metrics say whether layers moved).
+
+    Raises:
+        ConfigError: the combination is not supported; the message names the alternative.
+    """
+    if via not in ENTRY_POINTS:
+        raise ValueError(f"via must be one of {ENTRY_POINTS}, not {via!r}")
+    ring = cfg.sync.strategy == "tokenring"
+    if ring and resume:
+        raise ConfigError(RING_RESUME)
+    if ring and via == "fit":
+        raise ConfigError(RING_VIA_FIT)
+    if ring and via == "torchrun":
+        raise ConfigError(RING_UNDER_TORCHRUN)
+    t = cfg.train
+    stateful = t.optimizer != "sgd" or t.momentum
+    if resume and cfg.sync.strategy == "hierarchical" and stateful:
+        raise ConfigError(HIER_RESUME)
+    step = moved_at(run_dir) if resume else None
+    if step is not None:
+        raise ConfigError(f"--resume {run_dir}: this run moved layers between stages at step "
+                          f"{step} (live migration or a model edit), and a resumed run "
+                          f"restarts from the initial partition, which its later checkpoints "
+                          f"do not match; start a new run")
