@@ -140,6 +140,7 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
     import torch.distributed as dist
 
     from trainwright.bench.live_meter import reset_meter
+    from trainwright.dist import collective as coll
     from trainwright.run.trainer import Trainer
 
     torch.set_num_threads(spec.threads_per_rank)
@@ -155,10 +156,10 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
             cfg = _config(spec, run_dir, list(extra), steps)
             if rank == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
-            dist.barrier()
+            coll.barrier()
             Trainer(cfg, run_dir).fit()
             m.stop_steps()
-            dist.barrier()
+            coll.barrier()
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             out.append(_run_record(name, rows, m.peak_bytes, rank, world_size, spec))
     finally:
