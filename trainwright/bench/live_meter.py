@@ -25,8 +25,9 @@ environment picks its cut and wrapping (so the same factory serves spawned ranks
 - ``TW_BENCH_CHECKPOINT=1,4,7``: wrap these layer indices in ``torch.utils.checkpoint``;
 - ``TW_BENCH_METER=1``: wrap every layer in :class:`Metered`;
 - ``TW_BENCH_METER_DIR=DIR``: also write ``DIR/rank{RANK}.json`` whenever the peak rises;
-- ``TW_BENCH_METER_STEPS=N``: with :func:`bench_data` as ``data.factory``, meter only the
-  first ``N`` steps, so the steps after them (the timed ones) run at full speed.
+- ``TW_BENCH_METER_STEPS=N``: with :func:`bench_data` as ``data.factory``, meter steps 2
+  to ``N`` only (step 1 when ``N`` is 1), so the steps after them (the timed ones) run at
+  full speed.
 """
 
 from __future__ import annotations
@@ -223,10 +224,11 @@ class _MeteredSteps:
         self.data, self.last = data, last
 
     def batch(self, step: int, batch_size: int):
-        """The corpus's batch; the meter counts steps 1 to ``last`` whole (not the set-up
-        before them, nor the steps after them)."""
+        """The corpus's batch; the meter counts steps 2 to ``last`` whole (step 1 only when
+        ``last`` is 1): not the set-up, nor the one-off work of step 1 (a memory planner
+        profiles the whole model there), nor the timed steps after ``last``."""
         if self.last:
-            if step <= self.last:
+            if min(2, self.last) <= step <= self.last:
                 meter().start_steps()
             else:
                 meter().stop_steps()
