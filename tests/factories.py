@@ -97,3 +97,27 @@ class NumberAcrossLayers(nn.Module):
 def number_across_layers():
     """A model whose cut would pass a Python number between layers (refused at start)."""
     return NumberAcrossLayers(), (torch.randn(4, 16),)
+
+
+class PosTable(nn.Module):
+    """Adds the first ``T`` rows of a position table to ``x (B, T, d)``: an ``nn.Embedding``
+    in the middle of the model (row-sparse gradient: ``T`` of ``rows`` rows), so it can
+    migrate between stages (sparse sync tests)."""
+
+    def __init__(self, rows: int = 64, d: int = 32):
+        super().__init__()
+        self.pos = nn.Embedding(rows, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos(torch.arange(x.shape[1], device=x.device))
+
+
+def token_model(cfg):
+    """tokens -> embedding -> position table -> 2 x (linear, tanh) -> logits (5 layers)."""
+    from collections import OrderedDict
+
+    d = cfg.model.d_model
+    return nn.Sequential(OrderedDict(
+        tok=nn.Embedding(256, d), pos=PosTable(4 * cfg.model.context, d),
+        mix1=nn.Sequential(nn.Linear(d, d), nn.Tanh()),
+        mix2=nn.Sequential(nn.Linear(d, d), nn.Tanh()), head=nn.Linear(d, 256)))

@@ -31,18 +31,15 @@ RING_UNDER_TORCHRUN = ("sync.strategy = 'tokenring' under torchrun would start a
                        "'dense' or 'hierarchical' with torchrun")
 RING_RESUME = ("--resume is not supported with sync.strategy = 'tokenring' (a ring run "
                "saves model.pt, not the per-step checkpoints a resume reads); start a new run")
-HIER_RESUME = ("--resume with sync.strategy = 'hierarchical' and a stateful optimizer "
-               "(adam, adamw or SGD momentum) would restart the sharded optimizer state, "
-               "which checkpoints do not hold yet; start a new run, or use sync.strategy = "
-               "'dense' for runs you resume")
 RING_STAGES = ("sync.strategy = 'tokenring' trains the whole model on every node, so "
                "there are no stages to {what}; remove {keys}, or use sync.strategy = 'dense' "
                "with a pipeline")
 
 
-def moved_at(run_dir: str | Path | None) -> int | None:
-    """The first step at which a run moved layers between stages (a live migration or a
-    model edit, from its metrics.jsonl), else None."""
+def edited_at(run_dir: str | Path | None) -> int | None:
+    """The first step at which a run edited its model (``rebalance.edits``, from its
+    metrics.jsonl), else None. A live migration alone resumes: checkpoints hold the
+    partition reached."""
     path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
     if path is None or not path.exists():
         return None
@@ -51,7 +48,7 @@ def moved_at(run_dir: str | Path | None) -> int | None:
             row = json.loads(line)
         except ValueError:  # a line cut short by a crash
             continue
-        if row.get("kind") in ("repartition", "model_edit"):
+        if row.get("kind") == "model_edit":
             return int(row.get("step", 0))
     return None
 
@@ -89,13 +86,9 @@ def check_start(cfg: Config, *, via: str, resume: bool = False,
         raise ConfigError(RING_VIA_FIT)
     if ring and via == "torchrun":
         raise ConfigError(RING_UNDER_TORCHRUN)
-    t = cfg.train
-    stateful = t.optimizer != "sgd" or t.momentum
-    if resume and cfg.sync.strategy == "hierarchical" and stateful:
-        raise ConfigError(HIER_RESUME)
-    step = moved_at(run_dir) if resume else None
+    step = edited_at(run_dir) if resume else None
     if step is not None:
-        raise ConfigError(f"--resume {run_dir}: this run moved layers between stages at step "
-                          f"{step} (live migration or a model edit), and a resumed run "
-                          f"restarts from the initial partition, which its later checkpoints "
-                          f"do not match; start a new run")
+        raise ConfigError(f"--resume {run_dir}: this run edited its model at step {step} "
+                          f"(rebalance.edits), and a resumed run rebuilds the model from "
+                          f"model.factory, which its later checkpoints do not match; start a "
+                          f"new run")

@@ -201,11 +201,6 @@ class Config(BaseModel):
             if isinstance(v, bool) or not isinstance(v, (int, str)) or parse_bytes(v) <= 0:
                 raise ConfigError(f"hierarchical.available_memory = {mem!r}: write a size such "
                                   f"as \"8GiB\", or a list with one size per local rank")
-        rb = self.rebalance
-        if self.sync.strategy == "hierarchical" and (rb.enabled or rb.at_step or rb.edits):
-            raise ConfigError("sync.strategy = 'hierarchical' shards a stage's parameters, so "
-                              "layers cannot migrate; set rebalance.enabled = false (and no "
-                              "rebalance.at_step / edits), or use sync.strategy = 'dense'")
 
     def validate_tokenring(self) -> None:
         """Rules of ``sync.strategy = "tokenring"`` (plain data parallel over ring nodes)."""

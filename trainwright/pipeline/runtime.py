@@ -142,8 +142,9 @@ class PipelineRuntime:
                 self.p2p.send(self.prev_rank, "grad", mb, grads_out.pop(mb))
             elif k == "SYNC":
                 self.p2p.wait_sends()
-                if migration is not None:
+                if migration is not None:  # the layers changed: the exchange follows them
                     migration.ctrl.wait_sends()
+                    self.grad_sync.attach([slot.module for slot in st.slots])
                 self.grad_sync.sync(st.parameters())
             elif k == "STEP":
                 self.grad_sync.step(st.slots)

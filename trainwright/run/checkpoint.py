@@ -1,48 +1,133 @@
-"""Per-stage checkpoints keyed by layer, written atomically.
+"""Checkpoints that hold a run's whole state, under global names, with
+``torch.distributed.checkpoint`` (DCP).
 
-Layout: ``RUN_DIR/checkpoints/step_000120/stage_0.pt`` (one file per stage, written by
-replica 0 of that stage) and ``RUN_DIR/checkpoints/latest`` naming the last complete one,
-written by rank 0 only after every stage file is in place. State is keyed by the layer's
-index in the whole model, so a checkpoint loads into any partition of the same model.
+Layout: ``RUN_DIR/checkpoints/step_000120/`` is one DCP checkpoint (``.metadata`` plus the
+``*.distcp`` files every rank wrote), ``meta.json`` beside it (step, ``pp x dp``, the
+partition a migration reached, a pending re-partition target), and
+``RUN_DIR/checkpoints/latest`` names the last complete one (rank 0 moves it after DCP's
+save returned, i.e. after every rank's files and the metadata are in place).
+
+Every entry is named by what it is, never by who wrote it, so resuming at another
+``pp x dp`` is a re-mapping: each rank asks DCP for the entries of the layers it holds.
+
+* ``model.layer{i}.{name}``: layer ``i``'s parameters and buffers (replicas write one copy:
+  DCP de-duplicates equal names);
+* ``optim.layer{i}.{param}.{key}`` and ``optim.layer{i}.param_groups``: layer ``i``'s
+  optimizer state, per parameter (a sharded optimizer gathers its state into this form
+  first, :meth:`~trainwright.sync.base.GradSync.full_state`);
+* ``extra.{name}`` (``extra.{name}.rank{r}`` when per rank): any object with
+  ``state_dict()`` / ``load_state_dict()`` registered with
+  :meth:`~trainwright.run.trainer.Trainer.register_state` (LR scheduler, grad scaler,
+  a stateful data source);
+* ``rng.rank{r}``: each rank's torch (CPU and CUDA), Python and NumPy RNG states, restored
+  when the job resumes with the same number of ranks.
+
+The data position is the step: every dataset is a function of the step number.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import random
+import shutil
+import sys
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from trainwright.pipeline.stage import LayerSlot
 
-__all__ = ["stage_state", "save_stage", "mark_latest", "latest_step", "load_layers", "prune"]
+__all__ = ["layer_state", "rng_state", "extra_state", "save", "write_meta", "read_meta",
+           "mark_latest", "latest_step", "load_layers", "load_state", "prune"]
+
+log = logging.getLogger(__name__)
 
 
 def _dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def stage_state(slots: list[LayerSlot]) -> dict:
-    """Model and optimizer state of a stage's layers, keyed by layer index."""
-    return {
-        "layers": {s.index: s.module.state_dict() for s in slots},
-        "optim": {s.index: s.optimizer.state_dict() for s in slots if s.optimizer is not None},
-    }
+def _opaque(value) -> tuple:
+    """Wrap a non-tensor value so DCP stores it as one pickled item (it walks into dicts)."""
+    return (value,)
 
 
-def save_stage(run_dir: Path, step: int, stage: int, slots: list[LayerSlot]) -> Path:
-    """Write ``stage``'s state for ``step`` through a temporary file and a rename."""
+# ----------------------------------------------------------------------------- writing
+
+def _optimizer_entries(slot: LayerSlot) -> dict:
+    opt, prefix = slot.optimizer, f"optim.layer{slot.index}"
+    names = {id(p): n for n, p in slot.module.named_parameters()}
+    ordered = [p for g in opt.param_groups for p in g["params"]]
+    sd = opt.state_dict()
+    out: dict = {f"{prefix}.param_groups": _opaque(
+        [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])}
+    for i, st in sd["state"].items():
+        name = names[id(ordered[i])]
+        for key, v in st.items():
+            out[f"{prefix}.{name}.{key}"] = v if isinstance(v, torch.Tensor) else _opaque(v)
+    return out
+
+
+def layer_state(slots: list[LayerSlot]) -> dict:
+    """Parameters, buffers and optimizer state of ``slots`` under global names."""
+    out: dict = {}
+    for slot in slots:
+        for k, v in slot.module.state_dict().items():
+            out[f"model.layer{slot.index}.{k}"] = v
+        if slot.optimizer is not None:
+            out.update(_optimizer_entries(slot))
+    return out
+
+
+def rng_state(rank: int) -> dict:
+    """This rank's RNG states (torch CPU and CUDA, Python, NumPy when imported)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    np_state = sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None
+    return {f"rng.rank{rank}": _opaque((torch.get_rng_state(), cuda, random.getstate(),
+                                        np_state))}
+
+
+def extra_state(objects: dict[str, tuple[object, bool]], rank: int) -> dict:
+    """``extra.*`` entries of the registered ``{name: (object, per_rank)}``."""
+    return {_extra_key(name, per_rank, rank): _opaque(obj.state_dict())
+            for name, (obj, per_rank) in objects.items()}
+
+
+def _extra_key(name: str, per_rank: bool, rank: int) -> str:
+    return f"extra.{name}.rank{rank}" if per_rank else f"extra.{name}"
+
+
+def save(run_dir: Path, step: int, state: dict) -> Path:
+    """Write this rank's ``state`` into the checkpoint of ``step``; collective over the
+    default group when there is one (every rank calls it, each with its own entries)."""
     d = _dir(run_dir, step)
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"stage_{stage}.pt"
-    tmp = d / f".stage_{stage}.pt.tmp"
-    torch.save(stage_state(slots), tmp)
-    os.replace(tmp, path)
-    return path
+    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save(state, checkpoint_id=d, no_dist=not dist.is_initialized())
+    return d
+
+
+def write_meta(run_dir: Path, step: int, meta: dict) -> None:
+    """Rank 0: the small facts needed before the layers are built (partition, mesh)."""
+    tmp = _dir(run_dir, step) / ".meta.json.tmp"
+    tmp.write_text(json.dumps({"step": step, **meta}) + "\n")
+    os.replace(tmp, _dir(run_dir, step) / "meta.json")
+
+
+def read_meta(run_dir: Path, step: int) -> dict:
+    """``meta.json`` of a checkpoint ({} for one written before it existed)."""
+    f = _dir(run_dir, step) / "meta.json"
+    return json.loads(f.read_text()) if f.exists() else {}
 
 
 def mark_latest(run_dir: Path, step: int) -> None:
-    """Point ``latest`` at ``step`` (call after every stage file is written)."""
+    """Point ``latest`` at ``step`` (call after every rank's part is written)."""
     ck = Path(run_dir) / "checkpoints"
     tmp = ck / ".latest.tmp"
     tmp.write_text(f"{step}\n")
@@ -55,30 +140,134 @@ def latest_step(run_dir: Path) -> int | None:
     return int(f.read_text().strip()) if f.exists() else None
 
 
-def load_layers(run_dir: Path, step: int, slots: list[LayerSlot]) -> None:
-    """Load model and optimizer state for ``slots`` from the checkpoint of ``step``.
+def prune(run_dir: Path, keep: int = 2) -> None:
+    """Delete all but the newest ``keep`` checkpoints."""
+    dirs = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+    for d in dirs[:-keep]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- reading
+
+def _template(stored: dict, key: str, live=None):
+    """Where DCP loads ``key``: the live tensor (in place), or a fresh one / placeholder."""
+    if live is not None:
+        return live
+    md = stored[key]
+    if hasattr(md, "size") and hasattr(md, "properties"):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    return None
+
+
+def _layer_requests(stored: dict, slots: list[LayerSlot], with_optim: bool,
+                    where: str) -> dict:
+    want: dict = {}
+    for slot in slots:
+        for k, v in slot.module.state_dict().items():
+            key = f"model.layer{slot.index}.{k}"
+            if key not in stored:
+                raise FileNotFoundError(f"checkpoint {where} has no {key} (layer {slot.index}, "
+                                        f"{slot.name}); was it written by a different model?")
+            want[key] = v
+        if with_optim and slot.optimizer is not None:
+            prefix = f"optim.layer{slot.index}."
+            want.update({k: _template(stored, k) for k in stored if k.startswith(prefix)})
+    return want
+
+
+def _load_optimizer(slot: LayerSlot, got: dict) -> None:
+    prefix = f"optim.layer{slot.index}."
+    if prefix + "param_groups" not in got:
+        return
+    opt = slot.optimizer
+    names = {id(p): n for n, p in slot.module.named_parameters()}
+    ordered = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    state = {}
+    for i, name in enumerate(ordered):
+        pre = f"{prefix}{name}."
+        st = {k[len(pre):]: (v[0] if isinstance(v, tuple) else v)
+              for k, v in got.items() if k.startswith(pre) and "." not in k[len(pre):]}
+        if st:
+            state[i] = st
+    groups = got[prefix + "param_groups"][0]
+    current = opt.state_dict()["param_groups"]
+    opt.load_state_dict({"state": state, "param_groups": [
+        {**g, "params": c["params"]} for g, c in zip(groups, current, strict=True)]})
+
+
+def load_state(run_dir: Path, step: int, slots: list[LayerSlot], *, with_optim: bool = True,
+               objects: dict[str, tuple[object, bool]] | None = None,
+               rank: int | None = None, mesh: tuple[int, int] | None = None) -> list[str]:
+    """Load what ``slots`` (and the registered ``objects``, and this rank's RNG states when
+    the checkpoint was written at the same ``(pp, dp)`` mesh) need from the checkpoint of
+    ``step``. Collective when a process group exists. Returns what was not restored.
 
     Raises:
         FileNotFoundError: the checkpoint lacks one of the layers (different model).
     """
+    d = _dir(run_dir, step)
+    if not (d / ".metadata").exists() and list(d.glob("stage_*.pt")):
+        return _load_legacy(d, slots)
+    stored = dcp.FileSystemReader(d).read_metadata().state_dict_metadata
+    want = _layer_requests(stored, slots, with_optim, str(d))
+    missing = []
+    for name, (_, per_rank) in (objects or {}).items():
+        key = _extra_key(name, per_rank, rank or 0)
+        if key in stored:
+            want[key] = None
+        else:
+            missing.append(name)
+    meta = read_meta(run_dir, step)
+    rng_key = f"rng.rank{rank}"
+    same_mesh = rank is not None and (meta.get("pp"), meta.get("dp")) == mesh
+    if same_mesh and rng_key in stored:
+        want[rng_key] = None
+    elif rank is not None:
+        missing.append("rng")
+    with warnings.catch_warnings():  # one process (load_model): DCP says so every time
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(want, checkpoint_id=d, no_dist=not dist.is_initialized())
+    if with_optim:
+        for slot in slots:
+            if slot.optimizer is not None:
+                _load_optimizer(slot, want)
+    for name, (obj, per_rank) in (objects or {}).items():
+        key = _extra_key(name, per_rank, rank or 0)
+        if key in want:
+            obj.load_state_dict(want[key][0])
+    if rng_key in want:
+        _set_rng(want[rng_key][0])
+    return missing
+
+
+def _set_rng(states: tuple) -> None:
+    cpu, cuda, py, np_state = states
+    torch.set_rng_state(cpu)
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    random.setstate(py)
+    if np_state is not None and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(np_state)
+
+
+def load_layers(run_dir: Path, step: int, slots: list[LayerSlot]) -> None:
+    """Load model (and optimizer, where ``slots`` have one) state for ``slots`` from the
+    checkpoint of ``step``; one process or every rank of a group."""
+    load_state(run_dir, step, slots)
+
+
+def _load_legacy(d: Path, slots: list[LayerSlot]) -> list[str]:
+    """Checkpoints written before DCP: one ``stage_S.pt`` per stage, keyed by layer."""
     merged: dict = {"layers": {}, "optim": {}}
-    for f in sorted(_dir(run_dir, step).glob("stage_*.pt")):
+    for f in sorted(d.glob("stage_*.pt")):
         state = torch.load(f, map_location="cpu", weights_only=True)
         merged["layers"].update(state["layers"])
         merged["optim"].update(state["optim"])
     for s in slots:
         if s.index not in merged["layers"]:
-            raise FileNotFoundError(f"checkpoint step {step} in {run_dir} has no layer {s.index} "
-                                    f"({s.name}); was it written by a different model?")
+            raise FileNotFoundError(f"checkpoint {d} has no layer {s.index} ({s.name}); was "
+                                    f"it written by a different model?")
         s.module.load_state_dict(merged["layers"][s.index])
         if s.optimizer is not None and s.index in merged["optim"]:
             s.optimizer.load_state_dict(merged["optim"][s.index])
-
-
-def prune(run_dir: Path, keep: int = 2) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
-    dirs = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
-    for d in dirs[:-keep]:
-        for f in d.iterdir():
-            f.unlink()
-        d.rmdir()
+    return ["rng", "partition"]

@@ -106,6 +106,8 @@ class Trainer:
         self.build_layers = layers or (lambda: build_layers(cfg))
         self.data = data if data is not None else build_data(cfg)
         self.shard = shard or (self.topo.replica, self.topo.dp)
+        self.checkpointed: dict[str, tuple[object, bool]] = {}
+        """Objects whose ``state_dict()`` checkpoints hold (see :meth:`register_state`)."""
         named = self._setup_layers(resume)
         self._setup_stage(profiler or LayerProfiler())
         self._setup_schedule(named, peer_plan, peer_group)
@@ -114,6 +116,7 @@ class Trainer:
         self._setup_rebalancer(named)
         self._setup_memory_budget()
         self._setup_telemetry([n for n, _ in named])
+        self._setup_resume()
 
     # ------------------------------------------------------------------ set-up steps
     def _setup_layers(self, resume: bool) -> NamedLayers:
@@ -121,7 +124,8 @@ class Trainer:
         cfg, s = self.cfg, self.topo.stage
         named = self.build_layers()
         cfg.check_layers(len(named))
-        self.parts = cfg.partition(len(named))
+        self.resumed = checkpoint.latest_step(self.run_dir) if resume else None
+        self.parts = self._resumed_partition(len(named)) or cfg.partition(len(named))
         first = sum(self.parts[:s])
         self.slots = []
         for i in range(first, first + self.parts[s]):
@@ -129,13 +133,52 @@ class Trainer:
             module.to(self.device)
             self.slots.append(LayerSlot(i, name, module, self.make_optimizer(
                 list(module.parameters()))))
-        self.start = 1
-        done = checkpoint.latest_step(self.run_dir) if resume else None
-        if done is not None:
-            checkpoint.load_layers(self.run_dir, done, self.slots)
-            self.start = done + 1
-            log.info("resumed from the checkpoint of step %d", done)
+        self.start = 1 if self.resumed is None else self.resumed + 1
+        if hasattr(self.data, "state_dict") and hasattr(self.data, "load_state_dict"):
+            self.register_state("data", self.data)
         return named
+
+    def _resumed_partition(self, n_layers: int) -> list[int] | None:
+        """The partition the resumed run had reached (a migration may have moved layers),
+        when it ran with as many stages as this one."""
+        if self.resumed is None:
+            return None
+        meta = checkpoint.read_meta(self.run_dir, self.resumed)
+        parts = meta.get("partition")
+        if parts and len(parts) == self.cfg.parallel.pp and sum(parts) == n_layers:
+            return list(parts)
+        if parts:
+            log.info("checkpoint of step %d was written at pp=%s x dp=%s; this run has "
+                     "pp=%d x dp=%d: layers re-partitioned as configured", self.resumed,
+                     meta.get("pp"), meta.get("dp"), self.topo.pp, self.topo.dp)
+        return None
+
+    def register_state(self, name: str, obj, per_rank: bool = False) -> None:
+        """Checkpoint ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``, e.g.
+        an LR scheduler or a grad scaler) with the run, and restore it on resume. Register
+        in a set-up step (the resumed state is loaded after the last one). ``per_rank``:
+        each rank keeps its own (restored only at the same number of ranks); otherwise
+        it is the same on every rank and stored once."""
+        self.checkpointed[name] = (obj, per_rank)
+
+    def _setup_resume(self) -> None:
+        """Last set-up step: parameters, optimizer state (every layer's, sharded ones
+        included), registered objects, RNG states and any re-partition still under way,
+        from the checkpoint being resumed."""
+        if self.resumed is None:
+            return
+        topo = self.topo
+        missing = checkpoint.load_state(self.run_dir, self.resumed, self.stage.slots,
+                                        objects=self.checkpointed, rank=topo.rank,
+                                        mesh=(topo.pp, topo.dp))
+        meta = checkpoint.read_meta(self.run_dir, self.resumed)
+        target = meta.get("rebalance_target")
+        if self.rebalancer is not None and target and len(target) == topo.pp:
+            self.rebalancer.set_target(target, "resumed while re-partitioning")
+        if missing and topo.rank == 0:
+            log.info("resumed step %d without: %s (%s)", self.resumed, ", ".join(missing),
+                     "another pp x dp" if "rng" in missing else "not in the checkpoint")
+        log.info("resumed from the checkpoint of step %d", self.resumed)
 
     def make_optimizer(self, params: list) -> torch.optim.Optimizer | None:
         """The configured optimizer over ``params`` (layers created or moved later too)."""
@@ -179,7 +222,7 @@ class Trainer:
     def _setup_grad_sync(self, grad_sync: GradSync | None) -> None:
         """The gradient exchange across replicas, told which layers this stage holds."""
         self.sync = grad_sync or make_grad_sync(self.cfg, self.topo)
-        self.sync.attach([slot.module for slot in self.slots])
+        self.sync.attach([slot.module for slot in self.stage.slots])
 
     def _p2p(self, group) -> P2P:
         topo, rt = self.topo, self.cfg.runtime
@@ -314,11 +357,12 @@ class Trainer:
         edits = self.edit_hook(step) if self.edit_hook is not None else []
         if not edits:
             return
+        self.sync.layers_changing(self.stage.slots)
         self.parts = self.rebalancer.apply_edits(
             edits, stage=self.stage, stage_index=self.topo.stage, catalog=self.catalog,
             device=self.device, seed=self.cfg.train.seed + step,
             make_optimizer=self.make_optimizer)
-        self.sync.attach([slot.module for slot in self.slots])
+        self.sync.attach([slot.module for slot in self.stage.slots])
         self.budget.on_layers_changed()
         if self.recorder is not None:
             self.recorder.write("model_edit", step=step, partition=self.parts,
@@ -332,6 +376,8 @@ class Trainer:
         ms = self.rebalancer.migration_for(step)
         if ms is None:
             return None
+        if any(self.topo.stage in (m.giver, m.receiver) for m in ms.moves):
+            self.sync.layers_changing(self.stage.slots)  # optimizer state travels with layers
         return Migration(ms, self.topo.stage, self.stage, self.rebalancer.ctrl,
                          self.topo.rank_of, self.catalog, self.make_optimizer, self.device)
 
@@ -340,7 +386,7 @@ class Trainer:
         old, self.parts = self.rebalancer.step_done()
         stats.migration.update(old=old, new=self.parts)
         if any(self.topo.stage in (m.giver, m.receiver) for m in migration.plan.moves):
-            self.sync.attach([slot.module for slot in self.slots])
+            self.sync.attach([slot.module for slot in self.stage.slots])
             if self.budget.on_layers_changed() is not None:  # seed 000: re-plan after a move
                 stats.memory_plan = self._plan_record()
 
@@ -406,12 +452,19 @@ class Trainer:
                 "layers": budget.rows()}
 
     def _checkpoint(self, step: int) -> None:
+        """Every rank writes its layers' state, RNG states and registered objects (DCP,
+        collective); rank 0 then records the partition and moves ``latest``."""
         topo = self.topo
-        if topo.replica == 0:
-            checkpoint.save_stage(self.run_dir, step, topo.stage, self.stage.slots)
-        if dist.is_initialized():
-            coll.barrier()  # every stage file exists before `latest` moves
+        with self.sync.full_state(self.stage.slots):
+            state = checkpoint.layer_state(self.stage.slots)
+        state.update(checkpoint.rng_state(topo.rank))
+        state.update(checkpoint.extra_state(self.checkpointed, topo.rank))
+        checkpoint.save(self.run_dir, step, state)
         if topo.rank == 0:
+            target = self.rebalancer.target if self.rebalancer is not None else None
+            checkpoint.write_meta(self.run_dir, step, dict(
+                pp=topo.pp, dp=topo.dp, world_size=topo.world_size, partition=self.parts,
+                rebalance_target=target))
             checkpoint.mark_latest(self.run_dir, step)
             checkpoint.prune(self.run_dir)
 

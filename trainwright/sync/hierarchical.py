@@ -29,11 +29,12 @@ Nodes, their groups and the slice sizes live in :mod:`trainwright.sync.hier_layo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -57,6 +58,12 @@ from trainwright.sync.hier_layout import (
     slice_bounds,
 )
 from trainwright.sync.hier_shards import assemble_flat, covering_shards
+from trainwright.sync.hier_state import (
+    clear_layer_state,
+    export_layer_state,
+    import_layer_state,
+    sub_shards,
+)
 
 __all__ = ["NodeLayout", "HierGroups", "node_layout", "create_groups", "slice_bounds",
            "free_memory", "measure_speed", "HierarchicalSync", "HierarchicalDataParallel",
@@ -97,8 +104,13 @@ class HierarchicalSync(GradSync):
         self.flat_grad: torch.Tensor | None = None
         self.pieces: list[list[tuple[int, int]]] = []
         """Per slice, its ``chunks`` pieces ``[a, b)`` (the unit of overlap)."""
+        self.offsets: list[int] = []
+        """Start of each parameter in the flat vector."""
         self.shards: list[nn.Parameter] = []
-        """The owned slice's non-empty pieces, as parameters aliasing ``flat_param``."""
+        """The owned slice cut at piece and parameter boundaries (sub-shards), as parameters
+        aliasing ``flat_param``; ``shard_map`` says where each one lies."""
+        self.shard_map: list[tuple[int, int, int, int]] = []
+        self._import_pending = False
         self._pending: list | None = None
         self._averaged = False
         self.optimizer: torch.optim.Optimizer | None = None
@@ -126,8 +138,10 @@ class HierarchicalSync(GradSync):
             raise ConfigError(f"hierarchical sync needs one dtype and device for all parameters "
                               f"of a stage, found {sorted(map(str, dtypes))}")
         device = params[0].device
-        self.weights = list(weights) if weights is not None else \
-            resolve_weights(self.cfg, self.groups, device)
+        if weights is not None:
+            self.weights = list(weights)
+        elif not self.weights:  # agreed once; a change of layers re-cuts the same proportions
+            self.weights = resolve_weights(self.cfg, self.groups, device)
         numel = sum(p.numel() for p in params)
         self.bounds = slice_bounds(numel, self.weights, self.cfg.align)
         with torch.no_grad():
@@ -142,12 +156,54 @@ class HierarchicalSync(GradSync):
                 p.grad = self.flat_grad[off : off + n].view_as(p)
                 off += n
         self.params = params
+        sizes = [p.numel() for p in params]
+        self.offsets = [sum(sizes[:j]) for j in range(len(sizes))]
         self.pieces = [_pieces(lo, hi, self.cfg.chunks) for lo, hi in self.bounds]
-        # one parameter per piece, aliasing the flat buffer: a piece can be updated (and its
-        # all-gather started) as soon as its inter-node all-reduce is done
-        self.shards = [nn.Parameter(self.flat_param[a:b])
-                       for a, b in self.pieces[self.groups.local] if b > a]
+        # sub-shards alias the flat buffer: a piece can be updated (and its all-gather
+        # started) as soon as its inter-node all-reduce is done; cutting at parameter
+        # boundaries too gives every parameter's share its own optimizer state
+        self.shard_map = sub_shards(self.pieces[self.groups.local], self.offsets, sizes)
+        self.shards = [nn.Parameter(self.flat_param[a:b]) for _, _, a, b in self.shard_map]
         self.optimizer = self.make_optimizer(self.shards) if self.shards else None
+        self._import_pending = True
+
+    # --- following the stage's layers -------------------------------------------------
+    def attach(self, modules: list) -> None:
+        """The stage's layers; when they differ from the flat buffers' (a migration or a
+        model edit), the buffers and slices are rebuilt at the next :meth:`sync`."""
+        params = [p for m in modules for p in m.parameters()]
+        if self.flat_param is None or [id(p) for p in params] == [id(p) for p in self.params]:
+            return
+        if self.optimizer is not None and self.optimizer.state:
+            raise RuntimeError("the stage's layers changed while the sharded optimizer still "
+                               "holds their state; call layers_changing(slots) before the "
+                               "change")
+        self.flat_param = self.flat_grad = None
+
+    def layers_changing(self, slots: list) -> None:
+        """The stage's layers are about to change: hand every parameter's optimizer state
+        back to its layer's own optimizer (so it can migrate with the layer) and rebuild the
+        slices at the next :meth:`sync`. Collective within the sync group."""
+        if self.flat_param is None:
+            return
+        export_layer_state(self, slots)
+        self.optimizer = None
+        self.flat_param = self.flat_grad = None
+        self.shards, self.shard_map = [], []
+
+    @contextlib.contextmanager
+    def full_state(self, slots: list) -> Iterator[None]:
+        """Inside: every layer's own optimizer holds its full state (gathered from the
+        node), e.g. for a checkpoint; afterwards the sharded copy is again the only one.
+        Collective within the sync group."""
+        if self.flat_param is None or self._import_pending:
+            yield  # nothing sharded yet: the layers' optimizers already hold the state
+            return
+        export_layer_state(self, slots)
+        try:
+            yield
+        finally:
+            clear_layer_state(slots)
 
     def _gather_grads(self) -> None:
         """Make every parameter's gradient the view into ``flat_grad`` (copy if replaced)."""
@@ -238,6 +294,9 @@ class HierarchicalSync(GradSync):
         t0 = time.perf_counter()
         if self.flat_param is None:
             self.setup(list(params))
+        elif [id(p) for p in params] != [id(p) for p in self.params]:
+            raise RuntimeError("HierarchicalSync.sync() got other parameters than its flat "
+                               "buffers hold; call attach(modules) when the layers change")
         self._gather_grads()
         if self.groups.layout.ranks_per_node > 1:
             self._pending = (self._reduce_scatter_p2p() if self.intra == "p2p"
@@ -265,11 +324,15 @@ class HierarchicalSync(GradSync):
     def step(self, slots: list | None = None) -> None:
         """Per piece of the owned slice: wait for its all-reduce, update it (optimizer state
         for the owned slice only), send it to the node's other ranks; then wait for theirs
-        and clear the gradients. ``slots`` (the pipeline's layers) are ignored: their own
-        optimizers are replaced by the sharded one."""
+        and clear the gradients. ``slots`` (the pipeline's layers): the first step after
+        the slices were (re)built takes the state their own optimizers hold (a resumed
+        checkpoint, layers that migrated here) into the shards."""
         if self._pending is None:
             raise RuntimeError("HierarchicalSync.step() without sync(): call sync() after "
                                "backward")
+        if self._import_pending and self.optimizer is not None and slots:
+            import_layer_state(self, slots)
+        self._import_pending = False
         t0 = time.perf_counter()
         g, me, update_s = self.groups, self.groups.local, 0.0
         works = []
@@ -280,14 +343,18 @@ class HierarchicalSync(GradSync):
                     if b > a:
                         works.append(coll.irecv(self.flat_param[a:b], src=peer,
                                                 group=g.intra_group, tag=c))
-        for shard, (c, a, b, work) in zip(self.shards, self._pending, strict=True):
+        for c, a, b, work in self._pending:
             if not self._averaged:
                 self._finish_piece(a, b, work)
             u0 = time.perf_counter()
+            mine = [(shard, sa, sb) for shard, (sc, _, sa, sb)
+                    in zip(self.shards, self.shard_map, strict=True) if sc == c]
             with torch.no_grad():
-                shard.grad = self.flat_grad[a:b]
-                self.optimizer.step()  # the pieces without .grad are skipped
-                shard.grad = None
+                for shard, sa, sb in mine:
+                    shard.grad = self.flat_grad[sa:sb]
+                self.optimizer.step()  # the sub-shards of other pieces have no .grad
+                for shard, _, _ in mine:
+                    shard.grad = None
             update_s += time.perf_counter() - u0
             for peer in peers:
                 works.append(coll.isend(self.flat_param[a:b], dst=peer, group=g.intra_group,
@@ -358,7 +425,7 @@ class HierarchicalSync(GradSync):
         per_piece = [sd["state"].get(i, {}) for i in range(len(self.shards))]
         merged: dict = {}
         for key, t in per_piece[0].items():
-            if isinstance(t, torch.Tensor) and t.shape == self.shards[0].shape:
+            if isinstance(t, torch.Tensor) and t.dim() == 1:
                 merged[key] = torch.cat([st[key].reshape(-1) for st in per_piece])
             else:  # e.g. Adam's step count: equal for every piece
                 merged[key] = t
@@ -393,13 +460,14 @@ class HierarchicalSync(GradSync):
                 else:
                     new_state[key] = t
         if groups_state and new_state and self.optimizer is not None:
-            mine = [(a - lo, b - lo) for a, b in self.pieces[self.groups.local] if b > a]
+            mine = [(a - lo, b - lo) for _, _, a, b in self.shard_map]
             # clone everything: torch optimizers update state in place (Adam's step too)
             state = {i: {k: (v[a:b] if v.shape == (hi - lo,) else v).clone()
                          if isinstance(v, torch.Tensor) else v for k, v in new_state.items()}
                      for i, (a, b) in enumerate(mine)}
             groups = [{**groups_state[0], "params": list(range(len(mine)))}]
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            self._import_pending = False
         self.all_gather()
 
 
