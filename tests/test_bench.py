@@ -81,23 +81,41 @@ def test_saved_tensor_meter_counts_what_autograd_keeps():
     assert meter.bytes == 0 and meter.peak_bytes == 2 * 4 * 8 * 4
 
 
-@pytest.mark.timeout(600)
-def test_bench_memory_runs_and_planned_stages_fit():
-    from trainwright.bench.memory import MemoryBenchSpec
+@pytest.mark.timeout(900)
+def test_bench_memory_runs_and_keys_come_from_its_rows():
+    import statistics
+
+    from trainwright.bench.memory import MemoryBenchSpec, checkpoint_candidates
     from trainwright.bench.memory import run as run_memory
 
-    spec = MemoryBenchSpec(d_model=32, n_heads=2, context=16, micro_batch_size=2, steps=2)
-    result = run_memory(spec, repeats=1, deepspeed=False)
-    for key in ("unconstrained_peak_bytes", "limit_bytes", "ratio_vs_checkpoint_all"):
-        assert key in result
-    rows = {r["system"]: r for r in result["rows"]}
-    assert set(rows) == {"keep", "greedy", "optimal", "optimal_no_swap", "checkpoint_all"}
-    assert result["limit_bytes"] == result["unconstrained_peak_bytes"][0] // 2
-    for name in ("greedy", "optimal", "optimal_no_swap"):
-        assert all(p <= result["limit_bytes"] for p in rows[name]["peak_bytes_per_stage"])
-        assert rows[name]["fits"]
-    assert "swap" not in {p for ps in rows["optimal_no_swap"]["policies"].values() for p in ps}
-    for name in ("greedy", "optimal", "optimal_no_swap", "checkpoint_all"):  # same as keep
+    spec = MemoryBenchSpec(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2,
+                           steps=3, warmup=1, limit_fraction=0.8)
+    r = run_memory(spec, repeats=2)
+    rows = {x["system"]: x for x in r["rows"]}
+    assert set(rows) == {"keep", "plan_no_swap", "plan_with_swap", "checkpoint_best",
+                         "checkpoint_all"}
+    assert r["meter"].startswith("LiveStorageMeter") and r["host"]["cpus"] >= 1
+    assert r["limit_bytes"] == int(0.8 * max(r["unconstrained_peak_bytes"]))
+    for row in rows.values():  # fits is the meter's peaks against the limit
+        peaks = row["metered_peak_bytes_per_stage"]
+        assert row["fits"] == all(p <= r["limit_bytes"] for p in peaks)
+        assert len(row["step_s_per_round"]) == 2
+    assert "swap" not in {p for ps in rows["plan_no_swap"]["policies"].values() for p in ps}
+    # the winner is the fewest-layer fitting rule among those tried (every rule is tried)
+    tried = r["checkpoint_search"]
+    assert len(tried) == len(checkpoint_candidates(spec))
+    fewest = min(len(t["layers"]) for t in tried if t["fits"])
+    assert len(r["best_fitting_checkpoint"]["layers"]) == fewest
+    assert rows["checkpoint_best"]["checkpointed_layers"] == r["best_fitting_checkpoint"]["layers"]
+    # the headline is the median of the per-round ratios of the rows' own times
+    ratios = [a / b for a, b in zip(rows["plan_no_swap"]["step_s_per_round"],
+                                    rows["checkpoint_best"]["step_s_per_round"], strict=True)]
+    assert r["paired_ratios"] == pytest.approx(ratios, abs=1e-3)
+    assert r["ratio_vs_best_fitting_checkpoint"] == pytest.approx(statistics.median(ratios),
+                                                                  abs=1e-3)
+    assert r["all_planned_rows_fit"] == (rows["plan_no_swap"]["fits"]
+                                         and rows["plan_with_swap"]["fits"])
+    for name in rows:  # same model, weights and batches: every row trains the same
         torch.testing.assert_close(torch.tensor(rows[name]["losses"]),
                                    torch.tensor(rows["keep"]["losses"]))
 

@@ -2,30 +2,49 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from trainwright.bench.planner import PlannerBenchSpec, dgx1_table, plan_175b, run
+from trainwright.bench.planner_forecast import ForecastSpec
 
 
-@pytest.mark.timeout(300)
-def test_bench_planner_runs_and_predicts_peaks():
+@pytest.mark.slow  # 4 `trainwright run` subprocesses + the families: about 2 min idle
+@pytest.mark.timeout(900)
+def test_bench_planner_forecast_runs_and_keys_come_from_its_rows():
     spec = PlannerBenchSpec(n_blocks=2, d_model=32, n_heads=2, context=16, vocab=64,
                             micro_batches=4, micro_batch_size=2, steps=3, warmup=1,
                             stage_counts=[2], schedules=["1f1b"])
-    r = run(spec, repeats=1, big=False)
-    for key in ("sim_step_error_max", "sim_peak_error_max", "peer_swap_step_s",
-                "host_swap_step_s", "recompute_step_s"):
-        assert key in r and r[key] >= 0
-    assert len(r["accuracy_runs"]) == 2
-    # bytes are deterministic: the simulator must predict every stage's peak closely
-    assert r["sim_peak_error_max"] <= 0.05
-    limited = r["accuracy_runs"][1]
-    assert limited["fits"] and limited["measured_peak_bytes"][0] < \
-        r["accuracy_runs"][0]["measured_peak_bytes"][0]
+    forecast = ForecastSpec(n_blocks=2, d_model=32, n_heads=2, context=16,
+                            micro_batch_size=2, steps=3, warmup=1, repeats=2,
+                            profile_repeats=2,
+                            configs=[[2, 4, "gpipe", "keep"], [2, 4, "1f1b", "recompute"]])
+    r = run(spec, repeats=1, big=False, forecast=forecast)
+    rows = r["configs"]
+    assert [(c["pp"], c["schedule"], c["policy"]) for c in rows] == [
+        (2, "gpipe", "keep"), (2, "1f1b", "recompute")]
+    errs = []
+    for c in rows:
+        assert len(c["measured_step_s_per_round"]) == 2
+        err = abs(c["predicted_step_s"] - c["measured_step_s"]) / c["measured_step_s"]
+        assert c["step_error"] == pytest.approx(err, abs=1e-3)
+        errs.append(err)
+        peak = max(abs(p - m) / m for p, m in zip(c["predicted_peak_bytes"],
+                                                  c["metered_peak_bytes"], strict=True))
+        assert c["peak_error_max"] == pytest.approx(peak, abs=1e-3)
+        # the store's own accounting is what the simulator models: bytes are deterministic
+        assert c["peak_error_vs_store_max"] <= 0.05
+    assert r["predict_step_error_max"] == pytest.approx(max(errs), abs=1e-3)
+    assert r["predict_step_error_median"] == pytest.approx(statistics.median(errs), abs=1e-3)
+    best = min(rows, key=lambda c: c["predicted_step_s"])
+    assert r["best_predicted_vs_best_measured"] == pytest.approx(
+        best["measured_step_s"] / min(c["measured_step_s"] for c in rows), abs=1e-3)
+    assert len(r["paired_ratios"]) == 2 and "ratio_spread" in r and r["host"]["cpus"] >= 1
+    assert r["profile"]["latency_s"] > 0 and len(r["profile"]["layers"]) == 4
     fams = r["families"]
     assert fams["host"]["fits"] and fams["recompute"]["fits"]
-    # peers alone may lack room for every micro-batch here, but must still relieve stage 0
-    assert fams["peer"]["peak_bytes_per_stage"][0] < r["accuracy_runs"][0]["measured_peak_bytes"][0]
+    assert len(r["peer_vs_best_other_paired_ratios"]) == 1
 
 
 @pytest.mark.timeout(300)

@@ -1,213 +1,304 @@
-"""``trainwright bench memory``: fitting each stage under a limit, and what it costs.
+"""``trainwright bench memory``: fitting each stage under a limit, against what a user does.
 
-Question: with every stage limited to half of the first stage's unconstrained activation
-peak (small GPT, 4 stages, 1F1B, 8 micro-batches), do the per-layer policies keep every
-stage under the limit, and how much slower is that than recomputing every layer?
+Question: with every stage limited to half of the largest stage's unconstrained activation peak
+(a GPT cut like a real transformer, attention and MLP as separate layers; 4 stages,
+1F1B), does trainwright's plan fit, and how fast is it next to the fewest
+``torch.utils.checkpoint`` layers a user would find that also fit?
 
-Rows (same model, weights, batches and runtime unless noted):
+Every row's per-stage peak comes from one instrument, the same for all rows:
+:class:`~trainwright.bench.live_meter.LiveStorageMeter` (storages that each layer's
+forward creates or receives, counted until freed; recomputation included), in a separate
+short metered run per row (the meter's dispatch mode slows a step, so it never runs in a
+timed round).
+
+Rows (same model, weights, batches and runtime):
 
 - ``keep``: no limit (gives the unconstrained peaks and the limit);
-- ``greedy`` / ``optimal``: trainwright's planners under the limit;
-- ``optimal_no_swap``: the exact planner with host swap priced out (on a CPU machine the
-  "host" is the same RAM, so swap is nearly free there and hides what selective
-  recompute alone achieves);
-- ``checkpoint_all``: every layer wrapped in ``torch.utils.checkpoint`` (non-reentrant),
-  the usual answer; its peak excludes the activations recomputed during backward, which
-  the checkpoint's own hooks hide from the store (so it is flattered, not penalised);
-- ``deepspeed_ckpt``: DeepSpeed's PipelineEngine with ``activation_checkpoint_interval=1``
-  on the blocks (when installed); its peak is what autograd saves, measured from outside
-  with :class:`~trainwright.bench.meter.SavedTensorMeter`.
+- ``plan_no_swap`` (headline): the exact planner with host swap priced out, so it can
+  only choose which layers to recompute (on a CPU a "swap" is a memcpy into the same RAM
+  and would prove nothing);
+- ``plan_with_swap``: the exact planner with swap allowed (shown, not the headline);
+- ``checkpoint_best``: the fewest checkpointed layers that fit, found by trying the rules
+  a user would try (:func:`checkpoint_candidates`), each metered; which one won is
+  ``best_fitting_checkpoint``;
+- ``checkpoint_all``: every layer checkpointed;
+- DeepSpeed activation checkpointing: when DeepSpeed is installed (reported otherwise).
+
+Timing: ``repeats`` rounds, systems in ABBA order (:mod:`~trainwright.bench.paired`);
+the headline is the median over rounds of ``plan_no_swap / checkpoint_best`` measured in
+the same round.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from rich.progress import Progress
 
 from trainwright.bench import peers
-from trainwright.bench.ours import train_rank
-from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.bench.paired import host_info, paired, round_order, spread
 from trainwright.config import Config, load_config
-from trainwright.model.gpt import GPTConfig, gpt_layers
 
-__all__ = ["MemoryBenchSpec", "Checkpointed", "checkpointed_gpt", "run", "main"]
+__all__ = ["MemoryBenchSpec", "checkpoint_candidates", "run", "main"]
+
+FACTORY = 'model.factory="trainwright.bench.live_meter:bench_gpt"'
 
 
 @dataclass(kw_only=True)
 class MemoryBenchSpec:
-    """Small GPT (embed, 6 blocks, head = 8 layers), 4 stages of 2 layers, 1F1B."""
+    """GPT of ``n_blocks`` blocks cut into embed, attn/mlp pairs, head; 4 stages, 1F1B."""
 
-    n_blocks: int = 6
-    d_model: int = 256
+    n_blocks: int = 4
+    d_model: int = 128
     n_heads: int = 4
-    context: int = 128
+    context: int = 64
     stages: int = 4
     micro_batches: int = 8
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     lr: float = 0.01
-    steps: int = 5
-    warmup: int = 1
+    steps: int = 17
+    warmup: int = 2
     seed: int = 0
     threads_per_rank: int = 1
     limit_fraction: float = 0.5
     split: list[int] = field(default_factory=list)
 
+    @property
+    def n_layers(self) -> int:
+        """Layers of the cut model: embed, one attention and one MLP per block, head."""
+        return 2 * self.n_blocks + 2
+
     def layer_split(self) -> list[int]:
         """Layers per stage, as even as possible."""
-        n = self.n_blocks + 2
+        n = self.n_layers
         return self.split or [n // self.stages + (s < n % self.stages)
                               for s in range(self.stages)]
 
-
-class Checkpointed(nn.Module):
-    """A layer whose forward runs under ``torch.utils.checkpoint`` (recomputed in backward)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return checkpoint(self.layer, x, use_reentrant=False)
+    def layer_names(self) -> list[str]:
+        """Names of the cut model's layers, in order."""
+        return ["embed", *(f"{k}{i}" for i in range(self.n_blocks) for k in ("attn", "mlp")),
+                "head"]
 
 
-def checkpointed_gpt(cfg: Config) -> list[nn.Module]:
-    """Model factory: the built-in GPT with every layer under ``torch.utils.checkpoint``."""
-    m = cfg.model
-    layers = gpt_layers(GPTConfig(vocab=256, context=m.context, d_model=m.d_model,
-                                  n_heads=m.n_heads, n_blocks=m.n_blocks))
-    return [Checkpointed(layer) for layer in layers]
+def checkpoint_candidates(spec: MemoryBenchSpec) -> list[tuple[str, list[int]]]:
+    """Sets of layers a user would try to checkpoint, fewest layers first.
+
+    Every k-th layer (k = 1..4), the first n layers, only the MLP layers, only the
+    attention layers, the first n MLP layers and the first n attention layers. Duplicates
+    (the same set under two rules) keep the first rule's name.
+    """
+    names = spec.layer_names()
+    n = len(names)
+    mlp = [i for i, x in enumerate(names) if x.startswith("mlp")]
+    attn = [i for i, x in enumerate(names) if x.startswith("attn")]
+    cands = [(f"every {k}th layer" if k > 1 else "every layer", list(range(0, n, k)))
+             for k in (1, 2, 3, 4)]
+    cands += [(f"first {j} layers", list(range(j))) for j in range(1, n)]
+    cands += [("all MLP layers", mlp), ("all attention layers", attn)]
+    cands += [(f"first {j} MLP layers", mlp[:j]) for j in range(1, len(mlp))]
+    cands += [(f"first {j} attention layers", attn[:j]) for j in range(1, len(attn))]
+    seen, out = set(), []
+    for name, layers in cands:
+        if tuple(layers) not in seen:
+            seen.add(tuple(layers))
+            out.append((name, layers))
+    return sorted(out, key=lambda c: len(c[1]))
 
 
-def _config(spec: MemoryBenchSpec, run_dir: Path, extra: list[str]) -> Config:
+def _config(spec: MemoryBenchSpec, run_dir: Path, extra: list[str], steps: int) -> Config:
     return load_config(None, [
         f"model.n_blocks={spec.n_blocks}", f"model.d_model={spec.d_model}",
-        f"model.n_heads={spec.n_heads}", f"model.context={spec.context}",
-        "data.name=stdlib", "data.max_bytes=1000000", f"train.steps={spec.steps}",
+        f"model.n_heads={spec.n_heads}", f"model.context={spec.context}", FACTORY,
+        'data.factory="trainwright.bench.live_meter:bench_data"', "data.max_bytes=1000000",
+        f"train.steps={steps}",
         f"train.batch_size={spec.micro_batches * spec.micro_batch_size}",
         f"train.micro_batches={spec.micro_batches}", "train.schedule=1f1b",
         "train.optimizer=sgd", f"train.lr={spec.lr}", f"train.seed={spec.seed}",
         f"parallel.pp={spec.stages}", f"parallel.partition={spec.layer_split()}",
         f"parallel.threads_per_rank={spec.threads_per_rank}", "run.report=false",
         "run.progress=false", "run.checkpoint_every=0", "run.trace_steps=0",
-        f"run.profile_every={spec.steps}", f'run.dir="{run_dir.parent}"',
+        f"run.profile_every={steps}", f'run.dir="{run_dir.parent}"',
         f'run.name="{run_dir.name}"', *extra,
     ])
 
 
-def ours_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchSpec,
-                out_path: str, *, extra: tuple = ()) -> None:
-    """One rank of trainwright on the memory workload (``extra``: config overrides)."""
-    rec = train_rank(rank, world_size, master_port, spec.threads_per_rank,
-                     lambda run_dir: _config(spec, run_dir, list(extra)), out_path)
-    steps = rec.steps
-    plans = [r for r in rec.rows if r["kind"] == "memory_plan"]
-    Path(out_path).write_text(json.dumps({
-        "rank": rank, "step_times_s": rec.step_times_s(),
-        "losses": [r["loss"] for r in steps] if rank == world_size - 1 else None,
-        "peak_bytes_per_stage": [max(r["stages"][s]["activation_peak_bytes"] for r in steps)
-                                 for s in range(spec.stages)],
-        "host_peak_bytes_per_stage": [max(r["stages"][s].get("host_peak_bytes", 0)
-                                          for r in steps) for s in range(spec.stages)],
-        "policies": {p["stage"]: [x["policy"] for x in p["layers"]] for p in plans},
-    }))
+def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchSpec,
+                out_path: str, *, runs: list) -> None:
+    """One rank of trainwright running ``runs`` one after another in one process group.
+
+    Each run is ``(name, extra config overrides, checkpointed layer indices, steps)``; its
+    model is wrapped in the live-storage meter, which counts the first ``spec.warmup``
+    steps only (the timed steps after them run unmetered).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from trainwright.bench.live_meter import reset_meter
+    from trainwright.dist import collective as coll
+    from trainwright.run.trainer import Trainer
+
+    torch.set_num_threads(spec.threads_per_rank)
+    peers.init_process_group(rank, world_size, master_port)
+    out = []
+    try:
+        for j, (name, extra, checkpointed, steps) in enumerate(runs):
+            os.environ.update({"TW_BENCH_SPLIT": "1", "TW_BENCH_METER": "1",
+                               "TW_BENCH_METER_STEPS": str(spec.warmup),
+                               "TW_BENCH_CHECKPOINT": ",".join(map(str, checkpointed))})
+            m = reset_meter()
+            run_dir = Path(out_path).parent / f"run{j}"
+            cfg = _config(spec, run_dir, list(extra), steps)
+            if rank == 0:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            coll.barrier()
+            Trainer(cfg, run_dir).fit()
+            m.stop_steps()
+            coll.barrier()
+            rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            out.append(_run_record(name, rows, m.peak_bytes, rank, world_size, spec))
+    finally:
+        dist.destroy_process_group()
+    Path(out_path).write_text(json.dumps(out))
 
 
-def _median_step(results: list[dict], warmup: int) -> float:
-    return statistics.median(peers.step_time_s(results, warmup))
+def _run_record(name: str, rows: list, metered: int, rank: int, world: int,
+                spec: MemoryBenchSpec) -> dict:
+    steps = [r for r in rows if r["kind"] == "step"]
+    plans = [r for r in rows if r["kind"] == "memory_plan"]
+    return {"name": name, "step_times_s": [r["step_time_s"] for r in steps],
+            "losses": [r["loss"] for r in steps] if rank == world - 1 else None,
+            "store_peak_bytes": max(r["stages"][rank]["activation_peak_bytes"] for r in steps),
+            "metered_peak_bytes": metered,
+            "policies": {p["stage"]: [x["policy"] for x in p["layers"]] for p in plans}}
 
 
-def run(spec: MemoryBenchSpec, repeats: int = 2, deepspeed: bool | None = None) -> dict:
-    """Measure every row, ``repeats`` rounds interleaved; see the module docstring."""
-    import functools
+def _spawn_runs(spec: MemoryBenchSpec, runs: list) -> list[dict]:
+    """``runs`` in one spawned process group; per run, one record per rank."""
+    fn = functools.partial(runs_worker, runs=runs)
+    got = peers.spawn_peer(fn, spec, world_size=spec.stages, timeout_s=3600)
+    return [[g[j] for g in got] for j in range(len(runs))]
 
-    from rich.progress import Progress
 
-    world = spec.stages
-    ours = lambda *extra: functools.partial(ours_worker, extra=extra)  # noqa: E731
-    keep = peers.spawn_peer(ours(), spec, world_size=world)
-    unconstrained = keep[0]["peak_bytes_per_stage"]
-    limit = int(spec.limit_fraction * unconstrained[0])
-    systems = {
-        "keep": ours(),
-        "greedy": ours(f"memory.limit={limit}", "memory.planner=greedy"),
-        "optimal": ours(f"memory.limit={limit}", "memory.planner=optimal"),
-        # on a CPU the "host" is the same RAM and a copy is cheap, so the planners lean on
-        # swap; with swap priced out the planner must choose what to recompute instead
-        "optimal_no_swap": ours(f"memory.limit={limit}", "memory.planner=optimal",
-                                "memory.host_bandwidth=1000.0"),
-        "checkpoint_all": ours('model.factory="trainwright.bench.memory:checkpointed_gpt"'),
-    }
-    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
-    if use_ds:
-        ds_spec = PipelineBenchSpec(
-            n_blocks=spec.n_blocks, d_model=spec.d_model, n_heads=spec.n_heads,
-            context=spec.context, micro_batches=spec.micro_batches,
-            micro_batch_size=spec.micro_batch_size, split=spec.layer_split(), lr=spec.lr,
-            steps=spec.steps, warmup=spec.warmup, seed=spec.seed,
-            threads_per_rank=spec.threads_per_rank)
-        systems["deepspeed_ckpt"] = functools.partial(peers.deepspeed_worker,
-                                                      activation_checkpointing=True)
-    runs: dict[str, list] = {name: [] for name in systems}
-    runs["keep"].append(keep)
-    with Progress(transient=True) as bar:
-        task = bar.add_task("bench memory", total=repeats * len(systems) - 1)
-        for r in range(repeats):
-            for name, fn in systems.items():
-                if name == "keep" and r == 0:
-                    continue
-                bar.update(task, description=f"bench memory: {name}")
-                worker_spec = ds_spec if name == "deepspeed_ckpt" else spec
-                runs[name].append(peers.spawn_peer(fn, worker_spec, world_size=world))
-                bar.advance(task)
-    rows = []
-    for name, rs in runs.items():
-        last = rs[-1]
-        if name == "deepspeed_ckpt":
-            peaks = [x["saved_peak_bytes"] for x in last]
-        else:
-            peaks = last[0]["peak_bytes_per_stage"]
-        losses = next(x["losses"] for x in last if x.get("losses"))
-        row = {"system": name, "step_s": round(statistics.median(
-            _median_step(x, spec.warmup) for x in rs), 4),
-            "step_s_per_repeat": [round(_median_step(x, spec.warmup), 4) for x in rs],
-            "peak_bytes_per_stage": peaks, "losses": [round(v, 5) for v in losses]}
-        if name != "deepspeed_ckpt":
-            row["host_peak_bytes_per_stage"] = last[0]["host_peak_bytes_per_stage"]
-        if name in ("greedy", "optimal", "optimal_no_swap"):
-            row["policies"] = last[0]["policies"]
-            row["fits"] = all(p <= limit for p in peaks)
-        rows.append(row)
+def _peaks(per_rank: list[dict]) -> list[int]:
+    return [r["metered_peak_bytes"] for r in per_rank]
+
+
+def _step_s(per_rank: list[dict], warmup: int) -> float:
+    """Median over the timed steps of the slowest rank's step time."""
+    per = [r["step_times_s"][warmup:] for r in per_rank]
+    return statistics.median(max(ts) for ts in zip(*per, strict=True))
+
+
+def search_checkpoint(spec: MemoryBenchSpec, limit: int) -> dict:
+    """Meter every candidate rule (:func:`checkpoint_candidates`) in one process group; the
+    fewest checkpointed layers that fit every stage wins (ties: the rule listed first)."""
+    cands = checkpoint_candidates(spec)
+    got = _spawn_runs(spec, [(name, (), layers, spec.warmup) for name, layers in cands])
+    tried = [{"rule": name, "layers": layers, "metered_peak_bytes_per_stage": _peaks(g),
+              "fits": all(p <= limit for p in _peaks(g))}
+             for (name, layers), g in zip(cands, got, strict=True)]
+    fitting = [t for t in tried if t["fits"]]
+    if not fitting:
+        raise RuntimeError(f"no checkpoint rule fits the limit {limit}; tried {len(tried)}")
+    best = min(fitting, key=lambda t: len(t["layers"]))
+    return {"rule": best["rule"], "layers": best["layers"], "tried": tried}
+
+
+def _timed_systems(spec: MemoryBenchSpec, limit: int, best: dict) -> dict:
+    """name -> (config overrides, checkpointed layers) of every timed row."""
+    lim = (f"memory.limit={limit}", "memory.planner=optimal")
+    return {"keep": ((), []),
+            "plan_no_swap": ((*lim, "memory.host_bandwidth=1000.0"), []),  # swap priced out
+            "plan_with_swap": (lim, []),
+            "checkpoint_best": ((), best["layers"]),
+            "checkpoint_all": ((), list(range(spec.n_layers)))}
+
+
+def run(spec: MemoryBenchSpec, repeats: int = 5, progress=None) -> dict:
+    """Measure every row; see the module docstring. ``progress``: callback(str)."""
+    say = progress or (lambda _: None)
+    say("keep (metered): the limit")
+    unconstrained = _peaks(_spawn_runs(spec, [("keep", (), [], spec.warmup)])[0])
+    limit = int(spec.limit_fraction * max(unconstrained))
+    say(f"checkpoint search: {len(checkpoint_candidates(spec))} rules, metered")
+    best = search_checkpoint(spec, limit)
+    systems = _timed_systems(spec, limit, best)
+    order = [(name, *systems[name], spec.steps)
+             for r in range(repeats) for name in round_order(list(systems), r)]
+    say(f"{repeats} rounds x {len(systems)} systems, ABBA order")
+    got = _spawn_runs(spec, order)
+    per: dict[str, list] = {n: [] for n in systems}
+    for (name, *_), g in zip(order, got, strict=True):
+        per[name].append(g)
+    return _result(spec, repeats, unconstrained, limit, best, systems, per)
+
+
+def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
+    times = [_step_s(g, warmup) for g in runs]
+    peaks = [max(p) for p in zip(*(_peaks(g) for g in runs), strict=True)]
+    last = runs[-1]
+    row = {"system": name, "step_s": round(statistics.median(times), 4),
+           "step_s_per_round": [round(t, 4) for t in times], "step_s_spread": spread(times),
+           "metered_peak_bytes_per_stage": peaks,
+           "store_peak_bytes_per_stage": [r["store_peak_bytes"] for r in last],
+           "fits": all(p <= limit for p in peaks),
+           "losses": [round(v, 5) for v in next(r["losses"] for r in last if r["losses"])]}
+    if system[1]:
+        row["checkpointed_layers"] = list(system[1])
+    if name.startswith("plan"):
+        row["policies"] = {str(k): v for r in last for k, v in r["policies"].items()}
+    return row
+
+
+def _result(spec, repeats, unconstrained, limit, best, systems, per) -> dict:
+    rows = [_row(n, systems[n], per[n], limit, spec.warmup) for n in systems]
     by = {r["system"]: r for r in rows}
+    times = {r["system"]: r["step_s_per_round"] for r in rows}
+    head = paired(times["plan_no_swap"], times["checkpoint_best"])
     return {
         "benchmark": "memory",
-        "question": "with every stage limited to half of stage 0's unconstrained activation "
-                    "peak, do the planned policies fit, and at what cost vs recomputing "
-                    "every layer?",
+        "question": "with every stage limited to half of the largest stage's unconstrained "
+                    "activation peak, does the plan without swap fit, and how fast is it "
+                    "next to the fewest torch.utils.checkpoint layers a user would find "
+                    "that fit?",
         "spec": asdict(spec), "repeats": repeats,
-        "unconstrained_peak_bytes": unconstrained, "limit_bytes": limit, "rows": rows,
-        "all_planned_stages_fit": all(by[n]["fits"] for n in ("greedy", "optimal",
-                                                                "optimal_no_swap")),
-        "ratio_vs_checkpoint_all": round(by["optimal"]["step_s"] / by["checkpoint_all"]["step_s"],
-                                         3),
-        "greedy_ratio_vs_checkpoint_all": round(
-            by["greedy"]["step_s"] / by["checkpoint_all"]["step_s"], 3),
-        "no_swap_ratio_vs_checkpoint_all": round(
-            by["optimal_no_swap"]["step_s"] / by["checkpoint_all"]["step_s"], 3),
-        "host": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "meter": "LiveStorageMeter (trainwright/bench/live_meter.py): storages each layer's "
+                 "forward creates or receives, counted until freed, per stage; every row, "
+                 "during its warm-up steps",
+        "layer_names": spec.layer_names(),
+        "unconstrained_peak_bytes": unconstrained, "limit_bytes": limit,
+        "best_fitting_checkpoint": {"rule": best["rule"], "layers": best["layers"],
+                                    "names": [spec.layer_names()[i] for i in best["layers"]]},
+        "checkpoint_search": best["tried"],
+        "deepspeed": "not installed" if not peers.deepspeed_available() else
+                     "installed, not run: its PipelineModule cannot take this factory's layers",
+        "rows": rows,
+        "all_planned_rows_fit": all(by[n]["fits"] for n in ("plan_no_swap", "plan_with_swap")),
+        "ratio_vs_best_fitting_checkpoint": head["ratio"],
+        "paired_ratios": head["paired_ratios"], "ratio_spread": head["ratio_spread"],
+        "with_swap_ratio_vs_best_fitting_checkpoint": paired(
+            times["plan_with_swap"], times["checkpoint_best"])["ratio"],
+        "ratio_vs_checkpoint_all": paired(times["plan_no_swap"],
+                                          times["checkpoint_all"])["ratio"],
+        "host": host_info(),
     }
 
 
 def main(args: argparse.Namespace) -> dict:
-    """CLI entry: ``trainwright bench memory [--repeats N] [--steps N]``; returns the result."""
+    """CLI entry: ``trainwright bench memory [--repeats N] [--steps N]``; returns the result.
+
+    At least 5 rounds (``--repeats`` below 5 is raised to 5).
+    """
     spec = MemoryBenchSpec()
     if args.steps:
         spec.steps = args.steps
-    return run(spec, repeats=args.repeats)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("bench memory", total=None)
+        return run(spec, repeats=max(5, args.repeats or 5),
+                   progress=lambda s: bar.update(task, description=f"bench memory: {s}"))

@@ -41,7 +41,10 @@ from pathlib import Path
 
 import torch
 
-from trainwright.bench.planner_predict import measured, predict_steps
+from trainwright.bench.paired import paired, round_order
+from trainwright.bench.planner_forecast import ForecastSpec
+from trainwright.bench.planner_forecast import run as run_forecast
+from trainwright.bench.planner_predict import measured
 
 __all__ = ["PlannerBenchSpec", "run", "main"]
 
@@ -91,28 +94,6 @@ def _slim(res: dict) -> dict:
     res = dict(res)
     res.pop("params")
     return res
-
-
-def _accuracy_worker(rank: int, world: int, spec: PlannerBenchSpec, schedule: str,
-                     tensor_rows: list, measure_links: bool, out_dir: str) -> None:
-    """All-keep run, then the limited run planned from its measured peaks (rank 0 plans)."""
-    from trainwright.dist import collective as coll
-    from trainwright.run.harness import run_gpt_pipeline
-
-    torch.set_num_threads(1)
-    out: dict = {}
-    if measure_links:
-        out["links"] = _measure_links()
-    _warm_up(spec, world)
-    keep = run_gpt_pipeline(spec.job(world, schedule))
-    peaks: list = [None] * world
-    coll.all_gather_object(peaks, max(keep["peak_bytes"]))
-    budgets = _budgets(spec, peaks)
-    plan = _plan(tensor_rows, spec, world, schedule, budgets, ("peer", "recompute"))
-    limited = run_gpt_pipeline(spec.job(world, schedule), policies=_layer_policies(plan),
-                               peer_plan=_peer_plan_json(plan))
-    out.update({"keep": _slim(keep), "limited": _slim(limited), "budgets": budgets})
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
 
 
 def _families_worker(rank: int, world: int, spec: PlannerBenchSpec, runs: list,
@@ -254,99 +235,92 @@ def dgx1_table() -> list[dict]:
 
 # ---- the benchmark ----------------------------------------------------------------------
 
-def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
+def families(spec: PlannerBenchSpec, tensor_rows: list, budgets: list[int],
+             repeats: int) -> dict:
+    """Peer swap, host swap and recompute alone under ``budgets`` (4 stages, 1F1B), in
+    ``repeats`` rounds (ABBA order) in one process group (question 2)."""
+    stages = max(spec.stage_counts)
+    plans = {f: _plan(tensor_rows, spec, stages, "1f1b", budgets, (f,))
+             for f in ("peer", "host", "recompute")}
+    order = [(f, _layer_policies(plans[f]), _peer_plan_json(plans[f]) if f == "peer" else None)
+             for r in range(repeats) for f in round_order(list(plans), r)]
+    got = _spawn(_families_worker, stages, spec, order)
+    fams: dict[str, list] = {f: [] for f in plans}
+    for j, (fam, _, _) in enumerate(order):
+        step, peaks = measured([r[j] for r in got], spec.warmup)
+        fams[fam].append({"step_s": step, "peaks": peaks})
+    rows = {}
+    for fam, runs in fams.items():
+        rows[fam] = {
+            "step_s": statistics.median(r["step_s"] for r in runs),
+            "step_s_per_repeat": [round(r["step_s"], 4) for r in runs],
+            "peak_bytes_per_stage": runs[-1]["peaks"],
+            "fits": all(p <= b for p, b in zip(runs[-1]["peaks"], budgets, strict=True)),
+            "policy_counts": plans[fam].to_dict()["policy_counts"]}
+    best_other = [min(h["step_s"], r["step_s"])
+                  for h, r in zip(fams["host"], fams["recompute"], strict=True)]
+    pr = paired([r["step_s"] for r in fams["peer"]], best_other)
+    return {"peer_swap_step_s": round(rows["peer"]["step_s"], 4),
+            "host_swap_step_s": round(rows["host"]["step_s"], 4),
+            "recompute_step_s": round(rows["recompute"]["step_s"], 4),
+            "family_limit_bytes": budgets, "families": rows,
+            "peer_vs_best_other": pr["ratio"],
+            "peer_vs_best_other_paired_ratios": pr["paired_ratios"],
+            "peer_vs_best_other_spread": pr["ratio_spread"]}
+
+
+def _family_budgets(spec: PlannerBenchSpec, tensor_rows: list, forecast: ForecastSpec,
+                    profile: dict) -> list[int]:
+    """Budgets of question 2 from the forecast's predicted all-keep peaks (4 stages, 1F1B)."""
+    import copy
+
+    from trainwright.bench.planner_forecast import Profile, predict
+
+    rows = copy.deepcopy(tensor_rows)
+    prof = Profile(rows, [0.0] * len(rows), profile["latency_s"], profile["bandwidth_Bps"],
+                   profile["host_bandwidth_Bps"], 0.0)
+    keep = predict(prof, forecast, max(spec.stage_counts), spec.micro_batches, "1f1b", "keep")
+    return _budgets(spec, keep["peak_bytes"])
+
+
+def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True,
+        forecast: ForecastSpec | None = None, with_families: bool = True) -> dict:
     """Every measurement of the module docstring; returns the JSON."""
     from rich.progress import Progress
 
     from trainwright.observe.tensor_profile import profile_tensors
     from trainwright.run.harness import job_batch, job_layers
 
-    job0 = spec.job(1, "1f1b")
-    layers = job_layers(job0)
-    x, y = job_batch(job0, 0)
-    n = spec.micro_batch_size
-    tensor_rows = profile_tensors([(f"layer{i}", m) for i, m in enumerate(layers)], x[:n],
-                                  y[:n], lambda o, t: torch.nn.functional.cross_entropy(
-                                      o.flatten(0, 1), t.flatten()))
-    accuracy = []
-    cases = [(k, sch) for k in spec.stage_counts for sch in spec.schedules]
-    limits: dict = {}
-    latency = bandwidth = None
+    forecast = forecast or ForecastSpec(n_blocks=spec.n_blocks, d_model=spec.d_model,
+                                        n_heads=spec.n_heads, context=spec.context,
+                                        micro_batch_size=spec.micro_batch_size)
+    out: dict = {"benchmark": "planner"}
     with Progress(transient=True) as bar:
-        task = bar.add_task("bench planner", total=len(cases) + 1 + (1 if big else 0))
-        for stages, schedule in cases:
-            bar.update(task, description=f"bench planner: {stages} stages {schedule}")
-            res = _spawn(_accuracy_worker, stages, spec, schedule, tensor_rows, latency is None)
-            if latency is None:
-                latency, bandwidth = _links(res[0]["links"])
-            keep = [r["keep"] for r in res]
-            step, peaks = measured(keep, spec.warmup)
-            pred, sim = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
-                                      bandwidth)
-            replay, _ = predict_steps(tensor_rows, keep, spec, schedule, None, latency,
-                                      bandwidth, per_mb=True)
-            accuracy.append(_row(stages, schedule, "none", step, peaks, sim, pred, replay))
-            budgets = res[0]["budgets"]
-            limits[(stages, schedule)] = budgets
-            plan = _plan(tensor_rows, spec, stages, schedule, budgets, ("peer", "recompute"))
-            limited = [r["limited"] for r in res]
-            step, peaks = measured(limited, spec.warmup)
-            pred, sim = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
-                                      latency, bandwidth)
-            replay, _ = predict_steps(tensor_rows, limited, spec, schedule, plan.placement,
-                                      latency, bandwidth, per_mb=True)
-            row = _row(stages, schedule, "stage-0 limit, peer+recompute", step, peaks, sim,
-                       pred, replay)
-            row.update(budgets=budgets, fits=all(p <= b for p, b in zip(peaks, budgets,
-                                                                         strict=True)),
-                       policy_counts=plan.to_dict()["policy_counts"])
-            accuracy.append(row)
-            bar.advance(task)
-        stages = max(spec.stage_counts)
-        budgets = limits.get((stages, "1f1b")) or next(iter(limits.values()))
-        plans = {f: _plan(tensor_rows, spec, stages, "1f1b", budgets, (f,))
-                 for f in ("peer", "host", "recompute")}
-        order = [(f, _layer_policies(p), _peer_plan_json(p) if f == "peer" else None)
-                 for _ in range(repeats) for f, p in plans.items()]
-        bar.update(task, description="bench planner: peer / host / recompute alone")
-        got = _spawn(_families_worker, stages, spec, order)
-        bar.advance(task)
-        fams: dict[str, list] = {f: [] for f in plans}
-        for j, (fam, _, _) in enumerate(order):
-            step, peaks = measured([r[j] for r in got], spec.warmup)
-            fams[fam].append({"step_s": step, "peaks": peaks})
+        task = bar.add_task("bench planner", total=None)
+
+        def say(s: str) -> None:
+            bar.update(task, description=f"bench planner: {s}")
+
+        got = run_forecast(forecast, progress=say)
+        out.update(got)
+        if with_families:
+            say("peer / host / recompute alone")
+            job0 = spec.job(1, "1f1b")
+            x, y = job_batch(job0, 0)
+            n = spec.micro_batch_size
+            rows = profile_tensors([(f"layer{i}", m) for i, m in enumerate(job_layers(job0))],
+                                   x[:n], y[:n], lambda o, t: torch.nn.functional.cross_entropy(
+                                       o.flatten(0, 1), t.flatten()))
+            budgets = _family_budgets(spec, rows, forecast, got["profile"])
+            out.update(families(spec, rows, budgets, repeats))
         if big:
-            bar.update(task, description="bench planner: 175B plan, DGX-1 table")
+            say("175B plan, DGX-1 table")
             warm = plan_175b()
             table = dgx1_table()
-            bar.advance(task)
-    fam_rows = {}
-    for fam, runs in fams.items():
-        fam_rows[fam] = {
-            "step_s": statistics.median(r["step_s"] for r in runs),
-            "step_s_per_repeat": [round(r["step_s"], 4) for r in runs],
-            "peak_bytes_per_stage": runs[-1]["peaks"],
-            "fits": all(p <= b for p, b in zip(runs[-1]["peaks"], budgets, strict=True)),
-            "policy_counts": plans[fam].to_dict()["policy_counts"]}
-    out = {
-        "benchmark": "planner",
-        "question": "does the simulator predict measured step times and peaks, and is peer "
-                    "swap no slower than the faster of host swap and recompute?",
-        "spec": asdict(spec), "repeats": repeats,
-        "link_latency_s": latency, "link_bandwidth_Bps": bandwidth,
-        "sim_step_error_max": round(max(r["step_error"] for r in accuracy), 4),
-        "sim_peak_error_max": round(max(r["peak_error_max"] for r in accuracy), 4),
-        "replay_step_error_max": round(max(r["replay_step_error"] for r in accuracy), 4),
-        "accuracy_runs": accuracy,
-        "peer_swap_step_s": round(fam_rows["peer"]["step_s"], 4),
-        "host_swap_step_s": round(fam_rows["host"]["step_s"], 4),
-        "recompute_step_s": round(fam_rows["recompute"]["step_s"], 4),
-        "family_limit_bytes": budgets,
-        "families": fam_rows,
-        "peer_vs_best_other": round(fam_rows["peer"]["step_s"] / min(
-            fam_rows["host"]["step_s"], fam_rows["recompute"]["step_s"]), 3),
-        "host": {"cpus": os.cpu_count(), "torch": torch.__version__},
-    }
+    out["question"] = "forecast: " + got["question"] + (
+        " families: is peer swap no slower than the faster of host swap and recompute?"
+        if with_families else "")
+    out["spec"] = asdict(spec)
     if big:
         cold = _cold_175b()
         out.update({"plan_175b_1024_s": round(warm["wall_s"], 3),
@@ -355,16 +329,6 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True) -> dict:
                     "plan_175b_1024": {**warm, "note": "meta machinery imported beforehand"},
                     "dgx1_gpt": table})
     return out
-
-
-def _row(stages, schedule, limit, step, peaks, sim, pred, replay) -> dict:
-    peak_errors = [_err(p, m) for p, m in zip(sim.peak_bytes, peaks, strict=True)]
-    return {"stages": stages, "schedule": schedule, "limit": limit,
-            "measured_step_s": round(step, 5), "predicted_step_s": round(pred, 5),
-            "step_error": round(_err(pred, step), 4),
-            "replay_step_s": round(replay, 5), "replay_step_error": round(_err(replay, step), 4),
-            "measured_peak_bytes": peaks, "predicted_peak_bytes": sim.peak_bytes,
-            "peak_error_max": round(max(peak_errors), 4)}
 
 
 def main(args: argparse.Namespace) -> dict:

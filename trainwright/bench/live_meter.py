@@ -1,0 +1,244 @@
+"""An activation meter that works under anyone's saved-tensor hooks, and the bench model.
+
+:class:`SavedTensorMeter` (``meter.py``) installs its own ``saved_tensors_hooks``; those do
+not nest (only the innermost pair applies), so it cannot watch trainwright's activation
+store or ``torch.utils.checkpoint``, which install theirs. :class:`LiveStorageMeter` sits
+one level lower, as a ``TorchDispatchMode`` entered around every layer's forward
+(:class:`Metered`): it records every storage that a layer's forward *creates or receives
+as input* (parameters and buffers excluded) and counts it until the storage is freed (a
+finalizer on the storage, so the peak is exact). In the benchmarks' training steps
+(:func:`bench_data`) the mode covers the whole step instead: whatever runs outside
+backward with grad enabled (the loss, received stage inputs) counts as well, gradients
+and the optimizer step do not.
+Whatever holds the tensor (autograd's saved variables, the pipeline's store, a
+checkpoint's boundary) it is counted while it lives; recomputation inside backward runs a
+forward again and is counted too; what is allocated only in backward (gradients) is not.
+On a CPU a host "swap" copy lives in the same RAM and is counted as well.
+
+One meter per process (:func:`meter`): each pipeline rank measures its own stage.
+
+:func:`bench_gpt` is the ``model.factory`` the memory and planner benchmarks train; the
+environment picks its cut and wrapping (so the same factory serves spawned ranks and
+``trainwright run`` subprocesses):
+
+- ``TW_BENCH_SPLIT=1``: attention and MLP as separate layers (:mod:`~trainwright.model.gpt_split`);
+- ``TW_BENCH_CHECKPOINT=1,4,7``: wrap these layer indices in ``torch.utils.checkpoint``;
+- ``TW_BENCH_METER=1``: wrap every layer in :class:`Metered`;
+- ``TW_BENCH_METER_DIR=DIR``: also write ``DIR/rank{RANK}.json`` whenever the peak rises;
+- ``TW_BENCH_METER_STEPS=N``: with :func:`bench_data` as ``data.factory``, meter steps 2
+  to ``N`` only (step 1 when ``N`` is 1), so the steps after them (the timed ones) run at
+  full speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "meter", "reset_meter", "bench_gpt",
+           "bench_data"]
+
+
+class LiveStorageMeter:
+    """Bytes of live storages created or received by metered forwards, and their peak."""
+
+    def __init__(self):
+        self._live: dict[int, int] = {}
+        self.bytes = 0
+        self.peak_bytes = 0
+        self.exclude: set[int] = set()
+        self.active = True
+        """Whether metered forwards count (the bench data switches it off after warm-up)."""
+        self.out_path: Path | None = None
+        self._written = -1
+        self.in_layer = 0
+        self._whole: _Mode | None = None
+
+    def counting(self) -> bool:
+        """Inside a metered layer's forward, or outside backward with grad enabled (the
+        loss, received stage inputs): what the whole-step mode counts."""
+        return bool(self.in_layer) or (torch.is_grad_enabled()
+                                       and torch._C._current_graph_task_id() == -1)
+
+    def start_steps(self) -> None:
+        """Meter everything the training steps run (not only layer forwards) from now on:
+        the loss and the received inputs too, never gradients or the optimizer."""
+        if self._whole is None:
+            self._whole = _Mode(self, whole=True)
+            self._whole.__enter__()
+        self.active = True
+
+    def stop_steps(self) -> None:
+        """Stop metering (the timed steps run at full speed)."""
+        if self._whole is not None:
+            self._whole.__exit__(None, None, None)
+            self._whole = None
+        self.active = False
+        self.flush()
+
+    def _release(self, key: int) -> None:
+        self.bytes -= self._live.pop(key, 0)
+
+    def add(self, t) -> None:
+        """Count ``t``'s storage if it is new (views and in-place results are not)."""
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key, nbytes = st.data_ptr(), st.nbytes()
+        if nbytes == 0 or key in self.exclude or key in self._live:
+            return
+        self._live[key] = nbytes
+        # torch keeps one Python object per storage, so this fires when the storage is freed
+        weakref.finalize(st, self._release, key)
+        self.bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
+    def exclude_module(self, module: nn.Module) -> None:
+        """Never count ``module``'s parameters and buffers."""
+        self.exclude |= {t.untyped_storage().data_ptr()
+                         for t in [*module.parameters(), *module.buffers()]}
+
+    def flush(self) -> None:
+        """Write the peak to :attr:`out_path` when it rose since the last write."""
+        if self.out_path is not None and self.peak_bytes != self._written:
+            self.out_path.write_text(json.dumps({"peak_bytes": self.peak_bytes}))
+            self._written = self.peak_bytes
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, m: LiveStorageMeter, whole: bool = False):
+        super().__init__()
+        self.m, self.whole = m, whole
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.whole or self.m.counting():
+            for t in tree_leaves(out):
+                self.m.add(t)
+        return out
+
+
+_METER: LiveStorageMeter | None = None
+
+
+def reset_meter() -> LiveStorageMeter:
+    """Start a new meter for this process (before building the next run's model)."""
+    global _METER
+    if _METER is not None:
+        _METER.stop_steps()
+    _METER = LiveStorageMeter()
+    return _METER
+
+
+def meter() -> LiveStorageMeter:
+    """This process's meter (created on first use)."""
+    global _METER
+    if _METER is None:
+        _METER = LiveStorageMeter()
+    return _METER
+
+
+class Metered(nn.Module):
+    """A layer whose forward (inputs included) is counted by this process's meter."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+        meter().exclude_module(layer)
+
+    def forward(self, *args):
+        m = meter()
+        if not m.active:
+            return self.layer(*args)
+        for t in tree_leaves(args):
+            m.add(t)
+        m.in_layer += 1
+        try:
+            if m._whole is not None:
+                out = self.layer(*args)
+            else:
+                with _Mode(m):
+                    out = self.layer(*args)
+        finally:
+            m.in_layer -= 1
+        m.flush()
+        return out
+
+
+class Checkpointed(nn.Module):
+    """A layer whose forward runs under ``torch.utils.checkpoint`` (recomputed in backward)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return checkpoint(self.layer, x, use_reentrant=False)
+
+
+def _env_indices(name: str) -> set[int]:
+    raw = os.environ.get(name, "").strip()
+    return {int(x) for x in raw.split(",") if x.strip()} if raw else set()
+
+
+def bench_gpt(cfg) -> list[nn.Module]:
+    """Model factory of the benchmarks: the built-in GPT, cut and wrapped per the environment
+    (see the module docstring); weights equal the unwrapped model's for the same seed."""
+    from trainwright.model.gpt import GPTConfig, gpt_layers
+    from trainwright.model.gpt_split import split_gpt_layers
+
+    m = cfg.model
+    gcfg = GPTConfig(vocab=256, context=m.context, d_model=m.d_model, n_heads=m.n_heads,
+                     n_blocks=m.n_blocks)
+    if os.environ.get("TW_BENCH_SPLIT") == "1":
+        layers = [layer for _, layer in split_gpt_layers(gcfg)]
+    else:
+        layers = gpt_layers(gcfg)
+    ckpt = _env_indices("TW_BENCH_CHECKPOINT")
+    metered = os.environ.get("TW_BENCH_METER") == "1" or "TW_BENCH_METER_DIR" in os.environ
+    out_dir = os.environ.get("TW_BENCH_METER_DIR")
+    if out_dir and "RANK" in os.environ:
+        meter().out_path = Path(out_dir) / f"rank{os.environ['RANK']}.json"
+    if metered and os.environ.get("TW_BENCH_METER_STEPS", "0") not in ("", "0"):
+        meter().active = False  # set-up (plan profiling) is not counted; see bench_data
+    wrapped = []
+    for i, layer in enumerate(layers):
+        if metered:
+            layer = Metered(layer)
+        wrapped.append(Checkpointed(layer) if i in ckpt else layer)
+    return wrapped
+
+
+class _MeteredSteps:
+    """The stdlib corpus, switching the meter off from step ``last + 1`` on."""
+
+    def __init__(self, data, last: int):
+        self.data, self.last = data, last
+
+    def batch(self, step: int, batch_size: int):
+        """The corpus's batch; the meter counts steps 2 to ``last`` whole (step 1 only when
+        ``last`` is 1): not the set-up, nor the one-off work of step 1 (a memory planner
+        profiles the whole model there), nor the timed steps after ``last``."""
+        if self.last:
+            if min(2, self.last) <= step <= self.last:
+                meter().start_steps()
+            else:
+                meter().stop_steps()
+        return self.data.batch(step, batch_size)
+
+
+def bench_data(cfg):
+    """Data factory of the benchmarks: the built-in stdlib corpus (same batches as
+    ``data.name = "stdlib"``), metering only the first ``TW_BENCH_METER_STEPS`` steps."""
+    from trainwright.model.data import CharCorpus, stdlib_corpus
+
+    data = CharCorpus(stdlib_corpus(cfg.data.max_bytes), cfg.model.context, seed=cfg.train.seed)
+    return _MeteredSteps(data, int(os.environ.get("TW_BENCH_METER_STEPS", "0") or 0))
