@@ -2,9 +2,10 @@
 started with, checked before any process starts.
 
 :meth:`Config.validate <trainwright.config.core.Config.validate>` checks the keys; these rules
-also depend on the entry point (``trainwright run``, one rank of a ``torchrun`` job, or
-:func:`trainwright.fit`) and on whether the run resumes. Each refusal names why and what to
-use instead (``docs/combinations.md`` lists every pair of features).
+also depend on how the run starts: the entry point (``trainwright run``, one rank of a
+``torchrun`` job, or :func:`trainwright.fit`; every entry point starts every strategy today,
+the token ring included) and whether the run resumes. Each refusal names why and what to use
+instead (``docs/combinations.md`` lists every pair of features).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def check_start(cfg: Config, *, via: str, resume: bool = False,
         cfg: the validated configuration.
         via: the entry point, one of :data:`ENTRY_POINTS`.
         resume: whether the run continues from a checkpoint.
-        run_dir: the run directory a resume continues (its metrics say whether layers moved).
+        run_dir: the run directory a resume continues (its metrics say whether the model
+            was edited).
 
     Raises:
         ConfigError: the combination is not supported; the message names the alternative.
