@@ -41,3 +41,16 @@ def test_llama_tiny_example_trains_evaluates_and_exports(tmp_path):
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(hf(x).logits, layers(x))
+
+
+def test_factory_modules_import_from_the_working_directory(tmp_path, monkeypatch):
+    """The installed ``trainwright`` script does not put the working directory on the path;
+    ``model.factory = "examples.llama_tiny:build"`` still loads from the repository root."""
+    import sys
+
+    from trainwright.model.build import load_factory
+
+    (tmp_path / "my_models_for_the_cwd_test.py").write_text("def build():\n    return 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_factory("my_models_for_the_cwd_test:build", "model.factory")() == 7

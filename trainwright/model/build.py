@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -42,6 +44,11 @@ def load_factory(spec: str, key: str) -> Callable:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{key} = {spec!r} must look like 'package.module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        # as under `python -m`: the installed `trainwright` script does not put the working
+        # directory on the path, and the docs promise modules importable from it
+        sys.path.append(cwd)
     try:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
