@@ -180,7 +180,11 @@ def _run_tokenring(cfg, resume_dir: Path | None) -> int:
 
     if in_torchrun():
         from trainwright.run.ring_torchrun import run_torchrun_node
-        return run_torchrun_node(cfg, resume_dir)
+        code, saved_in = run_torchrun_node(cfg, resume_dir)
+        if saved_in is not None:  # the node that saved the model names the outputs
+            print(f"model: {saved_in / 'model.pt'}")
+            print(f"run directory: {saved_in}")
+        return code
     run_dir = create_run_dir(cfg, resume_dir)
     r = cfg.tokenring
     print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "

@@ -131,8 +131,12 @@ def _rendezvous(cfg: Config, env: DistEnv, store) -> tuple[str, str]:
     return store.get(RDZV_KEY).decode(), ""
 
 
-def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> int:
-    """Be node ``RANK`` of a token ring spread over the torchrun job; returns the exit code.
+def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> tuple[int, Path | None]:
+    """Be node ``RANK`` of a token ring spread over the torchrun job.
+
+    Returns:
+        The exit code, and the run directory when this node saved the model (the one node
+        that announces the outputs), else None.
 
     Args:
         cfg: the validated configuration (``tokenring.nodes`` is replaced by WORLD_SIZE).
@@ -163,7 +167,5 @@ def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> int:
             end_dropped_here(store, node)
         except Exception as exc:  # the store's host may be gone already: nothing to end
             log.warning("could not look for dropped nodes on this host: %s", exc)
-    if code == 0 and node.rings and node.index == node.rings[-1].epoch.first():
-        print(f"model: {run_dir / 'model.pt'}")
-        print(f"run directory: {run_dir}")
-    return code
+    saved = code == 0 and node.rings and node.index == node.rings[-1].epoch.first()
+    return code, run_dir if saved else None
