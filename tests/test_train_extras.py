@@ -56,15 +56,33 @@ def _eval_loss(model, data, cfg, criterion) -> float:
     return sum(losses) / len(losses)
 
 
+def _apply_edits(cfg, model: nn.Sequential, opt, step: int) -> None:
+    """``rebalance.edits`` on the one-process model: each inserted layer built under
+    ``torch.manual_seed(train.seed + step)`` as the trainer documents, its parameters a new
+    group of the optimizer."""
+    from trainwright.pipeline.edit import InsertLayer, load_edit_hook
+
+    for edit in load_edit_hook(cfg.rebalance.edits)(step) if cfg.rebalance.edits else []:
+        assert isinstance(edit, InsertLayer), edit
+        torch.manual_seed(cfg.train.seed + step)
+        module = edit.build()
+        model.insert(edit.at, module)
+        opt.add_param_group({"params": list(module.parameters())})
+
+
 def reference(cfg) -> dict:
-    """Plain-torch training of the configured model: losses, lrs, grad norms, eval losses."""
+    """Plain-torch training of the configured model (with its ``rebalance.edits``): losses,
+    lrs, grad norms, eval losses."""
     model = nn.Sequential(*(layer for _, layer in build_layers(cfg)))
     opt = build_optimizer(cfg, list(model.parameters()))
-    lrs = _torch_scheduler(cfg.train, opt)
+    # the schedule drives a one-parameter clock whose lr every group takes (an edit adds groups)
+    clock = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
+    lrs = _torch_scheduler(cfg.train, clock)
     data, criterion, t = build_data(cfg), loss_fn(cfg), cfg.train
     scaler = torch.amp.GradScaler("cpu", enabled=t.precision == "fp16")
     out = {"model": model, "loss": [], "lr": [], "grad_norm": [], "eval": {}}
     for step in range(1, t.steps + 1):
+        _apply_edits(cfg, model, opt, step)
         x, y = data.batch(step, t.batch_size)
         with _autocast(cfg):
             logits = model(x)
@@ -75,9 +93,12 @@ def reference(cfg) -> dict:
         if t.clip_norm:
             out["grad_norm"].append(
                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)))
+        for group in opt.param_groups:
+            group["lr"] = clock.param_groups[0]["lr"]
         out["lr"].append(opt.param_groups[0]["lr"])
         scaler.step(opt)
         scaler.update()
+        clock.step()  # no gradient: only keeps the scheduler's order of calls
         lrs.step()
         out["loss"].append(loss.item())
         if cfg.eval.every and (step % cfg.eval.every == 0 or step == t.steps):

@@ -15,8 +15,9 @@ other. Example (``mypkg/search.py``)::
 ``build`` runs on every rank (the other ranks keep only the structure, on the meta device),
 so it must build the same module everywhere: seed it, or let trainwright seed it
 (``torch.manual_seed(train.seed + step)`` is set before each call).
-Checkpoints of an edited model load only into the edited model (resume is not supported
-across edits).
+Checkpoints of an edited model load only into the edited model: ``trainwright.load_model``
+replays the hook on the factory's layers (:mod:`trainwright.run.edited`); resume is not
+supported across edits.
 """
 
 from __future__ import annotations

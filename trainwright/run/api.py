@@ -15,6 +15,7 @@ from trainwright.pipeline.budget import check_limits
 from trainwright.pipeline.stage import LayerSlot
 from trainwright.pipeline.tied import check_ties
 from trainwright.run import checkpoint
+from trainwright.run.edited import edited_layers
 
 __all__ = ["fit", "load_model"]
 
@@ -94,6 +95,9 @@ def load_model(run_dir: str | Path, step: int | None = None, *,
     step = checkpoint.latest_step(run_dir) if step is None else step
     if step is None:
         raise TrainwrightError(f"{run_dir} has no checkpoint yet")
-    slots = [LayerSlot(i, n, m) for i, (n, m) in enumerate(build_layers(cfg))]
+    named = build_layers(cfg)
+    if cfg.rebalance.edits:  # the checkpoint holds the edited model
+        named = edited_layers(named, cfg.rebalance.edits, cfg.train.seed, step)
+    slots = [LayerSlot(i, n, m) for i, (n, m) in enumerate(named)]
     checkpoint.load_layers(run_dir, step, slots)
     return nn.Sequential(*(s.module for s in slots))

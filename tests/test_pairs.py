@@ -1,0 +1,185 @@
+"""Pairs of docs/combinations.md that no test of their own trains, several per run.
+
+Every run is pp = 2 x dp = 2 (four gloo ranks) and is compared with the plain-torch
+reference of ``tests/test_train_extras.py`` (which applies ``rebalance.edits`` as the trainer
+does, and autocast / clipping / lr schedules / evaluation), or, for a resume, bit for bit
+with the uninterrupted run (which is itself compared with the reference).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_pipeline import _steps
+from tests.test_resume import _assert_bitwise, _pair, _run
+from tests.test_train_extras import _check
+from trainwright.run.launch import create_run_dir
+
+BASE = {"parallel.pp": 2, "parallel.dp": 2, "train.micro_batches": 2, "train.steps": 4,
+        "runtime.p2p_timeout_s": 60.0}  # a hang fails in a minute, not five
+EDITS = {"rebalance.edits": '"tests.factories:insert_heavy"', "train.momentum": 0.9}
+SPARSE = {"sync.sparse": "true", "sync.sparse_path": '"allgather"'}
+HIER = {"sync.strategy": '"hierarchical"', "hierarchical.ranks_per_node": 1,
+        "hierarchical.align": 16}
+OPTIONS = {"train.clip_norm": 0.3, "train.lr_schedule": '"cosine"', "train.warmup_steps": 0,
+           "eval.every": 2}
+BF16 = {"train.precision": '"bf16"'}
+BF16_TOL = {"loss_rtol": 1e-3, "param_tol": 2e-2}  # as test_bf16_with_recompute_...
+
+
+def _resume_pair(root: Path, **kw) -> tuple[tuple, list]:
+    """:func:`tests.test_resume._pair` stopped after step 2 of BASE's 4."""
+    return _pair(root, 2, **{**BASE, "train.momentum": 0.9, **kw})
+
+
+def _peer_limits(keep_dir: Path) -> str:
+    """``memory.limit`` per stage: stage 0 gets 60 % of what keeping needs, stage 1 room
+    for all of stage 0's activations besides its own (as in test_peerswap)."""
+    peaks = [st["activation_peak_bytes"] for st in _steps(keep_dir)[-1]["stages"]]
+    return json.dumps([int(0.6 * peaks[0]), peaks[1] + peaks[0]])
+
+
+def _lent(run_dir: Path) -> int:
+    """Tensors stage 0 sends to a peer in the plan the run wrote."""
+    plan = json.loads((run_dir / "peer_plan.json").read_text())
+    return plan["policy_counts"][0].get("peer", 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_more_pairs_equal_the_reference(tiny, tmp_path):
+    """G x E, R x E, S x E, E x D, E x Sp, S x Sp, R x H, ZB x Sp, ZB x H, G x P, P x D,
+    P x Sp, P x H; resumes G x Re, R x Re, S x Re, ZB x Re, P x Re; precision / clipping /
+    lr schedule / evaluation with swap, peer swap and edits."""
+    runs = {
+        "gpipe edits recompute dense clip": tiny(**BASE, **EDITS, **{
+            "train.schedule": '"gpipe"', "memory.policies": '["recompute"]',
+            "train.clip_norm": 0.3}),
+        "bf16 edits swap sparse eval": tiny(**BASE, **EDITS, **SPARSE, **BF16, **{
+            "memory.policies": '["swap"]', "eval.every": 2}),
+        "bf16 swap recompute hierarchical": tiny(**BASE, **HIER, **BF16, **{
+            "memory.policies": '["swap", "recompute", "recompute", "swap"]'}),
+        "zb-h2 hierarchical": tiny(**BASE, **HIER, **{"train.schedule": '"zb-h2"'}),
+        "keep gpipe": tiny(**BASE, **{"train.schedule": '"gpipe"'}),
+    }
+    dirs = {k: create_run_dir(c) for k, c in runs.items()}
+    jobs = [(c, dirs[k], False) for k, c in runs.items()]
+    resumes = {  # label: (full config, uninterrupted dir, resumed dir)
+        "gpipe swap recompute": _resume_pair(tmp_path / "r1", **{
+            "train.schedule": '"gpipe"',
+            "memory.policies": '["swap", "recompute", "keep", "swap"]'}),
+        "zb-h1 sparse": _resume_pair(tmp_path / "r2", **SPARSE, **{
+            "train.schedule": '"zb-h1"'}),
+    }
+    _run(tmp_path, jobs + [j for _, more in resumes.values() for j in more], 600)
+    limits = _peer_limits(dirs["keep gpipe"])
+    peer = {"memory.peer_swap": "true", "memory.limit": limits,
+            "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e8}
+    peer_runs = {
+        "gpipe peer dense options": tiny(**BASE, **peer, **OPTIONS, **{
+            "train.schedule": '"gpipe"'}),
+        "peer hierarchical": tiny(**BASE, **peer, **HIER),
+    }
+    peer_dirs = {k: create_run_dir(c) for k, c in peer_runs.items()}
+    resumes["peer sparse"] = _resume_pair(tmp_path / "r3", **peer, **SPARSE)
+    _run(tmp_path, [(c, peer_dirs[k], False) for k, c in peer_runs.items()]
+           + resumes["peer sparse"][1], 400)
+    runs.update(peer_runs)
+    dirs.update(peer_dirs)
+    for label, ((full, d_full, d_cut), _) in resumes.items():
+        runs[label], dirs[label] = full, d_full
+        _assert_bitwise(d_full, d_cut, label)
+    for label, cfg in runs.items():
+        try:
+            _check(cfg, dirs[label], **(BF16_TOL if cfg.train.precision == "bf16" else {}))
+            if cfg.memory.peer_swap:
+                assert _lent(dirs[label]) > 0, "stage 0 lent nothing to its peer"
+        except AssertionError as exc:
+            raise AssertionError(f"{label}: {exc}") from exc
+
+
+@pytest.mark.timeout(120)
+def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
+    """R x T, S x T: each ring node is a one-stage trainer, and ``memory.policies`` apply to
+    its layers (the store of the node's trainer holds them); trained with recompute and swap,
+    the ring equals the single-process reference."""
+    from tests.test_tokenring import ring_cfg, run_ring
+    from trainwright.dist.topology import Topology
+    from trainwright.model.build import build_layers
+    from trainwright.run.reference import train_reference
+    from trainwright.run.ring_node import _node_config
+    from trainwright.run.trainer import Trainer
+    from trainwright.tokenring.exchange import RingExchange
+
+    probe = ring_cfg(tmp_path, **{"tokenring.nodes": 2})
+    mix = ["recompute", "swap"] * len(build_layers(probe))
+    mix = mix[:len(build_layers(probe))]
+    cfg = ring_cfg(tmp_path, **{"tokenring.nodes": 2, "train.steps": 4,
+                                "memory.policies": json.dumps(mix)})
+    node = Trainer(_node_config(cfg), tmp_path / "probe", mesh=Topology(pp=1, dp=1, rank=0),
+                   grad_sync=RingExchange(cfg.tokenring, 0, False, on_applied=print),
+                   outputs=False)  # as RingNode builds it, without joining a ring
+    assert node.stage.store.policies == dict(enumerate(mix))
+    result = run_ring(cfg)
+    assert result.ok, result.message()
+    model, _ = train_reference(cfg)
+    torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
+
+
+def _torchrun(*args: str) -> Path:
+    """``torchrun --nproc-per-node 4 -m trainwright.cli run ARGS``; the run directory."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import _run_dir
+    from trainwright.dist.ports import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "4", "--master-port", str(free_port()), "-m", "trainwright.cli",
+                           "run", *args], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _run_dir(proc.stdout)
+
+
+def _sets(tmp_path: Path, **kw) -> list[str]:
+    from tests.conftest import tiny_overrides
+
+    return [x for s in tiny_overrides(tmp_path / "runs", **{**BASE, **kw})
+            for x in ("--set", s)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
+    """Under ``torchrun --nproc-per-node 4`` (pp = 2 x dp = 2), each equal to the reference:
+    GPipe + recompute / swap / keep + sparse sync + a live migration + clipping, cosine lr and
+    evaluation; 1F1B + a model edit + the same options; ZB-H1 + hierarchical sync + bf16; a
+    peer-swap run stopped after step 2 and resumed under torchrun to step 4."""
+    from trainwright.config import load_config
+
+    many = _torchrun(*_sets(tmp_path, **SPARSE, **OPTIONS, **{
+        "train.schedule": '"gpipe"',
+        "memory.policies": '["recompute", "swap", "keep", "recompute"]',
+        "rebalance.at_step": 2, "rebalance.to": "[1, 3]"}))
+    edited = _torchrun(*_sets(tmp_path, **EDITS, **OPTIONS))
+    zb = _torchrun(*_sets(tmp_path, **HIER, **BF16, **{"train.schedule": '"zb-h1"'}))
+    peaks = [st["activation_peak_bytes"] for st in _steps(edited)[0]["stages"]]  # before the edit
+    limits = json.dumps([int(0.6 * peaks[0]), peaks[1] + peaks[0]])
+    peer = _torchrun(*_sets(tmp_path, **{"memory.peer_swap": "true", "memory.limit": limits,
+                                         "memory.peer_bandwidth": 1e11,
+                                         "memory.host_bandwidth": 1e8, "train.steps": 2}))
+    assert _torchrun("--resume", str(peer), "--set", "train.steps=4") == peer
+    for run_dir in (many, edited, zb, peer):
+        cfg = load_config(run_dir / "config.toml")
+        try:
+            _check(cfg, run_dir, **(BF16_TOL if cfg.train.precision == "bf16" else {}))
+        except AssertionError as exc:
+            raise AssertionError(f"{run_dir}: {exc}") from exc
+    assert [r["step"] for r in _steps(peer)] == [1, 2, 3, 4]
+    assert _lent(peer) > 0
+    moves = [json.loads(x) for x in (many / "metrics.jsonl").read_text().splitlines()]
+    assert [r["new"] for r in moves if r["kind"] == "repartition"] == [[1, 3]]
