@@ -28,6 +28,8 @@ HIER = {"sync.strategy": '"hierarchical"', "hierarchical.ranks_per_node": 1,
 OPTIONS = {"train.clip_norm": 0.3, "train.lr_schedule": '"cosine"', "train.warmup_steps": 0,
            "eval.every": 2}
 BF16 = {"train.precision": '"bf16"'}
+TIED = {"model.factory": '"tests.hf_models:tied_sequential"', "model.context": 8}
+"""embedding and head share one parameter (layers 0 and 4 of 6, on stages 0 and 1)"""
 BF16_TOL = {"loss_rtol": 1e-3, "param_tol": 2e-2}  # as test_bf16_with_recompute_...
 
 
@@ -54,7 +56,8 @@ def _lent(run_dir: Path) -> int:
 def test_more_pairs_equal_the_reference(tiny, tmp_path):
     """G x E, R x E, S x E, E x D, E x Sp, S x Sp, R x H, ZB x Sp, ZB x H, G x P, P x D,
     P x Sp, P x H; resumes G x Re, R x Re, S x Re, ZB x Re, P x Re; precision / clipping /
-    lr schedule / evaluation with swap, peer swap and edits."""
+    lr schedule / evaluation with swap, peer swap and edits; tied weights with swap, sparse
+    sync, peer swap and resume."""
     runs = {
         "gpipe edits recompute dense clip": tiny(**BASE, **EDITS, **{
             "train.schedule": '"gpipe"', "memory.policies": '["recompute"]',
@@ -65,6 +68,7 @@ def test_more_pairs_equal_the_reference(tiny, tmp_path):
             "memory.policies": '["swap", "recompute", "recompute", "swap"]'}),
         "zb-h2 hierarchical": tiny(**BASE, **HIER, **{"train.schedule": '"zb-h2"'}),
         "keep gpipe": tiny(**BASE, **{"train.schedule": '"gpipe"'}),
+        "tied swap sparse": tiny(**BASE, **TIED, **SPARSE, **{"memory.policies": '["swap"]'}),
     }
     dirs = {k: create_run_dir(c) for k, c in runs.items()}
     jobs = [(c, dirs[k], False) for k, c in runs.items()]
@@ -74,15 +78,18 @@ def test_more_pairs_equal_the_reference(tiny, tmp_path):
             "memory.policies": '["swap", "recompute", "keep", "swap"]'}),
         "zb-h1 sparse": _resume_pair(tmp_path / "r2", **SPARSE, **{
             "train.schedule": '"zb-h1"'}),
+        "tied": _resume_pair(tmp_path / "r4", **TIED, **{"train.schedule": '"gpipe"'}),
     }
     _run(tmp_path, jobs + [j for _, more in resumes.values() for j in more], 600)
     limits = _peer_limits(dirs["keep gpipe"])
-    peer = {"memory.peer_swap": "true", "memory.limit": limits,
+    # GPipe: with two micro-batches the 1F1B plan has no time to lend, and swaps to the host
+    peer = {"memory.peer_swap": "true", "memory.limit": limits, "train.schedule": '"gpipe"',
             "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e8}
     peer_runs = {
-        "gpipe peer dense options": tiny(**BASE, **peer, **OPTIONS, **{
-            "train.schedule": '"gpipe"'}),
+        "gpipe peer dense options": tiny(**BASE, **peer, **OPTIONS),
         "peer hierarchical": tiny(**BASE, **peer, **HIER),
+        "tied peer": tiny(**BASE, **TIED, **{**peer, "memory.limit": _peer_limits(
+            resumes["tied"][0][1])}),
     }
     peer_dirs = {k: create_run_dir(c) for k, c in peer_runs.items()}
     resumes["peer sparse"] = _resume_pair(tmp_path / "r3", **peer, **SPARSE)
@@ -106,7 +113,7 @@ def test_more_pairs_equal_the_reference(tiny, tmp_path):
 def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     """R x T, S x T: each ring node is a one-stage trainer, and ``memory.policies`` apply to
     its layers (the store of the node's trainer holds them); trained with recompute and swap,
-    the ring equals the single-process reference."""
+    and a model with tied weights, the ring equals the single-process reference."""
     from tests.test_tokenring import ring_cfg, run_ring
     from trainwright.dist.topology import Topology
     from trainwright.model.build import build_layers
@@ -124,10 +131,14 @@ def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
                    grad_sync=RingExchange(cfg.tokenring, 0, False, on_applied=print),
                    outputs=False)  # as RingNode builds it, without joining a ring
     assert node.stage.store.policies == dict(enumerate(mix))
-    result = run_ring(cfg)
-    assert result.ok, result.message()
-    model, _ = train_reference(cfg)
-    torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
+    tied = ring_cfg(tmp_path, **TIED, **{"tokenring.nodes": 2, "train.steps": 3,
+                                          "data.name": '"synthetic"',
+                                          "memory.policies": '["recompute"]'})
+    for c in (cfg, tied):  # tied weights: each node holds the whole model, the tie inside it
+        result = run_ring(c)
+        assert result.ok, result.message()
+        model, _ = train_reference(c)
+        torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
 
 
 def _torchrun(*args: str) -> Path:
@@ -158,7 +169,8 @@ def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
     """Under ``torchrun --nproc-per-node 4`` (pp = 2 x dp = 2), each equal to the reference:
     GPipe + recompute / swap / keep + sparse sync + a live migration + clipping, cosine lr and
     evaluation; 1F1B + a model edit + the same options; ZB-H1 + hierarchical sync + bf16; a
-    peer-swap run stopped after step 2 and resumed under torchrun to step 4."""
+    peer-swap run stopped after step 2 and resumed under torchrun to step 4; tied weights
+    with swap."""
     from trainwright.config import load_config
 
     many = _torchrun(*_sets(tmp_path, **SPARSE, **OPTIONS, **{
@@ -170,10 +182,12 @@ def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
     peaks = [st["activation_peak_bytes"] for st in _steps(edited)[0]["stages"]]  # before the edit
     limits = json.dumps([int(0.6 * peaks[0]), peaks[1] + peaks[0]])
     peer = _torchrun(*_sets(tmp_path, **{"memory.peer_swap": "true", "memory.limit": limits,
+                                         "train.schedule": '"gpipe"',
                                          "memory.peer_bandwidth": 1e11,
                                          "memory.host_bandwidth": 1e8, "train.steps": 2}))
     assert _torchrun("--resume", str(peer), "--set", "train.steps=4") == peer
-    for run_dir in (many, edited, zb, peer):
+    tied = _torchrun(*_sets(tmp_path, **TIED, **{"memory.policies": '["swap"]'}))
+    for run_dir in (many, edited, zb, peer, tied):
         cfg = load_config(run_dir / "config.toml")
         try:
             _check(cfg, run_dir, **(BF16_TOL if cfg.train.precision == "bf16" else {}))
