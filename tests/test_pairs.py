@@ -17,6 +17,7 @@ import torch
 from tests.test_pipeline import _steps
 from tests.test_resume import _assert_bitwise, _pair, _run
 from tests.test_train_extras import _check
+from trainwright.config import Config
 from trainwright.run.launch import create_run_dir
 
 BASE = {"parallel.pp": 2, "parallel.dp": 2, "train.micro_batches": 2, "train.steps": 4,
@@ -51,13 +52,30 @@ def _lent(run_dir: Path) -> int:
     return plan["policy_counts"][0].get("peer", 0)
 
 
+def _check_all(runs: dict[str, Config], dirs: dict[str, Path]) -> None:
+    """Each run equal to the reference (bf16 within its tolerance); peer-swap runs lent."""
+    for label, cfg in runs.items():
+        try:
+            _check(cfg, dirs[label], **(BF16_TOL if cfg.train.precision == "bf16" else {}))
+            if cfg.memory.peer_swap:
+                assert _lent(dirs[label]) > 0, "stage 0 lent nothing to its peer"
+        except AssertionError as exc:
+            raise AssertionError(f"{label}: {exc}") from exc
+
+
+def _with_resumes(runs: dict, dirs: dict, resumes: dict) -> None:
+    """Resumed runs bit for bit equal to their uninterrupted runs, which join ``runs``."""
+    for label, ((full, d_full, d_cut), _) in resumes.items():
+        _assert_bitwise(d_full, d_cut, label)
+        runs[label], dirs[label] = full, d_full
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_more_pairs_equal_the_reference(tiny, tmp_path):
-    """G x E, R x E, S x E, E x D, E x Sp, S x Sp, R x H, ZB x Sp, ZB x H, G x P, P x D,
-    P x Sp, P x H; resumes G x Re, R x Re, S x Re, ZB x Re, P x Re; precision / clipping /
-    lr schedule / evaluation with swap, peer swap and edits; tied weights with swap, sparse
-    sync, peer swap and resume."""
+    """G x E, R x E, S x E, E x D, E x Sp, S x Sp, R x H, ZB x Sp, ZB x H; resumes G x Re,
+    R x Re, S x Re, ZB x Re; precision / clipping / evaluation with swap, recompute and
+    edits; tied weights with swap, sparse sync and resume."""
     runs = {
         "gpipe edits recompute dense clip": tiny(**BASE, **EDITS, **{
             "train.schedule": '"gpipe"', "memory.policies": '["recompute"]',
@@ -67,46 +85,48 @@ def test_more_pairs_equal_the_reference(tiny, tmp_path):
         "bf16 swap recompute hierarchical": tiny(**BASE, **HIER, **BF16, **{
             "memory.policies": '["swap", "recompute", "recompute", "swap"]'}),
         "zb-h2 hierarchical": tiny(**BASE, **HIER, **{"train.schedule": '"zb-h2"'}),
-        "keep gpipe": tiny(**BASE, **{"train.schedule": '"gpipe"'}),
         "tied swap sparse": tiny(**BASE, **TIED, **SPARSE, **{"memory.policies": '["swap"]'}),
     }
     dirs = {k: create_run_dir(c) for k, c in runs.items()}
-    jobs = [(c, dirs[k], False) for k, c in runs.items()]
-    resumes = {  # label: (full config, uninterrupted dir, resumed dir)
+    resumes = {  # label: ((full config, uninterrupted dir, resumed dir), jobs)
         "gpipe swap recompute": _resume_pair(tmp_path / "r1", **{
             "train.schedule": '"gpipe"',
             "memory.policies": '["swap", "recompute", "keep", "swap"]'}),
         "zb-h1 sparse": _resume_pair(tmp_path / "r2", **SPARSE, **{
             "train.schedule": '"zb-h1"'}),
-        "tied": _resume_pair(tmp_path / "r4", **TIED, **{"train.schedule": '"gpipe"'}),
+        "tied": _resume_pair(tmp_path / "r3", **TIED),
     }
-    _run(tmp_path, jobs + [j for _, more in resumes.values() for j in more], 600)
-    limits = _peer_limits(dirs["keep gpipe"])
-    # GPipe: with two micro-batches the 1F1B plan has no time to lend, and swaps to the host
-    peer = {"memory.peer_swap": "true", "memory.limit": limits, "train.schedule": '"gpipe"',
-            "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e8}
-    peer_runs = {
-        "gpipe peer dense options": tiny(**BASE, **peer, **OPTIONS),
+    _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()]
+         + [j for _, more in resumes.values() for j in more], 600)
+    _with_resumes(runs, dirs, resumes)
+    _check_all(runs, dirs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_peer_swap_pairs_equal_the_reference(tiny, tmp_path):
+    """G x P, P x D, P x H, P x Sp, P x Re; peer swap with clipping, cosine lr and
+    evaluation; tied weights with peer swap. GPipe: with two micro-batches the 1F1B plan
+    has no time to lend and swaps to the host. Limits from a run that keeps everything."""
+    keep = {"gpt": tiny(**BASE, **{"train.schedule": '"gpipe"'}),
+            "tied": tiny(**BASE, **TIED, **{"train.schedule": '"gpipe"'})}
+    keep_dirs = {k: create_run_dir(c) for k, c in keep.items()}
+    _run(tmp_path, [(c, keep_dirs[k], False) for k, c in keep.items()], 300)
+    peer = {"memory.peer_swap": "true", "memory.limit": _peer_limits(keep_dirs["gpt"]),
+            "train.schedule": '"gpipe"', "memory.peer_bandwidth": 1e11,
+            "memory.host_bandwidth": 1e8}
+    runs = {
+        "peer dense options": tiny(**BASE, **peer, **OPTIONS),
         "peer hierarchical": tiny(**BASE, **peer, **HIER),
         "tied peer": tiny(**BASE, **TIED, **{**peer, "memory.limit": _peer_limits(
-            resumes["tied"][0][1])}),
+            keep_dirs["tied"])}),
     }
-    peer_dirs = {k: create_run_dir(c) for k, c in peer_runs.items()}
-    resumes["peer sparse"] = _resume_pair(tmp_path / "r3", **peer, **SPARSE)
-    _run(tmp_path, [(c, peer_dirs[k], False) for k, c in peer_runs.items()]
-           + resumes["peer sparse"][1], 400)
-    runs.update(peer_runs)
-    dirs.update(peer_dirs)
-    for label, ((full, d_full, d_cut), _) in resumes.items():
-        runs[label], dirs[label] = full, d_full
-        _assert_bitwise(d_full, d_cut, label)
-    for label, cfg in runs.items():
-        try:
-            _check(cfg, dirs[label], **(BF16_TOL if cfg.train.precision == "bf16" else {}))
-            if cfg.memory.peer_swap:
-                assert _lent(dirs[label]) > 0, "stage 0 lent nothing to its peer"
-        except AssertionError as exc:
-            raise AssertionError(f"{label}: {exc}") from exc
+    dirs = {k: create_run_dir(c) for k, c in runs.items()}
+    resumes = {"peer sparse": _resume_pair(tmp_path / "r1", **peer, **SPARSE)}
+    _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()]
+         + resumes["peer sparse"][1], 600)
+    _with_resumes(runs, dirs, resumes)
+    _check_all(runs, dirs)
 
 
 @pytest.mark.timeout(120)
@@ -180,7 +200,8 @@ def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
     edited = _torchrun(*_sets(tmp_path, **EDITS, **OPTIONS))
     zb = _torchrun(*_sets(tmp_path, **HIER, **BF16, **{"train.schedule": '"zb-h1"'}))
     peaks = [st["activation_peak_bytes"] for st in _steps(edited)[0]["stages"]]  # before the edit
-    limits = json.dumps([int(0.6 * peaks[0]), peaks[1] + peaks[0]])
+    # 1F1B's stage 1 holds one micro-batch, GPipe's two: room for both and stage 0's loan
+    limits = json.dumps([int(0.6 * peaks[0]), 2 * peaks[1] + peaks[0]])
     peer = _torchrun(*_sets(tmp_path, **{"memory.peer_swap": "true", "memory.limit": limits,
                                          "train.schedule": '"gpipe"',
                                          "memory.peer_bandwidth": 1e11,
