@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from trainwright.dist import collective as coll
 from trainwright.errors import CommError
@@ -124,7 +125,9 @@ class PeerSwap:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.table = {(r.layer, r.index): r for r in table}
         self.tables = tables
-        self._index: dict[tuple[int, int], dict[int, int]] = {}  # (layer, mb) -> storage -> i
+        # (layer, mb) -> storage address -> (index, weak reference); indices handed out
+        self._index: dict[tuple[int, int], dict[int, tuple[int, StorageWeakRef]]] = {}
+        self._count: dict[tuple[int, int], int] = {}
         self._sent: dict[tuple[int, int], _Outgoing] = {}  # (mb, peer) -> pending sends
         self._fetch: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # mb -> buffers
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
@@ -149,17 +152,24 @@ class PeerSwap:
 
     def pack(self, t: torch.Tensor, layer: int, mb: int) -> PeerHandle | None:
         """Send ``t``'s storage to its peers if the plan names it; else None (keep it)."""
-        seen = self._index.setdefault((layer, mb), {})
-        sid = t.untyped_storage().data_ptr()
-        first = sid not in seen
+        key = (layer, mb)
+        seen = self._index.setdefault(key, {})
+        storage = t.untyped_storage()
+        sid = storage.data_ptr()
+        entry = seen.get(sid)
+        # a storage swapped to the host is freed, and a later tensor of the layer may get its
+        # address: that is a new storage (the plan's profile kept every one alive)
+        first = entry is None or entry[1].expired()
         if first:
-            seen[sid] = len(seen)
-        meta = self.table.get((layer, seen[sid]))
+            entry = seen[sid] = (self._count.get(key, 0), StorageWeakRef(storage))
+            self._count[key] = entry[0] + 1
+        index = entry[0]
+        meta = self.table.get((layer, index))
         if meta is None:
             return None
         if first:
             self._send(t, meta, mb)
-        return PeerHandle(layer, mb, seen[sid], t.dtype, t.storage_offset(), tuple(t.shape),
+        return PeerHandle(layer, mb, index, t.dtype, t.storage_offset(), tuple(t.shape),
                           tuple(t.stride()))
 
     def _send(self, t: torch.Tensor, meta: TensorMeta, mb: int) -> None:
@@ -245,6 +255,7 @@ class PeerSwap:
             self.store.add_bytes(-sum(b.numel() for b in self._fetch.pop(a.mb).values()))
         if a.kind == "SYNC":
             self._index.clear()
+            self._count.clear()
 
     def peer_recv(self, a: Action) -> None:
         """Peer: post the receives of owner ``a.peer``'s chunks of micro-batch ``a.mb``."""

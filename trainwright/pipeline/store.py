@@ -101,6 +101,7 @@ class ActivationStore:
 
     def __init__(self, exclude: set | None = None, device: torch.device | None = None):
         self.exclude = set(exclude or ())
+        self._param_keys: set = set()
         self.swap = HostSwap(device or torch.device("cpu"))
         self.policies: dict[int, str] = {}
         self._segments: dict[tuple[int, int], Segment] = {}
@@ -130,6 +131,16 @@ class ActivationStore:
         for m in modules:
             for t in [*m.parameters(), *m.buffers()]:
                 self.exclude.add(storage_key(t))
+                self._param_keys.add(storage_key(t))
+
+    def follow_params(self, modules) -> None:
+        """Exclude exactly the storages these modules' parameters and buffers have now: a
+        gradient sync may move them into one flat buffer after the stage was built
+        (``sync.strategy = "hierarchical"``), and weights must not be saved as activations."""
+        keys = {storage_key(t) for m in modules for t in [*m.parameters(), *m.buffers()]}
+        if keys != self._param_keys:
+            self.exclude = (self.exclude - self._param_keys) | keys
+            self._param_keys = keys
 
     @contextmanager
     def capture(self, inputs: tuple, swap: bool = False, segment: tuple | None = None):
