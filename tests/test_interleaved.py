@@ -1,0 +1,72 @@
+"""Interleaved 1F1B (``parallel.virtual_stages``): action lists, dry run, simulator, CLI."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainwright.cli.main import main
+from trainwright.errors import PlanError
+from trainwright.plan.simulate import Links, StageCost, simulate
+from trainwright.schedule.actions import build_schedule, format_grid
+from trainwright.schedule.migration import check_schedule
+
+IL = "interleaved-1f1b"
+
+
+@pytest.mark.timeout(180)
+def test_interleaved_lists_are_deadlock_free_and_complete():
+    for p in range(2, 7):
+        for m in (p, 2 * p, 4 * p):
+            for v in (2, 3):
+                sched = build_schedule(IL, p, m, v)
+                assert len(sched) == p
+                check_schedule(sched)
+                format_grid(sched)
+                for r, acts in enumerate(sched):
+                    chunks = {a.stage for a in acts if a.kind in ("F", "B")}
+                    assert chunks == {r + k * p for k in range(v)}, (p, m, v, r)
+                    for s in chunks:
+                        order = [(a.kind, a.mb) for a in acts if a.stage == s and a.kind in "FB"]
+                        assert [mb for k, mb in order if k == "F"] == list(range(m))
+                        assert [mb for k, mb in order if k == "B"] == list(range(m))
+                        for i in range(m):
+                            assert order.index(("F", i)) < order.index(("B", i))
+                    assert [a.kind for a in acts[-2:]] == ["SYNC", "STEP"]
+
+
+def test_interleaved_first_rank_matches_the_megatron_order():
+    # p = 2, m = 4, v = 2: rank 0 warms up with (v-1)p + 2(p-1) = 4 forwards in rounds of p
+    compute = [str(a) for a in build_schedule(IL, 2, 4, 2)[0] if a.kind in "FB"]
+    assert compute == ["0F0", "0F1", "2F0", "2F1", "0F2", "2B0", "0F3", "2B1", "2F2", "0B0",
+                       "2F3", "0B1", "2B2", "2B3", "0B2", "0B3"]
+
+
+@pytest.mark.timeout(180)
+def test_simulated_interleaved_bubble_is_smaller_than_1f1b():
+    for p, m in ((2, 4), (2, 8), (4, 8), (4, 16), (6, 12)):
+        links = Links(list(range(p)), [[1e12] * p] * p)
+        one = simulate(build_schedule("1f1b", p, m), [StageCost(1.0, 1.0)] * p, links)
+        assert one.step_s == pytest.approx(2 * m + 2 * (p - 1))
+        for v in (2, 3):  # each chunk does 1/v of a stage's work
+            il = simulate(build_schedule(IL, p, m, v), [StageCost(1 / v, 1 / v)] * p, links)
+            assert sum(il.busy_s) == pytest.approx(sum(one.busy_s))
+            assert max(il.bubble) < max(one.bubble), (p, m, v, il.bubble, one.bubble)
+            assert il.step_s < one.step_s
+
+
+@pytest.mark.parametrize("p, m, v", [(4, 6, 2), (2, 4, 1)])
+def test_interleaved_refuses_bad_micro_batches_and_chunks(p, m, v):
+    with pytest.raises(PlanError, match="multiple of parallel.pp" if v > 1 else ">= 2"):
+        build_schedule(IL, p, m, v)
+    with pytest.raises(PlanError, match="one stage per rank"):
+        build_schedule("1f1b", 2, 4, 2)
+
+
+def test_cli_schedule_prints_interleaved(capsys):
+    assert main(["schedule", "--schedule", IL, "--pp", "4", "--virtual-stages", "2",
+                 "--micro-batches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["step", "r0", "r1", "r2", "r3"]
+    assert "7F7" in out and "0B7" in out
+    assert main(["schedule", "--schedule", IL, "--pp", "4", "--micro-batches", "6"]) == 2
+    assert "multiple of parallel.pp" in capsys.readouterr().err
