@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from trainwright.cli.main import main
+from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
 from trainwright.plan.simulate import Links, StageCost, simulate
+from trainwright.run.launch import create_run_dir
 from trainwright.schedule.actions import build_schedule, format_grid
 from trainwright.schedule.migration import check_schedule
 
@@ -70,3 +72,42 @@ def test_cli_schedule_prints_interleaved(capsys):
     assert "7F7" in out and "0B7" in out
     assert main(["schedule", "--schedule", IL, "--pp", "4", "--micro-batches", "6"]) == 2
     assert "multiple of parallel.pp" in capsys.readouterr().err
+
+
+def _il(tiny, pp: int, v: int = 2, **extra):
+    return tiny(**{"parallel.pp": pp, "parallel.virtual_stages": v, "train.schedule": f'"{IL}"',
+                   "train.steps": 3, **extra})
+
+
+def _train_and_compare(cfgs, world: int, timeout_s: int) -> None:
+    from tests.test_pipeline import _check_against_reference, _train_jobs
+    dirs = [create_run_dir(c) for c in cfgs]
+    run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)),
+                timeout_s=timeout_s)
+    for cfg, run_dir in zip(cfgs, dirs, strict=True):
+        label = (f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} v={cfg.parallel.virtual_stages} "
+                 f"m={cfg.train.micro_batches} {cfg.memory.policies}")
+        try:
+            _check_against_reference(cfg, run_dir)
+        except AssertionError as exc:
+            raise AssertionError(f"{label}: {exc}") from exc
+
+
+@pytest.mark.timeout(400)
+def test_interleaved_trains_equal_to_single_process_pp2(tiny):
+    # 4 layers = 2 ranks x 2 chunks of one layer; step 2 is a fast (fused) step
+    cfgs = [_il(tiny, 2, **{"train.micro_batches": m}) for m in (2, 4)]
+    cfgs += [_il(tiny, 2, **{"train.micro_batches": 4, "memory.policies": pol})
+             for pol in ('["swap", "recompute", "keep", "recompute"]',
+                         '["recompute", "swap", "swap", "keep"]')]
+    cfgs.append(_il(tiny, 2, v=3, **{"model.n_blocks": 4, "train.micro_batches": 4}))
+    _train_and_compare(cfgs, 2, 380)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_interleaved_trains_equal_to_single_process_pp4_and_dp2(tiny):
+    cfgs = [_il(tiny, 4, **{"model.n_blocks": 6, "train.micro_batches": 4}),
+            _il(tiny, 4, **{"model.n_blocks": 6, "train.micro_batches": 8}),
+            _il(tiny, 2, **{"parallel.dp": 2, "train.micro_batches": 4})]
+    _train_and_compare(cfgs, 4, 580)

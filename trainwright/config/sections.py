@@ -149,10 +149,11 @@ class TrainConfig(Section):
     """Micro-batches per step per replica; must divide batch_size / dp."""
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
-    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b"] = "1f1b"
     """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, or zero bubble (backward split into input
     and weight gradients): ``"zb-h1"`` (1F1B's peak memory, less bubble) or ``"zb-h2"``
-    (more micro-batches in flight, least bubble). See docs/schedules.md."""
+    (more micro-batches in flight, least bubble), or ``"interleaved-1f1b"`` (several model
+    chunks per rank, ``parallel.virtual_stages >= 2``). See docs/schedules.md."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: PositiveFloat = 3e-3
@@ -194,6 +195,10 @@ class ParallelConfig(Section):
     """Intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
     bucket_mb: PositiveFloat = 25.0
     """Size of the data-parallel all-reduce buckets, MiB."""
+    virtual_stages: Annotated[int, Field(ge=1, le=64), Allowed("must be in 1 .. 64")] = 1
+    """Model chunks per pipeline rank (``train.schedule = "interleaved-1f1b"``, which needs
+    at least 2): the model is cut into ``pp * virtual_stages`` stages, rank ``r`` holding
+    stages ``r, r + pp, ...``. 1 = one stage per rank."""
 
 
 class MemoryConfig(Section):

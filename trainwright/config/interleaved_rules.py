@@ -1,0 +1,32 @@
+"""Cross-field rules of ``parallel.virtual_stages`` (interleaved 1F1B)."""
+
+from __future__ import annotations
+
+from trainwright.errors import ConfigError
+
+__all__ = ["check_virtual_stages", "INTERLEAVED"]
+
+INTERLEAVED = ("interleaved-1f1b",)
+"""Schedules that run several model chunks (virtual stages) per rank."""
+
+
+def check_virtual_stages(cfg) -> None:
+    """Refuse combinations interleaved 1F1B does not run: one line each, naming the fix."""
+    v, sch = cfg.parallel.virtual_stages, cfg.train.schedule
+    p, m = cfg.parallel.pp, cfg.train.micro_batches
+    if sch in INTERLEAVED and v < 2:
+        raise ConfigError(f"train.schedule = \"{sch}\" needs parallel.virtual_stages >= 2 "
+                          f"(model chunks per rank), got {v}")
+    if sch not in INTERLEAVED and v != 1:
+        raise ConfigError(f"parallel.virtual_stages = {v} needs train.schedule = "
+                          f"\"interleaved-1f1b\", not {sch!r}; set it, or virtual_stages = 1")
+    if v == 1:
+        return
+    if m % p:
+        raise ConfigError(f"train.schedule = \"{sch}\" needs train.micro_batches to be a "
+                          f"multiple of parallel.pp = {p}, got {m}")
+    # peer swap and live migration are refused for every schedule but 1F1B / GPipe (core)
+    if not cfg.memory.peer_swap and any(x is not None for x in cfg.stage_limits()):
+        raise ConfigError(f"memory.limit planning works with train.schedule = \"1f1b\", "
+                          f"\"gpipe\", \"zb-h1\" or \"zb-h2\", not {sch!r} (several chunks "
+                          f"per rank); remove memory.limit, or fix memory.policies instead")
