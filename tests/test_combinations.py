@@ -58,6 +58,10 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
      r"peer_swap = true works with train.schedule = \"1f1b\" or \"gpipe\""),
     (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2",
       "rebalance.enabled=true"], r"live migration .* not 'interleaved-1f1b'"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2", "eval.every=2"],
+     r"eval.every works with one stage per rank, not train.schedule = 'interleaved-1f1b'"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2", "parallel.pp=1"],
+     r"needs parallel.pp >= 2, got 1"),
 ]
 
 

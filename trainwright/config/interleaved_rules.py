@@ -22,6 +22,9 @@ def check_virtual_stages(cfg) -> None:
                           f"\"interleaved-1f1b\", not {sch!r}; set it, or virtual_stages = 1")
     if v == 1:
         return
+    if p < 2:
+        raise ConfigError(f"train.schedule = \"{sch}\" interleaves chunks over pipeline ranks "
+                          f"and needs parallel.pp >= 2, got {p}")
     if m % p:
         raise ConfigError(f"train.schedule = \"{sch}\" needs train.micro_batches to be a "
                           f"multiple of parallel.pp = {p}, got {m}")
@@ -30,3 +33,6 @@ def check_virtual_stages(cfg) -> None:
         raise ConfigError(f"memory.limit planning works with train.schedule = \"1f1b\", "
                           f"\"gpipe\", \"zb-h1\" or \"zb-h2\", not {sch!r} (several chunks "
                           f"per rank); remove memory.limit, or fix memory.policies instead")
+    if cfg.eval.every:
+        raise ConfigError(f"eval.every works with one stage per rank, not train.schedule = "
+                          f"{sch!r}; set eval.every = 0 (evaluate the exported model instead)")
