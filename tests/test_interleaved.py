@@ -9,7 +9,7 @@ from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
-from trainwright.schedule.actions import build_schedule, format_grid
+from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight
 from trainwright.schedule.migration import check_schedule
 
 IL = "interleaved-1f1b"
@@ -34,6 +34,8 @@ def test_interleaved_lists_are_deadlock_free_and_complete():
                         for i in range(m):
                             assert order.index(("F", i)) < order.index(("B", i))
                     assert [a.kind for a in acts[-2:]] == ["SYNC", "STEP"]
+                    held = min((v - 1) * p + 2 * (p - 1 - r) + 1, v * m)
+                    assert max_in_flight(acts) == held, (p, m, v, r)
 
 
 def test_interleaved_first_rank_matches_the_megatron_order():

@@ -188,7 +188,8 @@ class ParallelConfig(Section):
     dp: PositiveInt = 1
     """Data-parallel replicas of each stage."""
     partition: list[PositiveInt] = []
-    """Layers per stage, e.g. ``[3, 3]``; empty = as even as possible."""
+    """Layers per stage, e.g. ``[3, 3]`` (``pp * virtual_stages`` entries, in model order,
+    when interleaving); empty = as even as possible."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
     threads_per_rank: NonNegativeInt = 0
