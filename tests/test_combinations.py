@@ -45,7 +45,13 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
     # interleaved 1F1B (parallel.virtual_stages): config/interleaved_rules.py
     (['train.schedule="interleaved-1f1b"'], r"needs parallel.virtual_stages >= 2"),
     (["parallel.virtual_stages=2"], r"virtual_stages = 2 needs train.schedule = "
-                                    r"\"interleaved-1f1b\""),
+                                    r"\"interleaved-1f1b\" or \"zb-v\""),
+    (['train.schedule="zb-v"', "parallel.virtual_stages=3"],
+     r"two chunks per rank in a V; set parallel.virtual_stages = 2, not 3"),
+    (['train.schedule="zb-v"', "parallel.virtual_stages=2", "rebalance.enabled=true"],
+     r"live migration .* not 'zb-v'"),
+    (['train.schedule="zb-v"', "parallel.virtual_stages=2", 'memory.limit="8MB"'],
+     r"memory.limit planning works with .*not 'zb-v'"),
     (["parallel.virtual_stages=65"], r"parallel.virtual_stages = 65 must be in 1 .. 64"),
     (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2",
       "train.micro_batches=1"], r"micro_batches to be a multiple of parallel.pp = 2"),

@@ -9,7 +9,7 @@ from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
-from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight
+from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight, stage_ranks
 from trainwright.schedule.migration import check_schedule
 
 IL = "interleaved-1f1b"
@@ -38,6 +38,26 @@ def test_interleaved_lists_are_deadlock_free_and_complete():
                     assert max_in_flight(acts) == held, (p, m, v, r)
 
 
+@pytest.mark.timeout(180)
+def test_zb_v_lists_are_deadlock_free_complete_and_v_shaped():
+    for p in range(2, 7):
+        for m in (p, 2 * p, 4 * p):
+            sched = build_schedule("zb-v", p, m, 2)
+            check_schedule(sched)
+            format_grid(sched)
+            for r, acts in enumerate(sched):
+                assert {a.stage for a in acts if a.kind in "FBW"} == {r, 2 * p - 1 - r}
+                for s in (r, 2 * p - 1 - r):
+                    order = [(a.kind, a.mb) for a in acts if a.stage == s and a.kind in "FBW"]
+                    for kind in "FBW":
+                        assert [mb for k, mb in order if k == kind] == list(range(m))
+                    for i in range(m):
+                        assert order.index(("F", i)) < order.index(("B", i)) \
+                            < order.index(("W", i))
+    assert stage_ranks("zb-v", 3, 2) == [0, 1, 2, 2, 1, 0]
+    assert stage_ranks(IL, 3, 2) == [0, 1, 2, 0, 1, 2]
+
+
 def test_interleaved_first_rank_matches_the_megatron_order():
     # p = 2, m = 4, v = 2: rank 0 warms up with (v-1)p + 2(p-1) = 4 forwards in rounds of p
     compute = [str(a) for a in build_schedule(IL, 2, 4, 2)[0] if a.kind in "FB"]
@@ -56,6 +76,10 @@ def test_simulated_interleaved_bubble_is_smaller_than_1f1b():
             assert sum(il.busy_s) == pytest.approx(sum(one.busy_s))
             assert max(il.bubble) < max(one.bubble), (p, m, v, il.bubble, one.bubble)
             assert il.step_s < one.step_s
+        # ZB-V at the zero-bubble table's costs: a stage's F = 1, B = 2 of which W = 1
+        one = simulate(build_schedule("1f1b", p, m), [StageCost(1.0, 2.0)] * p, links)
+        zbv = simulate(build_schedule("zb-v", p, m, 2), [StageCost(0.5, 1.0, 0.5)] * p, links)
+        assert max(zbv.bubble) < max(one.bubble) and zbv.step_s < one.step_s, (p, m)
 
 
 @pytest.mark.parametrize("p, m, v", [(4, 6, 2), (2, 4, 1)])
@@ -76,9 +100,9 @@ def test_cli_schedule_prints_interleaved(capsys):
     assert "multiple of parallel.pp" in capsys.readouterr().err
 
 
-def _il(tiny, pp: int, v: int = 2, **extra):
-    return tiny(**{"parallel.pp": pp, "parallel.virtual_stages": v, "train.schedule": f'"{IL}"',
-                   "train.steps": 3, **extra})
+def _il(tiny, pp: int, v: int = 2, schedule: str = IL, **extra):
+    return tiny(**{"parallel.pp": pp, "parallel.virtual_stages": v,
+                   "train.schedule": f'"{schedule}"', "train.steps": 3, **extra})
 
 
 def _train_and_compare(cfgs, world: int, timeout_s: int) -> None:
@@ -125,3 +149,12 @@ def test_interleaved_resume_equals_the_uninterrupted_run(tmp_path):
     _assert_bitwise(d_full, d_cut, "interleaved resume")
     from trainwright.run import checkpoint
     assert len(checkpoint.read_meta(d_cut, 2)["partition"]) == 4  # pp * virtual_stages
+
+
+@pytest.mark.timeout(400)
+def test_zb_v_trains_equal_to_single_process_pp2(tiny):
+    cfgs = [_il(tiny, 2, schedule="zb-v", **{"train.micro_batches": m}) for m in (2, 4)]
+    cfgs += [_il(tiny, 2, schedule="zb-v", **{"train.micro_batches": 4, "memory.policies": pol})
+             for pol in ('["swap", "recompute", "keep", "recompute"]',
+                         '["recompute", "swap", "swap", "keep"]')]
+    _train_and_compare(cfgs, 2, 380)

@@ -6,7 +6,7 @@ from trainwright.errors import ConfigError
 
 __all__ = ["check_virtual_stages", "INTERLEAVED"]
 
-INTERLEAVED = ("interleaved-1f1b",)
+INTERLEAVED = ("interleaved-1f1b", "zb-v")
 """Schedules that run several model chunks (virtual stages) per rank."""
 
 
@@ -19,13 +19,17 @@ def check_virtual_stages(cfg) -> None:
                           f"(model chunks per rank), got {v}")
     if sch not in INTERLEAVED and v != 1:
         raise ConfigError(f"parallel.virtual_stages = {v} needs train.schedule = "
-                          f"\"interleaved-1f1b\", not {sch!r}; set it, or virtual_stages = 1")
+                          f"\"interleaved-1f1b\" or \"zb-v\", not {sch!r}; set one, or "
+                          f"virtual_stages = 1")
+    if sch == "zb-v" and v != 2:
+        raise ConfigError(f"train.schedule = \"zb-v\" places two chunks per rank in a V; set "
+                          f"parallel.virtual_stages = 2, not {v}")
     if v == 1:
         return
     if p < 2:
         raise ConfigError(f"train.schedule = \"{sch}\" interleaves chunks over pipeline ranks "
                           f"and needs parallel.pp >= 2, got {p}")
-    if m % p:
+    if sch == "interleaved-1f1b" and m % p:
         raise ConfigError(f"train.schedule = \"{sch}\" needs train.micro_batches to be a "
                           f"multiple of parallel.pp = {p}, got {m}")
     # peer swap and live migration are refused for every schedule but 1F1B / GPipe (core)

@@ -149,11 +149,12 @@ class TrainConfig(Section):
     """Micro-batches per step per replica; must divide batch_size / dp."""
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
-    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v"] = "1f1b"
     """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, or zero bubble (backward split into input
     and weight gradients): ``"zb-h1"`` (1F1B's peak memory, less bubble) or ``"zb-h2"``
-    (more micro-batches in flight, least bubble), or ``"interleaved-1f1b"`` (several model
-    chunks per rank, ``parallel.virtual_stages >= 2``). See docs/schedules.md."""
+    (more micro-batches in flight, least bubble), or several model chunks per rank:
+    ``"interleaved-1f1b"`` (``parallel.virtual_stages >= 2``) or ``"zb-v"`` (zero bubble,
+    two chunks per rank in a V, ``parallel.virtual_stages = 2``). See docs/schedules.md."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: PositiveFloat = 3e-3
@@ -198,8 +199,9 @@ class ParallelConfig(Section):
     """Size of the data-parallel all-reduce buckets, MiB."""
     virtual_stages: Annotated[int, Field(ge=1, le=64), Allowed("must be in 1 .. 64")] = 1
     """Model chunks per pipeline rank (``train.schedule = "interleaved-1f1b"``, which needs
-    at least 2): the model is cut into ``pp * virtual_stages`` stages, rank ``r`` holding
-    stages ``r, r + pp, ...``. 1 = one stage per rank."""
+    at least 2, or ``"zb-v"``, exactly 2): the model is cut into ``pp * virtual_stages``
+    stages, rank ``r`` holding stages ``r, r + pp, ...`` (ZB-V: ``r`` and ``2 pp - 1 - r``).
+    1 = one stage per rank."""
 
 
 class MemoryConfig(Section):

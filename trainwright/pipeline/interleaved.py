@@ -77,6 +77,10 @@ class InterleavedRuntime:
         self.rank_of, self.grad_sync, self.replica = rank_of, grad_sync, replica
         self.stage_index, self.fault = rank, fault
         self.last = max(a.stage for a in actions if a.kind == "F")
+        self.split = any(a.kind == "W" for a in actions)  # ZB-V: B then W
+        self.here = {a.stage for a in actions}
+        """Virtual stages of this rank: a hand-over between two of them stays local."""
+        self._local: dict[tuple, tuple] = {}
         self._measured_peak = 0
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
@@ -124,8 +128,8 @@ class InterleavedRuntime:
         k, mb, s, io = a.kind, a.mb, a.stage, self._io
         key = (s, mb)
         if k == "RECV_F":
-            io["recv"][key] = tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb,
-                                                  tag=chunk_tag("act", s)))
+            io["recv"][key] = self._local.pop(("act", s, mb)) if s - 1 in self.here else \
+                tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s)))
         elif k == "F":
             st = self.chunks[s]
             x = (io["in"][mb],) if s == 0 else io["recv"].pop(key)
@@ -135,19 +139,19 @@ class InterleavedRuntime:
             else:
                 io["out"][key] = out
         elif k == "SEND_F":
-            self.p2p.send(self.rank_of(s + 1), "act", mb, io["out"].pop(key),
-                          tag=chunk_tag("act", s + 1))
+            self._send("act", s + 1, mb, io["out"].pop(key))
         elif k == "RECV_B":
-            io["gin"][key] = tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb,
-                                                 tag=chunk_tag("grad", s)))
+            io["gin"][key] = self._local.pop(("grad", s, mb)) if s + 1 in self.here else \
+                tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb, tag=chunk_tag("grad", s)))
         elif k == "B":
             st = self.chunks[s]
-            g = st.backward(mb, None if st.is_last else io["gin"].pop(key))
+            g = st.backward(mb, None if st.is_last else io["gin"].pop(key), split=self.split)
             if s > 0:
                 io["gout"][key] = g
+        elif k == "W":
+            self.chunks[s].backward_weight(mb)
         elif k == "SEND_B":
-            self.p2p.send(self.rank_of(s - 1), "grad", mb, io["gout"].pop(key),
-                          tag=chunk_tag("grad", s - 1))
+            self._send("grad", s - 1, mb, io["gout"].pop(key))
         elif k == "SYNC":
             self.p2p.wait_sends()
             self.grad_sync.sync(self.view.parameters())
@@ -155,3 +159,11 @@ class InterleavedRuntime:
             self.grad_sync.step(self.view.slots)
         else:  # pragma: no cover - interleaved lists hold no other kinds
             raise ValueError(f"unknown action {a} in an interleaved schedule")
+
+    def _send(self, kind: str, to_stage: int, mb: int, tensors: tuple) -> None:
+        """To the rank of ``to_stage``, or handed over locally when this rank holds it."""
+        if to_stage in self.here:
+            self._local[(kind, to_stage, mb)] = tuple(
+                t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
+        else:
+            self.p2p.send(self.rank_of(to_stage), kind, mb, tensors, tag=chunk_tag(kind, to_stage))

@@ -65,7 +65,7 @@ from trainwright.run import checkpoint
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
 from trainwright.run.update import UpdateStep, make_update_step
-from trainwright.schedule.actions import build_schedule
+from trainwright.schedule.actions import build_schedule, stage_ranks
 from trainwright.sync import GradSync, make_grad_sync
 
 __all__ = ["Trainer"]
@@ -205,7 +205,7 @@ class Trainer:
         cfg, s = self.cfg, self.topo.stage
         self.store, self.profiler = ActivationStore(device=self.device), profiler
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=s == 0,
-                           loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
+                           loss_fn=loss_fn(cfg) if cfg.n_stages - 1 in self.my_stages else None,
                            loss_scale=1.0 / cfg.train.micro_batches)
         self.stage.autocast = autocast_factory(cfg.train.precision, self.device)
         self.chunks = chunk_stages(cfg, self.my_stages, self.parts, self.slots, self.store,
@@ -273,7 +273,7 @@ class Trainer:
         if self.chunks is not None:
             self.runtime = InterleavedRuntime(
                 self.stage, self.chunks, self.actions, self._p2p(topo.pp_group),
-                rank_of=lambda k: topo.rank_of(k % topo.pp), grad_sync=self.update,
+                rank_of=lambda k: topo.rank_of(self.stage_ranks[k]), grad_sync=self.update,
                 replica=topo.replica, rank=s, fault=fault)
             return
         self.runtime = PipelineRuntime(
@@ -331,13 +331,19 @@ class Trainer:
     @property
     def stage_of(self) -> list[int]:
         """The stage (pipeline rank) of every layer under the current partition."""
-        return [k % self.topo.pp for k, n in enumerate(self.parts) for _ in range(n)]
+        ranks = self.stage_ranks
+        return [ranks[k] for k, n in enumerate(self.parts) for _ in range(n)]
 
     @property
     def my_stages(self) -> list[int]:
         """The model stages this rank runs: its own, or its chunks ``r, r + pp, ...``."""
-        p = self.topo.pp
-        return [self.topo.stage + k * p for k in range(self.cfg.parallel.virtual_stages)]
+        return [k for k, r in enumerate(self.stage_ranks) if r == self.topo.stage]
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The pipeline rank of every model stage (the identity with one stage per rank)."""
+        return stage_ranks(self.cfg.train.schedule, self.topo.pp,
+                           self.cfg.parallel.virtual_stages)
 
     # ------------------------------------------------------------------ the step loop
     def fit(self, on_step: Callable[[int, StepStats | None], None] | None = None,

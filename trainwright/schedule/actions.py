@@ -20,11 +20,13 @@ from __future__ import annotations
 from trainwright.errors import PlanError
 
 __all__ = ["Action", "KINDS", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
-           "SCHEDULES", "SPLIT_BACKWARD", "VIRTUAL_SCHEDULES", "max_in_flight", "max_waiting_w"]
+           "SCHEDULES", "SPLIT_BACKWARD", "VIRTUAL_SCHEDULES", "stage_ranks", "max_in_flight",
+           "max_waiting_w"]
 
 from trainwright.schedule.base import COMPUTE, KINDS, Action, _check, _with_comm
 from trainwright.schedule.interleaved import interleaved_1f1b
 from trainwright.schedule.zero_bubble import zb_h1, zb_h2
+from trainwright.schedule.zero_bubble_v import v_rank_of, zb_v
 
 
 def gpipe(n_stages: int, n_micro: int) -> list[list[Action]]:
@@ -71,12 +73,21 @@ def one_f_one_b(n_stages: int, n_micro: int) -> list[list[Action]]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}
 """Schedule name -> generator ``(n_stages, n_micro) -> one action list per stage``."""
 
-SPLIT_BACKWARD = ("zb-h1", "zb-h2")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")
 """Schedules whose backward is split into ``B`` (input gradients) and ``W`` (weights)."""
 
-VIRTUAL_SCHEDULES = {"interleaved-1f1b": interleaved_1f1b}
+VIRTUAL_SCHEDULES = {"interleaved-1f1b": interleaved_1f1b, "zb-v": zb_v}
 """Schedules with several model chunks per rank: name -> generator
 ``(n_ranks, n_micro, virtual_stages) -> one action list per rank``."""
+
+
+def stage_ranks(name: str, n_ranks: int, virtual_stages: int = 1) -> list[int]:
+    """Pipeline rank of every model stage: round-robin (``s mod p``; one stage per rank:
+    the identity), or the V of ZB-V (rank ``r`` holds ``r`` and ``2p - 1 - r``)."""
+    n = n_ranks * virtual_stages
+    if name == "zb-v":
+        return [v_rank_of(s, n_ranks) for s in range(n)]
+    return [s % n_ranks for s in range(n)]
 
 
 def build_schedule(name: str, n_stages: int, n_micro: int,
