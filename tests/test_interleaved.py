@@ -135,20 +135,27 @@ def test_interleaved_trains_equal_to_single_process_pp2(tiny):
 def test_interleaved_trains_equal_to_single_process_pp4_and_dp2(tiny):
     cfgs = [_il(tiny, 4, **{"model.n_blocks": 6, "train.micro_batches": 4}),
             _il(tiny, 4, **{"model.n_blocks": 6, "train.micro_batches": 8}),
-            _il(tiny, 2, **{"parallel.dp": 2, "train.micro_batches": 4})]
+            _il(tiny, 2, **{"parallel.dp": 2, "train.micro_batches": 4}),
+            _il(tiny, 4, schedule="zb-v", **{"model.n_blocks": 6, "train.micro_batches": 8}),
+            _il(tiny, 2, schedule="zb-v", **{"parallel.dp": 2, "train.micro_batches": 4})]
     _train_and_compare(cfgs, 4, 580)
 
 
 @pytest.mark.timeout(400)
-def test_interleaved_resume_equals_the_uninterrupted_run(tmp_path):
+def test_interleaved_and_zb_v_resume_equal_the_uninterrupted_run(tmp_path):
     from tests.test_resume import _assert_bitwise, _jobs, _pair
-    kw = {"parallel.pp": 2, "parallel.virtual_stages": 2, "train.schedule": f'"{IL}"',
-          "train.micro_batches": 4, "train.steps": 4, "train.momentum": 0.9}
-    (_, d_full, d_cut), jobs = _pair(tmp_path, 2, **kw)
-    run_workers(_jobs, 2, [(c, str(d), r) for c, d, r in jobs], str(tmp_path), timeout_s=380)
-    _assert_bitwise(d_full, d_cut, "interleaved resume")
     from trainwright.run import checkpoint
-    assert len(checkpoint.read_meta(d_cut, 2)["partition"]) == 4  # pp * virtual_stages
+    pairs, jobs = [], []
+    for schedule in (IL, "zb-v"):
+        kw = {"parallel.pp": 2, "parallel.virtual_stages": 2, "train.schedule": f'"{schedule}"',
+              "train.micro_batches": 4, "train.steps": 4, "train.momentum": 0.9}
+        (_, d_full, d_cut), more = _pair(tmp_path / schedule, 2, **kw)
+        pairs.append((schedule, d_full, d_cut))
+        jobs += more
+    run_workers(_jobs, 2, [(c, str(d), r) for c, d, r in jobs], str(tmp_path), timeout_s=380)
+    for schedule, d_full, d_cut in pairs:
+        _assert_bitwise(d_full, d_cut, f"{schedule} resume")
+        assert len(checkpoint.read_meta(d_cut, 2)["partition"]) == 4  # pp * virtual_stages
 
 
 @pytest.mark.timeout(400)
