@@ -68,6 +68,15 @@ def test_unknown_benchmark_is_a_config_error(capsys):
 
 
 @pytest.mark.timeout(60)
+def test_bench_sparse_spec_key_is_checked(capsys, tmp_path):
+    out = tmp_path / "sparse.json"
+    assert main(["bench", "sparse", "--spec", "bogus=1", "--json", str(out)]) == 2
+    assert "unknown key 'bogus'" in capsys.readouterr().err and not out.exists()
+    assert main(["bench", "sparse", "--spec", "rows=many", "--json", str(out)]) == 2
+    assert "rows must be an integer" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.timeout(60)
 def test_saved_tensor_meter_counts_what_autograd_keeps():
     from trainwright.bench.meter import SavedTensorMeter
 
