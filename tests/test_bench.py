@@ -168,6 +168,14 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
     if ratios:
         assert result["ratio_to_best"] == pytest.approx(statistics.median(ratios), abs=1e-3)
         assert result["ratio_spread"]["min"] == pytest.approx(min(ratios), abs=1e-3)
+    # a DeepSpeed round that failed is recorded as the row's error, never raised
+    from trainwright.bench.rebalance import _add_deepspeed, _deepspeed_row
+
+    failed = {"rows": []}
+    _add_deepspeed(failed, *_deepspeed_row([{"error": "ImportError: x"}], spec, [0.1], [0]))
+    assert failed["deepspeed_error"] == "ImportError: x"
+    assert failed["rows"] == [{"system": "deepspeed_pipeline_parameters",
+                               "error": "ImportError: x"}]
     # at this size per-op overheads, not the heavy blocks, set the layer times, so the
     # direction of a move is not predictable; a move must change the partition
     assert all(r["old"] != r["new"] for rs in result["repartitions"] for r in rs)

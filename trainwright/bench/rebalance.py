@@ -221,6 +221,22 @@ def _deepspeed_row(ds_runs: list, spec: RebalanceBenchSpec, after: list, kept: l
     return row, paired([per_round[i] for i in kept], [after[i] for i in kept])
 
 
+def _rows(spec, figs, ours_runs, static_runs, after, static, kept, best) -> list[dict]:
+    """The rows of trainwright rebalancing and of the best static partition."""
+    b = spec.batch_size
+    return [
+        {"system": SYSTEMS[0], "partition_before": spec.split,
+         "partition_after": [f["partition_after"] for f in figs],
+         "samples_per_s": round(b / _median([after[i] for i in kept]), 3) if kept else None,
+         "after_s_per_round": [a and round(a, 5) for a in after],
+         "step_times_s": [[round(t, 4) for t in o["step_times_s"]] for o in ours_runs]},
+        {"system": SYSTEMS[1], "partition": best,
+         "samples_per_s": round(b / _median(static), 3),
+         "step_s_per_round": [round(t, 5) for t in static],
+         "step_times_s": [[round(t, 4) for t in r["step_times_s"]] for r in static_runs]},
+    ]
+
+
 def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = None) -> dict:
     """Run the systems ``repeats`` paired rounds in ABBA order and compare them.
 
@@ -247,17 +263,7 @@ def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = Non
         vals = [f[key] for f in figs if f[key] is not None]
         return _median(vals) if vals else None
 
-    rows = [
-        {"system": SYSTEMS[0], "partition_before": spec.split,
-         "partition_after": [f["partition_after"] for f in figs],
-         "samples_per_s": round(b / _median([after[i] for i in kept]), 3) if kept else None,
-         "after_s_per_round": [a and round(a, 5) for a in after],
-         "step_times_s": [[round(t, 4) for t in o["step_times_s"]] for o in ours_runs]},
-        {"system": SYSTEMS[1], "partition": best,
-         "samples_per_s": round(b / _median(static), 3),
-         "step_s_per_round": [round(t, 5) for t in static],
-         "step_times_s": [[round(t, 4) for t in r["step_times_s"]] for r in static_runs]},
-    ]
+    rows = _rows(spec, figs, ours_runs, static_runs, after, static, kept, best)
     before_s, migration = med("before_s"), med("migration_step_s")
     result = {
         "benchmark": "rebalance",
@@ -280,19 +286,23 @@ def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = Non
         "host": host_info(),
     }
     if use_ds:
-        row, ds_pair = _deepspeed_row(runs[SYSTEMS[2]], spec, after, kept)
-        rows.append(row)
-        if ds_pair is None:
-            result["deepspeed_error"] = row["error"]
-        else:
-            result["deepspeed_parameters_samples_per_s"] = row["samples_per_s"]
-            result["deepspeed_paired_ratios"] = ds_pair["paired_ratios"]
-            result["ratio_vs_deepspeed_parameters"] = ds_pair["ratio"]
-            result["ratio_vs_deepspeed_parameters_spread"] = ds_pair["ratio_spread"]
+        _add_deepspeed(result, *_deepspeed_row(runs[SYSTEMS[2]], spec, after, kept))
     if result["migration_step_s"] and result["median_step_s"]:
         result["migration_vs_median"] = round(result["migration_step_s"]
                                               / result["median_step_s"], 3)
     return result
+
+
+def _add_deepspeed(result: dict, row: dict, ds_pair: dict | None) -> None:
+    """DeepSpeed's row and paired figures into ``result``, or its error."""
+    result["rows"].append(row)
+    if ds_pair is None:
+        result["deepspeed_error"] = row["error"]
+        return
+    result["deepspeed_parameters_samples_per_s"] = row["samples_per_s"]
+    result["deepspeed_paired_ratios"] = ds_pair["paired_ratios"]
+    result["ratio_vs_deepspeed_parameters"] = ds_pair["ratio"]
+    result["ratio_vs_deepspeed_parameters_spread"] = ds_pair["ratio_spread"]
 
 
 def main(args: argparse.Namespace) -> dict:
