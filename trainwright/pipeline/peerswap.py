@@ -124,7 +124,7 @@ class PeerSwap:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.table = {(r.layer, r.index): r for r in table}
         self.tables = tables
-        self._index: dict[tuple[int, int], dict[int, int]] = {}  # (layer, mb) -> storage -> i
+        self._index: dict[tuple[int, int], dict] = {}  # (layer, mb) -> storage -> (i, storage)
         self._sent: dict[tuple[int, int], _Outgoing] = {}  # (mb, peer) -> pending sends
         self._fetch: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # mb -> buffers
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
@@ -150,17 +150,26 @@ class PeerSwap:
     def pack(self, t: torch.Tensor, layer: int, mb: int) -> PeerHandle | None:
         """Send ``t``'s storage to its peers if the plan names it; else None (keep it)."""
         seen = self._index.setdefault((layer, mb), {})
-        sid = t.untyped_storage().data_ptr()
+        storage = t.untyped_storage()
+        sid = storage.data_ptr()
         first = sid not in seen
         if first:
-            seen[sid] = len(seen)
-        meta = self.table.get((layer, seen[sid]))
+            # hold the storage until the layer's forward ends (end_forward): a swapped-out
+            # tensor's freed address could otherwise come back for a later tensor of the
+            # same forward, which would then look "seen" and shift every later index
+            seen[sid] = (len(seen), storage)
+        index = seen[sid][0]
+        meta = self.table.get((layer, index))
         if meta is None:
             return None
         if first:
             self._send(t, meta, mb)
-        return PeerHandle(layer, mb, seen[sid], t.dtype, t.storage_offset(), tuple(t.shape),
+        return PeerHandle(layer, mb, index, t.dtype, t.storage_offset(), tuple(t.shape),
                           tuple(t.stride()))
+
+    def end_forward(self, layer: int, mb: int) -> None:
+        """The forward of ``layer`` on micro-batch ``mb`` is over: forget its storages."""
+        self._index.pop((layer, mb), None)
 
     def _send(self, t: torch.Tensor, meta: TensorMeta, mb: int) -> None:
         storage = t.untyped_storage()
@@ -244,7 +253,7 @@ class PeerSwap:
         if a.kind == "B" and a.mb in self._fetch:
             self.store.add_bytes(-sum(b.numel() for b in self._fetch.pop(a.mb).values()))
         if a.kind == "SYNC":
-            self._index.clear()
+            self._index.clear()  # forwards that raised never reached end_forward
 
     def peer_recv(self, a: Action) -> None:
         """Peer: post the receives of owner ``a.peer``'s chunks of micro-batch ``a.mb``."""
