@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--stages", type=int, default=None,
                      help="pipeline stages, where the benchmark has them (default: spec)")
     ben.add_argument("--spec", action="append", metavar="KEY=VALUE",
-                     help="pipeline: change a scalar of the workload (e.g. d_model=128)")
+                     help="pipeline, sparse: change a scalar of the workload "
+                          "(e.g. d_model=128; rows=125000)")
     ben.add_argument("--loopback", action="store_true",
                      help="hierarchical: run on 127.0.0.1 instead of the emulated network")
     ben.add_argument("--link", metavar="RATE",
