@@ -68,6 +68,15 @@ def test_unknown_benchmark_is_a_config_error(capsys):
 
 
 @pytest.mark.timeout(60)
+def test_bench_sparse_spec_key_is_checked(capsys, tmp_path):
+    out = tmp_path / "sparse.json"
+    assert main(["bench", "sparse", "--spec", "bogus=1", "--json", str(out)]) == 2
+    assert "unknown key 'bogus'" in capsys.readouterr().err and not out.exists()
+    assert main(["bench", "sparse", "--spec", "rows=many", "--json", str(out)]) == 2
+    assert "rows must be an integer" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.timeout(60)
 def test_saved_tensor_meter_counts_what_autograd_keeps():
     from trainwright.bench.meter import SavedTensorMeter
 
@@ -89,13 +98,16 @@ def test_bench_memory_runs_and_keys_come_from_its_rows():
     from trainwright.bench.memory import run as run_memory
 
     spec = MemoryBenchSpec(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2,
-                           steps=3, warmup=1, limit_fraction=0.8)
+                           steps=4, warmup=2, limit_fraction=0.8)
     r = run_memory(spec, repeats=2)
     rows = {x["system"]: x for x in r["rows"]}
     assert set(rows) == {"keep", "plan_no_swap", "plan_with_swap", "checkpoint_best",
                          "checkpoint_all"}
     assert r["meter"].startswith("LiveStorageMeter") and r["host"]["cpus"] >= 1
     assert r["limit_bytes"] == int(0.8 * max(r["unconstrained_peak_bytes"]))
+    # every stage is metered, the middle ones (which read no data) included
+    assert len(r["unconstrained_peak_bytes"]) == spec.stages
+    assert all(p > 0 for p in r["unconstrained_peak_bytes"])
     for row in rows.values():  # fits is the meter's peaks against the limit
         peaks = row["metered_peak_bytes_per_stage"]
         assert row["fits"] == all(p <= r["limit_bytes"] for p in peaks)
@@ -128,15 +140,42 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
     assert best_static_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == ([1, 5], 5.0)
     assert best_static_partition([1.0, 1.0, 2.0, 2.0], 3) == ([2, 1, 1], 2.0)
     spec = RebalanceBenchSpec(n_blocks=4, d_model=32, n_heads=2, context=16, micro_batches=4,
-                              micro_batch_size=2, steps=12, static_steps=4, warmup=1)
-    result = run_rebalance(spec, repeats=1, deepspeed=False)
+                              micro_batch_size=2, steps=14, static_steps=4, warmup=1)
+    result = run_rebalance(spec, repeats=2, deepspeed=False)
     for key in ("before_samples_per_s", "after_samples_per_s", "best_static_samples_per_s",
                 "ratio_to_best", "steps_to_rebalance", "migration_step_s", "median_step_s"):
         assert key in result
     assert result["best_static_samples_per_s"] > 0
+    assert result["host"]["cpus"] >= 1 and result["host"]["cpu_model"]
+    assert result["round_orders"] == [["trainwright_rebalance", "trainwright_best_static"],
+                                      ["trainwright_best_static", "trainwright_rebalance"]]
     rows = {r["system"]: r for r in result["rows"]}
-    assert len(rows["trainwright_rebalance"]["step_times_s"][0]) == spec.steps
+    assert all(len(t) == spec.steps for t in rows["trainwright_rebalance"]["step_times_s"])
     assert sum(rows["trainwright_best_static"]["partition"]) == spec.n_blocks + 2
+    # the headline is the median of per-round ratios of the rows' own step times
+    ours, static = rows["trainwright_rebalance"], rows["trainwright_best_static"]
+    for times, median_s in zip(static["step_times_s"], static["step_s_per_round"], strict=True):
+        assert median_s == pytest.approx(statistics.median(times[spec.warmup:]), abs=1e-3)
+    for times, reps, a in zip(ours["step_times_s"], result["repartitions"],
+                              ours["after_s_per_round"], strict=True):
+        settled = times[reps[-1]["step"] + 1:] if reps else times[spec.warmup:]
+        assert a == (pytest.approx(statistics.median(settled), abs=1e-3) if settled else None)
+    kept = [i for i, a in enumerate(ours["after_s_per_round"]) if a is not None]
+    assert result["paired_rounds"] == kept
+    assert result["rounds_without_settled_steps"] == 2 - len(kept)
+    ratios = [static["step_s_per_round"][i] / ours["after_s_per_round"][i] for i in kept]
+    assert result["paired_ratios"] == pytest.approx(ratios, abs=1e-3)
+    if ratios:
+        assert result["ratio_to_best"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+        assert result["ratio_spread"]["min"] == pytest.approx(min(ratios), abs=1e-3)
+    # a DeepSpeed round that failed is recorded as the row's error, never raised
+    from trainwright.bench.rebalance import _add_deepspeed, _deepspeed_row
+
+    failed = {"rows": []}
+    _add_deepspeed(failed, *_deepspeed_row([{"error": "ImportError: x"}], spec, [0.1], [0]))
+    assert failed["deepspeed_error"] == "ImportError: x"
+    assert failed["rows"] == [{"system": "deepspeed_pipeline_parameters",
+                               "error": "ImportError: x"}]
     # at this size per-op overheads, not the heavy blocks, set the layer times, so the
     # direction of a move is not predictable; a move must change the partition
     assert all(r["old"] != r["new"] for rs in result["repartitions"] for r in rs)

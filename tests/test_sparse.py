@@ -469,6 +469,11 @@ def test_learned_factors_follow_the_slowest_rank_and_bad_input_is_named():
     assert size_band(near.bytes_sent_per_rank) == band + 1 and near.factors["allgather"] == 3.0
     far = LINK.choose([100_000] * 4, 10**6, 256, 4, True, factors=sync.factors)
     assert size_band(far.bytes_sent_per_rank) > band + 1 and far.factors["allgather"] == 1.0
+    for _ in range(3):  # ratios 4, 2, 2, 2, 2 then a step slowed by something else
+        sync._learn(keys[:1], torch.tensor([[2000], [1000], [1000], [1000]]))
+    assert sync.factors == {("allgather", band): pytest.approx(2.0)}
+    sync._learn(keys[:1], torch.tensor([[50000], [1000], [1000], [1000]]))
+    assert sync.factors == {("allgather", band): pytest.approx(2.0)}  # median of the last 5
     with pytest.raises(ValueError, match="explore"):
         SparseGradSync(None, 2, explore=-1)
     with pytest.raises(ValueError, match="sparse path 'ring'"):

@@ -27,7 +27,9 @@ environment picks its cut and wrapping (so the same factory serves spawned ranks
 - ``TW_BENCH_METER_DIR=DIR``: also write ``DIR/rank{RANK}.json`` whenever the peak rises;
 - ``TW_BENCH_METER_STEPS=N``: with :func:`bench_data` as ``data.factory``, meter steps 2
   to ``N`` only (step 1 when ``N`` is 1), so the steps after them (the timed ones) run at
-  full speed.
+  full speed. Ranks that read data switch at the step's batch; every rank (a middle
+  pipeline stage reads none) also switches after each step's optimizer steps. With
+  ``N = 1`` a middle stage cannot tell step 1 from the set-up, so use ``N >= 2``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ class LiveStorageMeter:
         self._written = -1
         self.in_layer = 0
         self._whole: _Mode | None = None
+        self.metered_model = False
+        """Whether a metered model was built with ``TW_BENCH_METER_STEPS`` set."""
+        self.optimizer_steps: dict[int, int] = {}
+        """Steps taken per optimizer (by id) since this meter was made."""
 
     def counting(self) -> bool:
         """Inside a metered layer's forward, or outside backward with grad enabled (the
@@ -209,12 +215,49 @@ def bench_gpt(cfg) -> list[nn.Module]:
         meter().out_path = Path(out_dir) / f"rank{os.environ['RANK']}.json"
     if metered and os.environ.get("TW_BENCH_METER_STEPS", "0") not in ("", "0"):
         meter().active = False  # set-up (plan profiling) is not counted; see bench_data
+        meter().metered_model = True
+        _hook_optimizer_steps()  # middle stages read no data: switch on optimizer steps
     wrapped = []
     for i, layer in enumerate(layers):
         if metered:
             layer = Metered(layer)
         wrapped.append(Checkpointed(layer) if i in ckpt else layer)
     return wrapped
+
+
+def _metered_range(last: int) -> range:
+    """The steps the meter counts when ``TW_BENCH_METER_STEPS`` is ``last``."""
+    return range(min(2, last), last + 1)
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    """Global optimizer post-hook: switch the meter for the next step on every rank.
+
+    A middle pipeline stage reads no data, so :class:`_MeteredSteps` never hears of its
+    steps; the optimizer steps at the end of every step on every rank do. Optimizers are
+    per layer, so the steps done are the most steps any one optimizer has taken.
+    """
+    m = meter()
+    last = int(os.environ.get("TW_BENCH_METER_STEPS", "0") or 0)
+    if not last or not m.metered_model:
+        return
+    m.optimizer_steps[id(optimizer)] = m.optimizer_steps.get(id(optimizer), 0) + 1
+    if max(m.optimizer_steps.values()) + 1 in _metered_range(last):
+        m.start_steps()
+    else:
+        m.stop_steps()
+
+
+_HOOKED = False
+
+
+def _hook_optimizer_steps() -> None:
+    global _HOOKED
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(_after_optimizer_step)
+        _HOOKED = True
 
 
 class _MeteredSteps:
@@ -228,7 +271,7 @@ class _MeteredSteps:
         ``last`` is 1): not the set-up, nor the one-off work of step 1 (a memory planner
         profiles the whole model there), nor the timed steps after ``last``."""
         if self.last:
-            if min(2, self.last) <= step <= self.last:
+            if step in _metered_range(self.last):
                 meter().start_steps()
             else:
                 meter().stop_steps()

@@ -332,10 +332,18 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True,
 
 
 def main(args: argparse.Namespace) -> dict:
-    """CLI entry: ``trainwright bench planner [--repeats N] [--steps N]``."""
+    """CLI entry: ``trainwright bench planner [--repeats N] [--steps N]``.
+
+    ``--repeats`` sets the rounds of the forecast's configurations and of the policy
+    families alike (the forecast's paired ratios have one entry per round).
+    """
     spec = PlannerBenchSpec()
     if args.steps:
         spec.steps = args.steps
     if args.stages:
         spec.stage_counts = [args.stages]
-    return run(spec, repeats=args.repeats)
+    repeats = args.repeats or 5
+    forecast = ForecastSpec(n_blocks=spec.n_blocks, d_model=spec.d_model, n_heads=spec.n_heads,
+                            context=spec.context, micro_batch_size=spec.micro_batch_size,
+                            repeats=repeats)
+    return run(spec, repeats=repeats, forecast=forecast)

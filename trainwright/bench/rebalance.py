@@ -16,8 +16,12 @@ after another in the same run:
 * ``deepspeed_pipeline_parameters``: DeepSpeed's ``PipelineModule`` with
   ``partition_method="parameters"`` (balances parameter counts) on the same layers.
 
-``ratio_to_best`` = after / best static samples per second. With ``--repeats N`` the
-systems run N interleaved rounds and every figure is the median over the rounds.
+The systems run ``--repeats N`` rounds, each in alternating (ABBA) order
+(:mod:`trainwright.bench.paired`). ``paired_ratios`` holds, per round, ``after`` samples/s
+over best static samples/s, both from that round; the headline ``ratio_to_best`` is their
+median, with ``ratio_spread``. Where DeepSpeed is installed its row runs in the same rounds
+and ``ratio_vs_deepspeed_parameters`` is paired the same way; a DeepSpeed failure is
+recorded as the row's ``error`` (and ``deepspeed_error``), not raised.
 """
 
 from __future__ import annotations
@@ -25,8 +29,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
-import platform
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +38,15 @@ from torch import nn
 
 from trainwright.bench import peers
 from trainwright.bench.ours import train_rank
+from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
 from trainwright.model.gpt import GPTConfig, gpt_layers
 
 __all__ = ["RebalanceBenchSpec", "unbalanced_gpt", "best_static_partition", "run", "main"]
+
+SYSTEMS = ("trainwright_rebalance", "trainwright_best_static", "deepspeed_pipeline_parameters")
+"""The compared systems, in round 0's order (``round_order`` alternates it)."""
 
 HEAVY_MLP_RATIO = 20
 """MLP width of the heavy blocks, in multiples of d_model (the others have 4)."""
@@ -74,7 +80,7 @@ class RebalanceBenchSpec(PipelineBenchSpec):
     micro_batch_size: int = 2
     steps: int = 24
     warmup: int = 2
-    static_steps: int = 12
+    static_steps: int = 17
     stages: int = 2
 
     def __post_init__(self) -> None:
@@ -137,12 +143,16 @@ def _median(times: list[float]) -> float:
 
 
 def _ours_figures(ours: dict, spec: RebalanceBenchSpec) -> dict:
-    """Before / after / migration figures of one rebalancing run (step times of rank 0)."""
+    """Before / after / migration figures of one rebalancing run (step times of rank 0).
+
+    ``after_s`` is the median step after the last migration (after one settling step);
+    where the run never migrated it is the median after warm-up: what the system ran at.
+    """
     reps, times = ours["repartitions"], ours["step_times_s"]
     first = reps[0]["step"] if reps else len(times) + 1
     last = reps[-1]["step"] if reps else len(times)
     before = times[spec.warmup:first - 1]
-    after = times[last + 1:]  # one settling step after the last migration
+    after = times[last + 1:] if reps else times[spec.warmup:]  # one settling step
     return {"before_s": _median(before) if before else None,
             "after_s": _median(after) if after else None,
             "migration_step_s": max(times[r["step"] - 1] for r in reps) if reps else None,
@@ -150,91 +160,149 @@ def _ours_figures(ours: dict, spec: RebalanceBenchSpec) -> dict:
             "partition_after": reps[-1]["new"] if reps else spec.split}
 
 
-def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = None) -> dict:
-    """Run the systems ``repeats`` rounds, interleaved, and compare (see the module docstring).
+def _deepspeed_spec(spec: RebalanceBenchSpec) -> RebalanceBenchSpec:
+    return RebalanceBenchSpec(**{k: getattr(spec, k) for k in (
+        "n_blocks", "d_model", "n_heads", "context", "micro_batches", "micro_batch_size",
+        "stages", "seed", "threads_per_rank", "lr", "warmup")}, steps=spec.static_steps)
 
-    The best static partition comes from the first round's profile and stays fixed.
+
+def _run_system(name: str, spec: RebalanceBenchSpec, best: list[int] | None):
+    """One run of system ``name``: rank 0's result (ours) or every rank's (DeepSpeed)."""
+    if name == SYSTEMS[0]:
+        return peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages)[0]
+    if name == SYSTEMS[1]:
+        return peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages,
+                                worker_kwargs={"partition": best})[0]
+    try:
+        return peers.spawn_peer(peers.deepspeed_worker, _deepspeed_spec(spec),
+                                world_size=spec.stages,
+                                worker_kwargs={"partition_method": "parameters"})
+    except Exception as exc:  # a peer that fails is reported, not fatal to the bench
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def _rounds(spec: RebalanceBenchSpec, repeats: int, systems: list[str]) -> tuple[dict, list]:
+    """Every system once per round, in ABBA order; the best static split from round 0.
+
+    Round 0 runs ``trainwright_rebalance`` first (``round_order`` keeps the listed order
+    in even rounds), so its profile fixes the best static partition for every round.
     """
     from rich.progress import Progress
 
-    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
-    ours_runs, static_runs, ds_runs, best, layer_times = [], [], [], None, []
+    runs: dict[str, list] = {name: [None] * repeats for name in systems}
+    best, layer_times = None, []
     with Progress(transient=True) as bar:
-        task = bar.add_task("bench rebalance", total=repeats * (2 + use_ds))
-        for _ in range(repeats):
-            bar.update(task, description="bench rebalance: trainwright_rebalance")
-            ours = peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages)[0]
-            ours_runs.append(ours)
-            bar.advance(task)
-            if best is None:
-                last_layers = sorted(ours["layers"][-1]["layers"], key=lambda c: c["layer"])
-                layer_times = [c["forward_s"] + c["backward_s"] for c in last_layers]
-                best, _ = best_static_partition(layer_times, spec.stages)
-            bar.update(task, description="bench rebalance: trainwright_best_static")
-            static_runs.append(peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages,
-                                                worker_kwargs={"partition": best})[0])
-            bar.advance(task)
-            if use_ds:
-                bar.update(task, description="bench rebalance: deepspeed parameters")
-                ds_spec = RebalanceBenchSpec(**{k: getattr(spec, k) for k in (
-                    "n_blocks", "d_model", "n_heads", "context", "micro_batches",
-                    "micro_batch_size", "stages", "seed", "threads_per_rank", "lr")},
-                    steps=spec.static_steps)
-                ds_runs.append(peers.spawn_peer(peers.deepspeed_worker, ds_spec,
-                                                world_size=spec.stages,
-                                                worker_kwargs={"partition_method": "parameters"}))
+        task = bar.add_task("bench rebalance", total=repeats * len(systems))
+        for r in range(repeats):
+            for name in round_order(systems, r):
+                bar.update(task, description=f"bench rebalance: round {r + 1} {name}")
+                runs[name][r] = _run_system(name, spec, best)
+                if best is None and name == SYSTEMS[0]:
+                    last = sorted(runs[name][r]["layers"][-1]["layers"],
+                                  key=lambda c: c["layer"])
+                    layer_times = [c["forward_s"] + c["backward_s"] for c in last]
+                    best, _ = best_static_partition(layer_times, spec.stages)
                 bar.advance(task)
+    return runs, [best, layer_times]
+
+
+def _deepspeed_row(ds_runs: list, spec: RebalanceBenchSpec, after: list, kept: list) -> tuple:
+    """DeepSpeed's row and the paired ratio of ours to it over the ``kept`` rounds."""
+    errors = [r["error"] for r in ds_runs if isinstance(r, dict)]
+    if errors:
+        return {"system": SYSTEMS[2], "error": errors[0]}, None
+    per_round = [_median(peers.step_time_s(r, spec.warmup)) for r in ds_runs]
+    row = {"system": SYSTEMS[2], "partition": ds_runs[0][0].get("partition"),
+           "samples_per_s": round(spec.batch_size / _median(per_round), 3),
+           "step_s_per_round": [round(t, 5) for t in per_round],
+           "step_times_s": [[round(t, 4) for t in peers.step_time_s(r, 0)] for r in ds_runs]}
+    if not kept:
+        return row, {"paired_ratios": [], "ratio": None, "ratio_spread": None}
+    return row, paired([per_round[i] for i in kept], [after[i] for i in kept])
+
+
+def _rows(spec, figs, ours_runs, static_runs, after, static, kept, best) -> list[dict]:
+    """The rows of trainwright rebalancing and of the best static partition."""
+    b = spec.batch_size
+    return [
+        {"system": SYSTEMS[0], "partition_before": spec.split,
+         "partition_after": [f["partition_after"] for f in figs],
+         "samples_per_s": round(b / _median([after[i] for i in kept]), 3) if kept else None,
+         "after_s_per_round": [a and round(a, 5) for a in after],
+         "step_times_s": [[round(t, 4) for t in o["step_times_s"]] for o in ours_runs]},
+        {"system": SYSTEMS[1], "partition": best,
+         "samples_per_s": round(b / _median(static), 3),
+         "step_s_per_round": [round(t, 5) for t in static],
+         "step_times_s": [[round(t, 4) for t in r["step_times_s"]] for r in static_runs]},
+    ]
+
+
+def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = None) -> dict:
+    """Run the systems ``repeats`` paired rounds in ABBA order and compare them.
+
+    Per round: ``paired_ratios`` = samples/s of ``trainwright_rebalance`` after its last
+    migration over samples/s of the best static partition, both measured in that round;
+    the headline ``ratio_to_best`` is their median (see :mod:`trainwright.bench.paired`).
+    """
+    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
+    systems = list(SYSTEMS[:2 + bool(use_ds)])
+    runs, (best, layer_times) = _rounds(spec, repeats, systems)
+    ours_runs, static_runs = runs[SYSTEMS[0]], runs[SYSTEMS[1]]
     figs = [_ours_figures(o, spec) for o in ours_runs]
     b = spec.batch_size
+    after = [f["after_s"] for f in figs]
+    static = [_median(r["step_times_s"][spec.warmup:]) for r in static_runs]
+    # a round whose last migration left no settled step has no "after": it is left out of
+    # the pairing and counted, never filled in
+    kept = [i for i, a in enumerate(after) if a is not None]
+    head = (paired([static[i] for i in kept], [after[i] for i in kept]) if kept else
+            {"paired_ratios": [], "ratio": None, "ratio_spread": None})
+    # (static / after step time = after / static samples per second)
 
     def med(key):
         vals = [f[key] for f in figs if f[key] is not None]
         return _median(vals) if vals else None
 
-    after_s, before_s = med("after_s"), med("before_s")
-    static_s = _median([_median(r["step_times_s"][spec.warmup:]) for r in static_runs])
-    rows = [
-        {"system": "trainwright_rebalance", "partition_before": spec.split,
-         "partition_after": [f["partition_after"] for f in figs],
-         "samples_per_s": round(b / after_s, 3) if after_s else None,
-         "after_s_per_repeat": [f["after_s"] and round(f["after_s"], 4) for f in figs],
-         "step_times_s": [[round(t, 4) for t in o["step_times_s"]] for o in ours_runs]},
-        {"system": "trainwright_best_static", "partition": best,
-         "samples_per_s": round(b / static_s, 3),
-         "step_times_s": [[round(t, 4) for t in r["step_times_s"]] for r in static_runs]},
-    ]
+    rows = _rows(spec, figs, ours_runs, static_runs, after, static, kept, best)
+    before_s, migration = med("before_s"), med("migration_step_s")
     result = {
         "benchmark": "rebalance",
-        "question": "throughput after live re-partitioning vs the best static partition, "
-                    "and the cost of the migration step",
-        "spec": spec.to_dict(), "repeats": repeats, "rows": rows,
+        "question": "throughput after live re-partitioning vs the best static partition "
+                    "(paired per round, ABBA order), and the cost of the migration step",
+        "spec": spec.to_dict(), "repeats": repeats, "round_orders": [
+            round_order(systems, r) for r in range(repeats)], "rows": rows,
         "before_samples_per_s": round(b / before_s, 3) if before_s else None,
         "after_samples_per_s": rows[0]["samples_per_s"],
         "best_static_samples_per_s": rows[1]["samples_per_s"],
-        "ratio_to_best": (round(rows[0]["samples_per_s"] / rows[1]["samples_per_s"], 3)
-                          if rows[0]["samples_per_s"] else None),
+        "paired_ratios": head["paired_ratios"], "ratio_to_best": head["ratio"],
+        "ratio_spread": head["ratio_spread"], "paired_rounds": kept,
+        "rounds_without_settled_steps": repeats - len(kept),
         "steps_to_rebalance": med("steps_to_rebalance"),
         "repartitions": [o["repartitions"] for o in ours_runs],
         "decisions": [o["decisions"] for o in ours_runs],
-        "migration_step_s": round(med("migration_step_s"), 4) if med("migration_step_s")
-        else None,
-        "median_step_s": round(after_s, 4) if after_s else None,
+        "migration_step_s": round(migration, 4) if migration else None,
+        "median_step_s": round(_median([after[i] for i in kept]), 4) if kept else None,
         "profiled_layer_times_ms": [round(1e3 * t, 3) for t in layer_times],
-        "host": {"cpus": os.cpu_count(), "torch": torch.__version__,
-                 "python": platform.python_version()},
+        "host": host_info(),
     }
-    if ds_runs:
-        ds_s = _median([_median(peers.step_time_s(r, spec.warmup)) for r in ds_runs])
-        rows.append({"system": "deepspeed_pipeline_parameters",
-                     "partition": ds_runs[0][0].get("partition"),
-                     "samples_per_s": round(b / ds_s, 3),
-                     "step_times_s": [[round(t, 4) for t in peers.step_time_s(r, 0)]
-                                      for r in ds_runs]})
-        result["deepspeed_parameters_samples_per_s"] = rows[-1]["samples_per_s"]
+    if use_ds:
+        _add_deepspeed(result, *_deepspeed_row(runs[SYSTEMS[2]], spec, after, kept))
     if result["migration_step_s"] and result["median_step_s"]:
         result["migration_vs_median"] = round(result["migration_step_s"]
                                               / result["median_step_s"], 3)
     return result
+
+
+def _add_deepspeed(result: dict, row: dict, ds_pair: dict | None) -> None:
+    """DeepSpeed's row and paired figures into ``result``, or its error."""
+    result["rows"].append(row)
+    if ds_pair is None:
+        result["deepspeed_error"] = row["error"]
+        return
+    result["deepspeed_parameters_samples_per_s"] = row["samples_per_s"]
+    result["deepspeed_paired_ratios"] = ds_pair["paired_ratios"]
+    result["ratio_vs_deepspeed_parameters"] = ds_pair["ratio"]
+    result["ratio_vs_deepspeed_parameters_spread"] = ds_pair["ratio_spread"]
 
 
 def main(args: argparse.Namespace) -> dict:

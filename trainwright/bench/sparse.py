@@ -372,14 +372,35 @@ def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
     return result
 
 
+def _spec_overrides(items: list[str] | None) -> dict:
+    """``--spec rows=125000``: integer or float fields of :class:`SparseBenchSpec`."""
+    fields = {k: type(v) for k, v in asdict(SparseBenchSpec()).items()
+              if type(v) in (int, float)}
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise ConfigError(f"bench sparse: --spec {item!r}: unknown key {key!r}; "
+                              f"choose one of {sorted(fields)}")
+        try:
+            out[key] = fields[key](value)
+        except ValueError:
+            kind = "an integer" if fields[key] is int else "a number"
+            raise ConfigError(f"bench sparse: --spec {item!r}: {key} must be {kind}") from None
+    return out
+
+
 def main(args) -> dict:
-    """CLI entry: ``trainwright bench sparse [--repeats N] [--link RATE]``."""
+    """CLI entry: ``trainwright bench sparse [--repeats N] [--steps N] [--link RATE]
+    [--spec rows=N ...]``."""
     default = SparseBenchSpec()
     repeats = getattr(args, "repeats", None) or default.repeats
     steps = getattr(args, "steps", None) or default.steps
     link = getattr(args, "link", None)
-    return run(SparseBenchSpec(repeats=repeats, steps=steps, link_rate=link or "1gbit",
-                               network="netns" if link else "loopback"))
+    return run(SparseBenchSpec(**{"repeats": repeats, "steps": steps,
+                                  "link_rate": link or "1gbit",
+                                  "network": "netns" if link else "loopback",
+                                  **_spec_overrides(getattr(args, "spec", None))}))
 
 
 if __name__ == "__main__":

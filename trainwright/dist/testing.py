@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait as wait_for
 
 import torch
 import torch.distributed as dist
@@ -20,6 +24,7 @@ __all__ = ["free_port", "run_workers"]
 def _entry(rank: int, fn: Callable, world: int, port: int, backend: str, errors, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_workers dumps stacks on hang
     try:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 init_method=f"tcp://127.0.0.1:{port}",
@@ -48,16 +53,39 @@ def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo",
              for r in range(world_size)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout_s)
-    alive = [p for p in procs if p.is_alive()]
+    alive = _join_all(procs, errors, timeout_s)
+    if alive:
+        for p in alive:  # print every thread's stack of each hung worker before killing it
+            os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(1.0)
     for p in alive:
         p.kill()
+        p.join(5)
     if not errors.empty():
         rank, tb = errors.get()
         raise AssertionError(f"rank {rank} failed:\n{tb}")
     if alive:
-        raise TimeoutError(f"{len(alive)} worker(s) still running after {timeout_s} s")
+        ranks = [procs.index(p) for p in alive]
+        raise TimeoutError(f"worker rank(s) {ranks} still running after {timeout_s} s "
+                           f"(their stacks are in the captured stderr)")
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
         raise AssertionError(f"workers exited with codes {bad}")
+
+
+def _join_all(procs: list, errors, timeout_s: float, grace_s: float = 15.0) -> list:
+    """Wait for every worker under one deadline; once one fails, the others get ``grace_s``
+    to fail or finish too (a rank left waiting on a dead peer would otherwise hold the whole
+    timeout). Returns the workers still alive."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        failed = not errors.empty() or any(p.exitcode not in (None, 0) for p in procs)
+        if not alive:
+            return []
+        if failed:
+            deadline = min(deadline, time.monotonic() + grace_s)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return alive
+        wait_for([p.sentinel for p in alive], timeout=min(left, 1.0))

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from trainwright.dist import collective as coll
 from trainwright.errors import CommError
@@ -125,9 +124,7 @@ class PeerSwap:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.table = {(r.layer, r.index): r for r in table}
         self.tables = tables
-        # (layer, mb) -> storage address -> (index, weak reference); indices handed out
-        self._index: dict[tuple[int, int], dict[int, tuple[int, StorageWeakRef]]] = {}
-        self._count: dict[tuple[int, int], int] = {}
+        self._index: dict[tuple[int, int], dict] = {}  # (layer, mb) -> storage -> (i, storage)
         self._sent: dict[tuple[int, int], _Outgoing] = {}  # (mb, peer) -> pending sends
         self._fetch: dict[int, dict[tuple[int, int], torch.Tensor]] = {}  # mb -> buffers
         self._fetch_works: dict[tuple[int, int], list] = {}  # (mb, peer) -> works
@@ -152,18 +149,16 @@ class PeerSwap:
 
     def pack(self, t: torch.Tensor, layer: int, mb: int) -> PeerHandle | None:
         """Send ``t``'s storage to its peers if the plan names it; else None (keep it)."""
-        key = (layer, mb)
-        seen = self._index.setdefault(key, {})
+        seen = self._index.setdefault((layer, mb), {})
         storage = t.untyped_storage()
         sid = storage.data_ptr()
-        entry = seen.get(sid)
-        # a storage swapped to the host is freed, and a later tensor of the layer may get its
-        # address: that is a new storage (the plan's profile kept every one alive)
-        first = entry is None or entry[1].expired()
+        first = sid not in seen
         if first:
-            entry = seen[sid] = (self._count.get(key, 0), StorageWeakRef(storage))
-            self._count[key] = entry[0] + 1
-        index = entry[0]
+            # hold the storage until the layer's forward ends (end_forward): a swapped-out
+            # tensor's freed address could otherwise come back for a later tensor of the
+            # same forward, which would then look "seen" and shift every later index
+            seen[sid] = (len(seen), storage)
+        index = seen[sid][0]
         meta = self.table.get((layer, index))
         if meta is None:
             return None
@@ -171,6 +166,10 @@ class PeerSwap:
             self._send(t, meta, mb)
         return PeerHandle(layer, mb, index, t.dtype, t.storage_offset(), tuple(t.shape),
                           tuple(t.stride()))
+
+    def end_forward(self, layer: int, mb: int) -> None:
+        """The forward of ``layer`` on micro-batch ``mb`` is over: forget its storages."""
+        self._index.pop((layer, mb), None)
 
     def _send(self, t: torch.Tensor, meta: TensorMeta, mb: int) -> None:
         storage = t.untyped_storage()
@@ -254,8 +253,7 @@ class PeerSwap:
         if a.kind == "B" and a.mb in self._fetch:
             self.store.add_bytes(-sum(b.numel() for b in self._fetch.pop(a.mb).values()))
         if a.kind == "SYNC":
-            self._index.clear()
-            self._count.clear()
+            self._index.clear()  # forwards that raised never reached end_forward
 
     def peer_recv(self, a: Action) -> None:
         """Peer: post the receives of owner ``a.peer``'s chunks of micro-batch ``a.mb``."""

@@ -173,8 +173,12 @@ class ActivationStore:
                 return self.swap.unpack(x)
             return peer.unpack(x) if peer is not None and peer.owns(x) else x
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield cap
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield cap
+        finally:
+            if peer is not None:
+                peer.end_forward(*segment)
 
     def put(self, seg: Segment) -> None:
         """Hold a segment: its saved storages, its inputs and its outputs count as held."""

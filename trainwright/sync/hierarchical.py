@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -59,7 +57,7 @@ from trainwright.sync.hier_layout import (
     resolve_weights,
     slice_bounds,
 )
-from trainwright.sync.hier_shards import assemble_flat, covering_shards
+from trainwright.sync.hier_shards import assemble_flat, read_overlap, slice_state, write_shard
 from trainwright.sync.hier_state import (
     clear_layer_state,
     export_layer_state,
@@ -404,35 +402,12 @@ class HierarchicalSync(GradSync):
     def save_shard(self, directory: str | Path) -> Path:
         """Write this rank's parameter slice and its optimizer state to
         ``directory/shard_RANK.pt`` (plus a small ``.json`` index), atomically."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
         lo, hi = self.owned
-        rank = self.groups.rank
-        meta = {"rank": rank, "node": self.groups.node, "local": self.groups.local, "lo": lo,
-                "hi": hi, "numel": self.flat_param.numel()}
-        state = {**meta, "params": self.flat_param[lo:hi].clone(), "optim": self._slice_state()}
-        path = d / f"shard_{rank:05d}.pt"
-        torch.save(state, d / f".shard_{rank:05d}.pt.tmp")
-        os.replace(d / f".shard_{rank:05d}.pt.tmp", path)
-        tmp = d / f".shard_{rank:05d}.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, d / f"shard_{rank:05d}.json")
-        return path
-
-    def _slice_state(self) -> dict:
-        """The optimizer state as if one parameter held the whole slice (pieces joined)."""
-        if self.optimizer is None:
-            return {"state": {}, "param_groups": []}
-        sd = self.optimizer.state_dict()
-        per_piece = [sd["state"].get(i, {}) for i in range(len(self.shards))]
-        merged: dict = {}
-        for key, t in per_piece[0].items():
-            if isinstance(t, torch.Tensor) and t.dim() == 1:
-                merged[key] = torch.cat([st[key].reshape(-1) for st in per_piece])
-            else:  # e.g. Adam's step count: equal for every piece
-                merged[key] = t
-        groups = [{**sd["param_groups"][0], "params": [0]}]
-        return {"state": {0: merged} if per_piece[0] else {}, "param_groups": groups}
+        g = self.groups
+        meta = {"rank": g.rank, "node": g.node, "local": g.local, "lo": lo, "hi": hi,
+                "numel": self.flat_param.numel()}
+        return write_shard(directory, meta, self.flat_param[lo:hi],
+                           slice_state(self.optimizer, len(self.shards)))
 
     def load_shards(self, directory: str | Path, params: list[nn.Parameter]) -> None:
         """Start-up from shards: read the parts of ``directory``'s shards that overlap this
@@ -442,25 +417,7 @@ class HierarchicalSync(GradSync):
         if self.flat_param is None:
             self.setup(list(params))
         lo, hi = self.owned
-        parts = covering_shards(directory, self.flat_param.numel())
-        new_state: dict = {}
-        groups_state = None
-        for meta in parts:
-            a, b = max(lo, meta["lo"]), min(hi, meta["hi"])
-            if b <= a:
-                continue
-            saved = torch.load(Path(directory) / f"shard_{meta['rank']:05d}.pt",
-                               map_location=self.flat_param.device, weights_only=True)
-            with torch.no_grad():
-                self.flat_param[a:b].copy_(saved["params"][a - meta["lo"] : b - meta["lo"]])
-            groups_state = saved["optim"]["param_groups"]
-            for key, t in saved["optim"]["state"].get(0, {}).items():
-                if isinstance(t, torch.Tensor) and t.shape == (meta["hi"] - meta["lo"],):
-                    buf = new_state.setdefault(key, torch.zeros(hi - lo, dtype=t.dtype,
-                                                                device=t.device))
-                    buf[a - lo : b - lo].copy_(t[a - meta["lo"] : b - meta["lo"]])
-                else:
-                    new_state[key] = t
+        new_state, groups_state = read_overlap(directory, self.flat_param, lo, hi)
         if groups_state and new_state and self.optimizer is not None:
             mine = [(a - lo, b - lo) for _, _, a, b in self.shard_map]
             # clone everything: torch optimizers update state in place (Adam's step too)

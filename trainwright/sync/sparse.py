@@ -31,10 +31,12 @@ plain data parallel. Both send every other parameter through
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import math
+import statistics
 import time
 import weakref
 
@@ -65,6 +67,9 @@ PATHS = ("auto", "allgather", "broadcast", "dense")
 """Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
 
 _EXCHANGE_PATHS = ("allgather", "broadcast", "dense")
+
+FACTOR_WINDOW = 5
+"""Measured / predicted ratios per (path, size band) whose median is the learned factor."""
 
 
 # --------------------------------------------------------------------------- exchange
@@ -206,6 +211,7 @@ class SparseGradSync(GradSync):
         """Per (path, size band): measured / predicted time, learned from earlier steps
         (the same on every rank)."""
         self._observed: dict[tuple[str, int], float] = {}
+        self._ratios: dict[tuple[str, int], collections.deque] = {}
         self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
@@ -237,14 +243,17 @@ class SparseGradSync(GradSync):
 
         ``slow[r, j]`` is rank r's ratio x 1000 for ``keys[j]`` (the (path, band) pairs last
         step took, the same list on every rank since every rank took the same choices).
-        The slowest rank counts, since it decides when a collective ends. A band's first
-        measurement replaces the prior; later ones are averaged in.
+        The slowest rank counts, since it decides when a collective ends. A band's factor is
+        the median of its last :data:`FACTOR_WINDOW` ratios (the first replaces the prior):
+        one step slowed by something else on the machine cannot lock a path out, as a
+        running mean let it (a path's factor only changes when it is taken again).
         """
         for j, key in enumerate(keys):
             ratio = int(slow[:, j].max()) / 1000
             if ratio > 0:
-                old = self.factors.get(key)
-                self.factors[key] = ratio if old is None else 0.5 * (old + ratio)
+                recent = self._ratios.setdefault(key, collections.deque(maxlen=FACTOR_WINDOW))
+                recent.append(ratio)
+                self.factors[key] = statistics.median(recent)
 
     def _free_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """The dense path's buffer for ``p`` if no live gradient still uses it."""

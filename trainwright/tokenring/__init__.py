@@ -1,7 +1,12 @@
 """Seed 002's straggler-tolerant token ring: the ring's state machine, its wire format and
 membership (rendezvous, standby, rejoin), over ZeroMQ rather than a process group.
 
-* :mod:`~trainwright.tokenring.ring`: :class:`~trainwright.tokenring.ring.TokenRing`;
+* :mod:`~trainwright.tokenring.ring`: :class:`~trainwright.tokenring.ring.TokenRing`, the
+  protocol's receiver thread;
+* :mod:`~trainwright.tokenring.token`: the token, the time-outs, the closing rule, the sum;
+* :mod:`~trainwright.tokenring.links`: the outgoing sockets and sequence numbers;
+* :mod:`~trainwright.tokenring.exchange`: the trainer's side (offer, wait, apply);
+* :mod:`~trainwright.tokenring.state`: what a ring node checkpoints;
 * :mod:`~trainwright.tokenring.wire`: frames and the standby's welcome;
 * :mod:`~trainwright.tokenring.membership`: rendezvous, epochs, joining.
 

@@ -13,19 +13,15 @@ listed contributors, summed in index order, ``w <- w - lr * sum / n``: replicas 
 bit-identical. A background thread (:class:`TokenRing`) does all of this while the trainer
 computes; the trainer only offers gradients and waits for closes.
 
-Transport (no silent loss): every node binds one PULL socket and keeps one PUSH socket per
-peer, both with unlimited high-water marks, so ZeroMQ queues rather than drops; TCP keeps
-each link in order. Each message carries a per-link sequence number, so a gap (a message
-lost when a connection broke) is detected and counted; a gradient that a close lists but
-that has not arrived is fetched again from the members that hold it. Token messages are
-sent to every member, so everyone knows the holder and when the ring went quiet.
+Transport (no silent loss): :class:`~trainwright.tokenring.links.Links` (one queued link per
+peer, per-link sequence numbers, so a gap is detected and counted); a gradient that a close
+lists but that has not arrived is fetched again from the members that hold it. Token
+messages are sent to every member, so everyone knows the holder and when the ring went quiet.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,8 +30,17 @@ import torch
 import zmq
 
 from trainwright.errors import CommError
+from trainwright.tokenring.links import Links
 from trainwright.tokenring.membership import Epoch, Rendezvous, announce_delay, ring_distance
-from trainwright.tokenring.wire import pack, unpack
+from trainwright.tokenring.token import (
+    RingFailed,
+    RingLeft,
+    RingTimes,
+    Token,
+    contributors_needed,
+    sum_canonical,
+)
+from trainwright.tokenring.wire import unpack
 
 __all__ = ["RingTimes", "TokenRing", "Token", "contributors_needed", "sum_canonical",
            "RingLeft", "RingFailed", "CLOSE_WINDOW"]
@@ -45,53 +50,6 @@ CLOSE_WINDOW = 32
 """Closes carried in every token message (a node can miss this many before it must leave)."""
 RETAIN_STEPS = 64
 """Closed steps whose gradients a node keeps to answer fetches (late joiners, lost frames)."""
-
-
-class RingLeft(CommError):
-    """This node was dropped from the ring (or saw a conflicting close) and must go standby."""
-
-
-class RingFailed(CommError):
-    """Fewer than ``min_nodes`` remain: the ring stopped."""
-
-
-@dataclass
-class RingTimes:
-    """Time-outs of the protocol (seconds); see :class:`~trainwright.config.TokenRingConfig`."""
-
-    token_timeout_s: float = 2.0
-    succession_s: float = 1.0
-    idle_hold_s: float = 0.02
-    close_timeout_s: float = 120.0
-    fetch_after_s: float = 0.3
-    close_grace_s: float = 0.0
-
-
-def contributors_needed(close_fraction: float, members: int) -> int:
-    """Contributions (equal shards) a step needs to close: ``ceil(fraction * members)``."""
-    return max(1, math.ceil(close_fraction * members - 1e-9))
-
-
-def sum_canonical(grads: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Sum per-node gradient lists in node-index order (same float order on every node)."""
-    order = sorted(grads)
-    acc = [g.clone() for g in grads[order[0]]]
-    for i in order[1:]:
-        for a, g in zip(acc, grads[i], strict=True):
-            a.add_(g)
-    return acc
-
-
-@dataclass
-class Token:
-    """The token: open step, contributions taken in it, next holder, hop count, and hops
-    since the last news (a full idle round lets a holder keep it briefly)."""
-
-    step: int
-    contribs: list[int]
-    holder: int
-    hop: int
-    idle: int = 0
 
 
 @dataclass
@@ -130,7 +88,7 @@ class TokenRing:
         self.ctx, self.index, self.pull, self.epoch = ctx, index, pull, epoch
         self.close_fraction, self.min_nodes, self.total = close_fraction, min_nodes, total_steps
         self.times, self.rdzv = times, rendezvous
-        self.inc = random.getrandbits(48)
+        self.links = Links(ctx, index)
         self.cv = threading.Condition()
         self.closes: dict[int, list[int]] = dict(closes or {})
         self.grads: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -138,9 +96,6 @@ class TokenRing:
         self.applied = applied
         self.status, self.reason = "running", ""
         self.stats = _Stats()
-        self._push: dict[int, tuple[str, zmq.Socket]] = {}
-        self._seq_out: dict[int, int] = {}
-        self._seq_in: dict[tuple[int, int], int] = {}
         self._offer: tuple[int, list[torch.Tensor]] | None = None
         self._acted_hop: tuple | None = None
         self._hold_since = 0.0
@@ -272,8 +227,7 @@ class TokenRing:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        for _, s in self._push.values():
-            s.close(0)
+        self.links.close()
         self.pull.close(0)
 
     def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor],
@@ -286,38 +240,14 @@ class TokenRing:
 
     def expect_from(self, src: int, inc: int, seq: int) -> None:
         """Continue the sequence check of ``(src, inc)`` after a message read outside."""
-        self._seq_in[(src, inc)] = seq
+        self.links.expect_from(src, inc, seq)
 
     # ---------------------------------------------------------------- sending
-    def _sock(self, idx: int, addr: str) -> zmq.Socket:
-        have = self._push.get(idx)
-        if have is not None and have[0] == addr:
-            return have[1]
-        if have is not None:
-            have[1].close(0)
-        s = self.ctx.socket(zmq.PUSH)
-        s.setsockopt(zmq.SNDHWM, 0)  # unlimited: queue, never drop
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(addr)
-        self._push[idx] = (addr, s)
-        self._seq_out[idx] = 0
-        return s
-
     def _send(self, idx: int, addr: str, header: dict, tensors: list[torch.Tensor] = ()) -> None:
-        sock = self._sock(idx, addr)
-        self._seq_out[idx] += 1
-        frames = pack({**header, "src": self.index, "inc": self.inc,
-                       "sq": self._seq_out[idx]}, list(tensors))
-        sock.send_multipart(frames, copy=False)
+        self.links.send(idx, addr, header, tensors)
 
     def _broadcast(self, header: dict, tensors: list[torch.Tensor] = ()) -> None:
-        for i, addr in self.epoch.members.items():
-            if i != self.index:
-                self._send(i, addr, header, tensors)
-
-    def _drop_links(self) -> None:
-        for i in [i for i in self._push if i not in self.epoch.members]:
-            self._push.pop(i)[1].close(0)
+        self.links.broadcast(self.epoch.members, header, tensors)
 
     def _tok_header(self, retx: bool = False) -> dict:
         t = self.tok
@@ -386,13 +316,11 @@ class TokenRing:
     def _handle(self, frames: list) -> None:
         header, tensors = unpack(frames)
         src, kind = header["src"], header["t"]
-        key = (src, header["inc"])
-        expect = self._seq_in.get(key, 0) + 1
-        if header["sq"] != expect and key in self._seq_in:
+        lost = self.links.check(header)
+        if lost:
             self.stats.gaps += 1
             log.warning("token ring node %d: %d message(s) from node %d lost in transit",
-                        self.index, header["sq"] - expect, src)
-        self._seq_in[key] = header["sq"]
+                        self.index, lost, src)
         with self.cv:
             if kind == "grad":
                 self._on_grad(header, tensors)
@@ -468,7 +396,7 @@ class TokenRing:
                                       "members": ep.order, "t": time.time()})
             self.epoch, self.tok = ep, tok
             self._ever |= set(ep.members)
-            self._drop_links()
+            self.links.keep_only(self.epoch.members)
             self._last_heard = time.monotonic()
             self._merge_closes(h["closes"])
             return
@@ -585,7 +513,7 @@ class TokenRing:
         self.epoch = new
         self.tok = Token(t.step, [c for c in t.contribs if c in new.members],
                           new.successor(lost), 0, 0)
-        self._drop_links()
+        self.links.keep_only(self.epoch.members)
         self._acted_hop = None
         self._send_token()
         self.cv.notify_all()
