@@ -39,6 +39,7 @@ import torch.distributed as dist
 from trainwright.bench import peers
 from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.config import Config, load_config
 from trainwright.dist import collective as coll
 
@@ -266,7 +267,6 @@ def main(args: argparse.Namespace) -> dict:
     spec = PipelineBenchSpec(steps=16)
     if args.steps:
         spec.steps = args.steps
-    for item in getattr(args, "spec", None) or []:
-        key, _, value = item.partition("=")
-        setattr(spec, key, type(getattr(spec, key))(value))
+    spec = dataclasses.replace(spec, **spec_overrides("pipeline", spec,
+                                                      getattr(args, "spec", None)))
     return run(spec, repeats=args.repeats)
