@@ -15,12 +15,19 @@ TINY = dict(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batches=4,
             micro_batch_size=2, split=[2, 2], steps=3, warmup=1)
 
 
+@pytest.fixture(scope="module")
+def pipeline_result():
+    """The pipeline bench on a tiny spec, run once for the tests below (DeepSpeed included
+    where it imports)."""
+    return run(PipelineBenchSpec(**TINY), repeats=2, micro_batches=(4,), overhead=False)
+
+
 @pytest.mark.timeout(600)
-def test_bench_pipeline_runs_and_systems_do_the_same_work():
+def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
     from trainwright.bench.paired import paired
     from trainwright.bench.pipeline import systems
 
-    result = run(PipelineBenchSpec(**TINY), repeats=2, micro_batches=(4,), overhead=False)
+    result = pipeline_result
     res = result["by_micro_batches"]["4"]
     rows = {r["system"]: r for r in res["rows"]}
     assert set(rows) == set(systems())  # every schedule of both systems, failures included
@@ -51,6 +58,27 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work():
                                    atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.timeout(600)
+def test_bench_pipeline_deepspeed_row(pipeline_result):
+    pytest.importorskip("deepspeed")
+    from trainwright.bench.paired import paired
+
+    res = pipeline_result["by_micro_batches"]["4"]
+    rows = {r["system"]: r for r in res["rows"]}
+    ds = rows["deepspeed_pipeline"]
+    assert "error" not in ds, ds.get("error")
+    assert len(ds["step_ms_per_round"]) == 2
+    assert res["best_torch"].startswith("torch_pipelining_")  # DeepSpeed is not torch
+    # ours over DeepSpeed in samples/s: the paired per-round ratios of the rows' own times
+    again = paired(ds["step_ms_per_round"], rows[res["best_ours"]]["step_ms_per_round"])
+    assert res["ratio_vs_deepspeed"] == pytest.approx(again["ratio"], rel=2e-3)
+    assert res["ratio_vs_deepspeed_paired"] == pytest.approx(again["paired_ratios"], rel=2e-3)
+    assert pipeline_result["ratio_vs_deepspeed"]["4"] == res["ratio_vs_deepspeed"]
+    torch.testing.assert_close(torch.tensor(ds["losses_last_round"]),
+                               torch.tensor(rows["torch_pipelining_1f1b"]["losses_last_round"]),
+                               atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.timeout(120)
 def test_stage_overhead_row_pairs_rounds():
     from trainwright.bench.stage_overhead import measure
@@ -74,6 +102,16 @@ def test_bench_sparse_spec_key_is_checked(capsys, tmp_path):
     assert "unknown key 'bogus'" in capsys.readouterr().err and not out.exists()
     assert main(["bench", "sparse", "--spec", "rows=many", "--json", str(out)]) == 2
     assert "rows must be an integer" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.timeout(60)
+def test_bench_pipeline_spec_key_is_checked(capsys, tmp_path):
+    out = tmp_path / "pipeline.json"
+    assert main(["bench", "pipeline", "--spec", "bogus=1", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'bogus'" in err and "micro_batches" in err and not out.exists()
+    assert main(["bench", "pipeline", "--spec", "split=5", "--json", str(out)]) == 2
+    assert "split must be a JSON list" in capsys.readouterr().err and not out.exists()
 
 
 @pytest.mark.timeout(60)
