@@ -7,6 +7,7 @@ import statistics
 import pytest
 import torch
 
+from trainwright.bench.memory import MemoryBenchSpec
 from trainwright.bench.pipeline import run
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.cli import main
@@ -128,19 +129,30 @@ def test_saved_tensor_meter_counts_what_autograd_keeps():
     assert meter.bytes == 0 and meter.peak_bytes == 2 * 4 * 8 * 4
 
 
-@pytest.mark.timeout(900)
-def test_bench_memory_runs_and_keys_come_from_its_rows():
-    import statistics
+MEMORY_TINY = dict(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2,
+                   steps=4, warmup=2, limit_fraction=0.8)
 
-    from trainwright.bench.memory import MemoryBenchSpec, checkpoint_candidates
+
+@pytest.fixture(scope="module")
+def memory_result():
+    """The memory bench on a tiny spec, run once (DeepSpeed's row where it imports)."""
+    from trainwright.bench.memory import MemoryBenchSpec
     from trainwright.bench.memory import run as run_memory
 
-    spec = MemoryBenchSpec(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2,
-                           steps=4, warmup=2, limit_fraction=0.8)
-    r = run_memory(spec, repeats=2)
+    return MemoryBenchSpec(**MEMORY_TINY), run_memory(MemoryBenchSpec(**MEMORY_TINY),
+                                                      repeats=2)
+
+
+@pytest.mark.timeout(900)
+def test_bench_memory_runs_and_keys_come_from_its_rows(memory_result):
+    import statistics
+
+    from trainwright.bench.memory import checkpoint_candidates
+
+    spec, r = memory_result
     rows = {x["system"]: x for x in r["rows"]}
-    assert set(rows) == {"keep", "plan_no_swap", "plan_with_swap", "checkpoint_best",
-                         "checkpoint_all"}
+    assert set(rows) - {"deepspeed_checkpoint"} == {
+        "keep", "plan_no_swap", "plan_with_swap", "checkpoint_best", "checkpoint_all"}
     assert r["meter"].startswith("LiveStorageMeter") and r["host"]["cpus"] >= 1
     assert r["limit_bytes"] == int(0.8 * max(r["unconstrained_peak_bytes"]))
     # every stage is metered, the middle ones (which read no data) included
@@ -168,6 +180,39 @@ def test_bench_memory_runs_and_keys_come_from_its_rows():
     for name in rows:  # same model, weights and batches: every row trains the same
         torch.testing.assert_close(torch.tensor(rows[name]["losses"]),
                                    torch.tensor(rows["keep"]["losses"]))
+
+
+@pytest.mark.timeout(900)
+def test_bench_memory_deepspeed_row(memory_result):
+    pytest.importorskip("deepspeed")
+    from trainwright.bench.memory import deepspeed_layers
+
+    spec, r = memory_result
+    rows = {x["system"]: x for x in r["rows"]}
+    ds = rows["deepspeed_checkpoint"]
+    assert "error" not in ds, ds.get("error")
+    assert ds["checkpointed_layers"] == deepspeed_layers(r["best_fitting_checkpoint"])
+    assert ds["fits"] == all(p <= r["limit_bytes"] for p in ds["metered_peak_bytes_per_stage"])
+    assert len(ds["metered_peak_bytes_per_stage"]) == spec.stages
+    ratios = [a / b for a, b in zip(rows["plan_no_swap"]["step_s_per_round"],
+                                    ds["step_s_per_round"], strict=True)]
+    assert r["ratio_vs_deepspeed_checkpoint_paired"] == pytest.approx(ratios, abs=1e-3)
+    assert r["ratio_vs_deepspeed_checkpoint"] == pytest.approx(statistics.median(ratios),
+                                                               abs=1e-3)
+    assert "relative_half_range" in r["ratio_vs_deepspeed_checkpoint_spread"]
+
+
+@pytest.mark.timeout(60)
+def test_bench_memory_deepspeed_failure_is_its_rows_error():
+    from trainwright.bench.memory import DEEPSPEED, _deepspeed_keys, _timed_systems
+
+    failed = {"layers": [3], "error": "RuntimeError: boom"}
+    assert _deepspeed_keys({}, failed) == {"deepspeed": "failed",
+                                           "deepspeed_error": "RuntimeError: boom"}
+    assert DEEPSPEED not in _timed_systems(MemoryBenchSpec(**MEMORY_TINY), 1, {"layers": [1]},
+                                           failed)
+    assert DEEPSPEED in _timed_systems(MemoryBenchSpec(**MEMORY_TINY), 1, {"layers": [1]},
+                                       {"layers": [3]})
 
 
 @pytest.mark.timeout(300)
