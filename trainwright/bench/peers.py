@@ -8,7 +8,9 @@ layers, same initial weights, same split, same micro-batches, same SGD, same dat
   ``PipelineStage``\\ s and ``Schedule1F1B`` (system ``"torch_pipelining_1f1b"``);
 - :func:`deepspeed_worker` -- DeepSpeed's ``PipelineModule`` / ``PipelineEngine``
   (system ``"deepspeed_pipeline"``, or ``"deepspeed_pipeline_ckpt"`` with activation
-  checkpointing of the transformer blocks). DeepSpeed is the optional extra ``bench``;
+  checkpointing of the transformer blocks); :func:`deepspeed_train` is its body for a
+  process group that already exists (``bench pipeline`` runs it in its own group, and
+  :func:`deepspeed_comm` hands that group to DeepSpeed). DeepSpeed is the optional extra ``bench``;
   this module imports without it and :func:`deepspeed_available` tells whether it is there.
 
 A worker runs in one spawned process per rank (see :func:`spawn_peer`) and writes one JSON
