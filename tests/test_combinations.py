@@ -42,6 +42,32 @@ REFUSED = [  # (overrides, what the one line must say): every cross-key rule of 
      r"live migration .* not 'zb-h1'"),
     (['model.factory="tests.factories:number_across_layers"'],
      r"model.factory = .*only tensors cross the cuts.*wrap the submodules"),
+    # interleaved 1F1B (parallel.virtual_stages): config/interleaved_rules.py
+    (['train.schedule="interleaved-1f1b"'], r"needs parallel.virtual_stages >= 2"),
+    (["parallel.virtual_stages=2"], r"virtual_stages = 2 needs train.schedule = "
+                                    r"\"interleaved-1f1b\" or \"zb-v\""),
+    (['train.schedule="zb-v"', "parallel.virtual_stages=3"],
+     r"two chunks per rank in a V; set parallel.virtual_stages = 2, not 3"),
+    (['train.schedule="zb-v"', "parallel.virtual_stages=2", "rebalance.enabled=true"],
+     r"live migration .* not 'zb-v'"),
+    (['train.schedule="zb-v"', "parallel.virtual_stages=2", 'memory.limit="8MB"'],
+     r"memory.limit planning works with .*not 'zb-v'"),
+    (["parallel.virtual_stages=65"], r"parallel.virtual_stages = 65 must be in 1 .. 64"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2",
+      "train.micro_batches=1"], r"micro_batches to be a multiple of parallel.pp = 2"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=64"],
+     r"parallel.pp \* parallel.virtual_stages = 128 stages is more than the model's"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2", 'memory.limit="8MB"'],
+     r"memory.limit planning works with .*not 'interleaved-1f1b'"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2",
+      "memory.peer_swap=true", 'memory.limit="8MB"'],
+     r"peer_swap = true works with train.schedule = \"1f1b\" or \"gpipe\""),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2",
+      "rebalance.enabled=true"], r"live migration .* not 'interleaved-1f1b'"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2", "eval.every=2"],
+     r"eval.every works with one stage per rank, not train.schedule = 'interleaved-1f1b'"),
+    (['train.schedule="interleaved-1f1b"', "parallel.virtual_stages=2", "parallel.pp=1"],
+     r"needs parallel.pp >= 2, got 1"),
 ]
 
 

@@ -4,7 +4,8 @@ Every system trains :class:`~trainwright.bench.spec.PipelineBenchSpec` (8-block 
 split [embed + 4 blocks | 4 blocks + head], SGD) on the same batches from the same initial
 weights, at 8 and at 4 micro-batches:
 
-* ours: ``1f1b``, ``gpipe``, ``zb-h1``, ``zb-h2`` (the real Trainer);
+* ours: ``1f1b``, ``gpipe``, ``zb-h1``, ``zb-h2``, ``interleaved-1f1b`` and ``zb-v`` (two
+  chunks per rank, cut as torch's) (the real Trainer);
 * torch pipelining: ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` (the
   multi-chunk ones cut each rank's layers in two chunks, see
@@ -54,14 +55,18 @@ __all__ = ["OUR_SCHEDULES", "spec_config", "trace_steps", "run", "main"]
 
 log = logging.getLogger(__name__)
 
-OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2")
+OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
 BUSY = ("F", "B", "W")
 DEEPSPEED = "deepspeed_pipeline"
 """DeepSpeed's pipeline engine, a system where DeepSpeed imports (:func:`systems`)."""
 
 
 def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") -> Config:
-    """Our configuration for the benchmark workload."""
+    """Our configuration for the benchmark workload (interleaved: each stage of the split
+    cut in two chunks, as torch's multi-chunk schedules are)."""
+    split, chunks = spec.split, 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
+    if chunks > 1:
+        split = peers.chunk_split(spec.split, chunks)
     return load_config(None, [
         "model.name=gpt", f"model.n_blocks={spec.n_blocks}", f"model.d_model={spec.d_model}",
         f"model.n_heads={spec.n_heads}", f"model.context={spec.context}",
@@ -69,7 +74,8 @@ def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") 
         f"train.steps={spec.steps}", f"train.batch_size={spec.batch_size}",
         f"train.micro_batches={spec.micro_batches}", f'train.schedule="{schedule}"',
         "train.optimizer=sgd", f"train.lr={spec.lr}", f"train.seed={spec.seed}",
-        f"parallel.pp={len(spec.split)}", f"parallel.partition={spec.split}",
+        f"parallel.pp={len(spec.split)}", f"parallel.partition={split}",
+        f"parallel.virtual_stages={chunks}",
         f"parallel.threads_per_rank={spec.threads_per_rank}",
         "run.report=false", "run.progress=false", "run.checkpoint_every=0",
         f"run.trace_steps={spec.steps}", f"run.profile_every={spec.steps}",

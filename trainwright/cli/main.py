@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainwright.errors import ConfigError, PlanError
 from trainwright.observe.telemetry import atomic_write_text, setup_logging
-from trainwright.schedule.actions import SCHEDULES
+from trainwright.schedule.actions import SCHEDULES, VIRTUAL_SCHEDULES
 
 __all__ = ["main"]
 
@@ -126,7 +126,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from trainwright.schedule.actions import build_schedule, format_grid
 
-    sched = build_schedule(args.schedule, args.pp, args.micro_batches)
+    v = args.virtual_stages
+    if v is None:
+        v = 2 if args.schedule in VIRTUAL_SCHEDULES else 1
+    sched = build_schedule(args.schedule, args.pp, args.micro_batches, v)
     print(format_grid(sched))
     if args.actions:
         for acts in sched:
@@ -225,9 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=_cmd_export)
 
     sch = sub.add_parser("schedule", help="print a pipeline schedule as a step x stage grid")
-    sch.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
+    sch.add_argument("--schedule", default="1f1b",
+                     choices=[*SCHEDULES, *VIRTUAL_SCHEDULES])
     sch.add_argument("--pp", type=int, default=4)
     sch.add_argument("--micro-batches", type=int, default=8)
+    sch.add_argument("--virtual-stages", type=int, default=None,
+                     help="model chunks per rank (interleaved-1f1b; default 2 there, else 1)")
     sch.add_argument("--actions", action="store_true", help="also list every stage's actions")
     sch.set_defaults(func=_cmd_schedule)
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from trainwright.config.combinations import check_ring
+from trainwright.config.interleaved_rules import check_virtual_stages
 from trainwright.config.messages import one_line
 from trainwright.config.sections import (
     SECTIONS,
@@ -98,6 +99,12 @@ class Config(BaseModel):
         """Ranks the run needs: ``pp * dp``."""
         return self.parallel.pp * self.parallel.dp
 
+    @property
+    def n_stages(self) -> int:
+        """Model stages: ``parallel.pp * parallel.virtual_stages`` (interleaved: several
+        per rank)."""
+        return self.parallel.pp * self.parallel.virtual_stages
+
     def partition(self, n_layers: int | None = None) -> list[int]:
         """Layers per stage: the configured one, or as even as possible (extra to early stages).
 
@@ -106,7 +113,7 @@ class Config(BaseModel):
         """
         if self.parallel.partition:
             return list(self.parallel.partition)
-        return even_partition(n_layers or self.model.n_layers, self.parallel.pp)
+        return even_partition(n_layers or self.model.n_layers, self.n_stages)
 
     def validate(self) -> None:
         """Check the rules that involve several keys; raise ConfigError on the first problem.
@@ -118,6 +125,7 @@ class Config(BaseModel):
         if m.name == "gpt" and m.d_model % m.n_heads:
             raise ConfigError(f"model.n_heads = {m.n_heads} does not divide model.d_model = "
                               f"{m.d_model}; pick a divisor of {m.d_model}")
+        check_virtual_stages(self)
         self._validate_peer_swap()
         self._validate_schedule()
         check_training_extras(self)
@@ -270,7 +278,11 @@ class Config(BaseModel):
 
     def check_layers(self, n_layers: int) -> None:
         """Check ``parallel.pp`` and ``parallel.partition`` against a model of ``n_layers``."""
-        p, parts = self.parallel.pp, self.parallel.partition
+        p, parts = self.n_stages, self.parallel.partition
+        if self.parallel.virtual_stages > 1 and p > n_layers:
+            raise ConfigError(f"parallel.pp * parallel.virtual_stages = {p} stages is more than "
+                              f"the model's {n_layers} layers; lower virtual_stages or use a "
+                              f"deeper model")
         if p > n_layers:
             raise ConfigError(f"parallel.pp = {p} is larger than the model's {n_layers} layers; "
                               f"use parallel.pp <= {n_layers} or a deeper model")

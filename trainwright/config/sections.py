@@ -149,10 +149,12 @@ class TrainConfig(Section):
     """Micro-batches per step per replica; must divide batch_size / dp."""
     loss: Literal["cross_entropy", "mse"] = "cross_entropy"
     """``"cross_entropy"`` (logits ``(..., C)``, class targets) or ``"mse"``."""
-    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v"] = "1f1b"
     """Pipeline schedule: ``"1f1b"``, ``"gpipe"``, or zero bubble (backward split into input
     and weight gradients): ``"zb-h1"`` (1F1B's peak memory, less bubble) or ``"zb-h2"``
-    (more micro-batches in flight, least bubble). See docs/schedules.md."""
+    (more micro-batches in flight, least bubble), or several model chunks per rank:
+    ``"interleaved-1f1b"`` (``parallel.virtual_stages >= 2``) or ``"zb-v"`` (zero bubble,
+    two chunks per rank in a V, ``parallel.virtual_stages = 2``). See docs/schedules.md."""
     optimizer: Literal["sgd", "adam", "adamw"] = "adamw"
     """``"sgd"``, ``"adam"`` or ``"adamw"``."""
     lr: PositiveFloat = 3e-3
@@ -187,13 +189,19 @@ class ParallelConfig(Section):
     dp: PositiveInt = 1
     """Data-parallel replicas of each stage."""
     partition: list[PositiveInt] = []
-    """Layers per stage, e.g. ``[3, 3]``; empty = as even as possible."""
+    """Layers per stage, e.g. ``[3, 3]`` (``pp * virtual_stages`` entries, in model order,
+    when interleaving); empty = as even as possible."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
     threads_per_rank: NonNegativeInt = 0
     """Intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
     bucket_mb: PositiveFloat = 25.0
     """Size of the data-parallel all-reduce buckets, MiB."""
+    virtual_stages: Annotated[int, Field(ge=1, le=64), Allowed("must be in 1 .. 64")] = 1
+    """Model chunks per pipeline rank (``train.schedule = "interleaved-1f1b"``, which needs
+    at least 2, or ``"zb-v"``, exactly 2): the model is cut into ``pp * virtual_stages``
+    stages, rank ``r`` holding stages ``r, r + pp, ...`` (ZB-V: ``r`` and ``2 pp - 1 - r``).
+    1 = one stage per rank."""
 
 
 class MemoryConfig(Section):

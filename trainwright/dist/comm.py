@@ -101,27 +101,31 @@ class P2P:
         self.on_failure = on_failure or (lambda exc: None)
         self._pending: list[tuple[object, list[torch.Tensor]]] = []
 
-    def send(self, peer: int, kind: str, mb: int, tensors: Sequence[torch.Tensor | None]) -> None:
-        """Post the header and payloads of ``tensors`` to ``peer`` without waiting."""
+    def send(self, peer: int, kind: str, mb: int, tensors: Sequence[torch.Tensor | None],
+             tag: int = 0) -> None:
+        """Post the header and payloads of ``tensors`` to ``peer`` without waiting (``tag``
+        keeps apart streams between the same two ranks, e.g. model chunks)."""
         header = pack_header(kind, mb, tensors)
         payload = [t.detach().contiguous() for t in tensors if t is not None]
         # gloo sends from host memory; the header always lives on CPU for gloo, device for NCCL
         header = header.to(self.device)
-        works = [coll.isend(header, dst=peer, group=self.group)]
-        works += [coll.isend(t, dst=peer, group=self.group) for t in payload]
+        works = [coll.isend(header, dst=peer, group=self.group, tag=tag)]
+        works += [coll.isend(t, dst=peer, group=self.group, tag=tag) for t in payload]
         self._pending.extend((w, [header, *payload]) for w in works)
         if len(self._pending) > 64:
             self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
 
-    def recv(self, peer: int, kind: str, mb: int) -> list[torch.Tensor | None]:
-        """Receive the tensors ``peer`` sent for micro-batch ``mb`` of this ``kind``.
+    def recv(self, peer: int, kind: str, mb: int, tag: int = 0) -> list[torch.Tensor | None]:
+        """Receive the tensors ``peer`` sent for micro-batch ``mb`` of this ``kind`` (on
+        ``tag``, as sent).
 
         Raises:
             CommError: wrong kind or micro-batch arrived, or the deadline passed.
             PeerLost: the peer (or another rank, per the watchdog) is gone.
         """
         header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(coll.irecv(header, src=peer, group=self.group), peer, f"{kind} header")
+        self._wait(coll.irecv(header, src=peer, group=self.group, tag=tag), peer,
+                   f"{kind} header")
         got_kind, got_mb, metas = unpack_header(header.cpu())
         if got_kind != KIND_CODES[kind] or got_mb != mb:
             names = {v: k for k, v in KIND_CODES.items()}
@@ -135,7 +139,8 @@ class P2P:
                 continue
             dtype, _, shape = meta
             t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(coll.irecv(t, src=peer, group=self.group), peer, f"{kind} payload")
+            self._wait(coll.irecv(t, src=peer, group=self.group, tag=tag), peer,
+                       f"{kind} payload")
             out.append(t)
         return out
 

@@ -82,7 +82,8 @@ def profile_model(cfg: Config, named: list) -> list[LayerCost]:
 def stage_in_flight(cfg: Config) -> list[int]:
     """Micro-batches each stage holds at most under the configured schedule (zero bubble: up
     to their ``W``, with how many wait between ``B`` and ``W``: :class:`InFlight`)."""
-    sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches)
+    sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches,
+                           cfg.parallel.virtual_stages)  # interleaved: per rank, all chunks
     return [InFlight(max_in_flight(actions), max_waiting_w(actions)) for actions in sched]
 
 

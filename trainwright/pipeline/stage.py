@@ -232,8 +232,9 @@ class Stage:
         """
         # the layers holding a segment of mb: normally every slot; during a migration, layers
         # shipped away are skipped and layers received (or retiring) are included
-        held = {layer for layer, m in self.store.held() if m == mb}
         known = {s.index: s for s in [*self.slots, *self.retiring.values()]}
+        # a store shared by several chunks of a rank (interleaved) also holds theirs
+        held = {layer for layer, m in self.store.held() if m == mb and layer in known}
         order = sorted(held, reverse=True)
         loss_layer = self.slots[-1].index if self.is_last else None
         for i, index in enumerate(order):

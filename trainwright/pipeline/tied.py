@@ -131,7 +131,8 @@ class TiedGradSync(GradSync):
         mine = []
         for tie in self.ties:
             for d in range(self.topo.dp):
-                ranks = tuple(sorted({self.topo.rank_of(stage_of[i], d) for i in tie.layers}))
+                ranks = tuple(sorted({self.topo.rank_of(stage_of[i] % self.topo.pp, d)
+                                      for i in tie.layers}))  # interleaved: chunk -> rank
                 if len(ranks) > 1 and ranks not in self._groups:
                     self._groups[ranks] = dist.new_group(list(ranks))
                 if d == self.topo.replica:

@@ -179,6 +179,8 @@ class _Replay:
         # it is posted, so keep each stage's earliest start in a heap and refresh those two
         self.heap: list[tuple[float, int, int]] = []
         self.version = [0] * n
+        # interleaved schedules: a list per rank, actions name virtual stages (else s == stage)
+        self.rank_of = {a.stage: s for s, acts in enumerate(schedule) for a in acts}
 
     def run(self) -> None:
         """Take actions, earliest start first, until no stage can move."""
@@ -194,8 +196,9 @@ class _Replay:
             self.clock[s] = end
             self.pos[s] += 1
             self._refresh(s)
-            other = {"SEND_F": s + 1, "SEND_B": s - 1, "RECV_F": s - 1,
-                     "RECV_B": s + 1}.get(a.kind, getattr(a, "peer", -1))
+            other = {"SEND_F": a.stage + 1, "SEND_B": a.stage - 1, "RECV_F": a.stage - 1,
+                     "RECV_B": a.stage + 1}.get(a.kind)
+            other = getattr(a, "peer", -1) if other is None else self.rank_of.get(other, -1)
             if 0 <= other < self.n and other != s:
                 self._refresh(other)
 
@@ -250,8 +253,9 @@ class _Replay:
         """Earliest start of action ``a`` on stage ``s``, or None while it must wait."""
         k, mb, now = a.kind, a.mb, self.clock[s]
         if k in ("RECV_F", "RECV_B"):  # posted once the send is: the data moves then
-            got = self.sent.get(("act", s - 1, s, mb) if k == "RECV_F"
-                                else ("grad", s + 1, s, mb))
+            v = a.stage
+            got = self.sent.get(("act", v - 1, v, mb) if k == "RECV_F"
+                                else ("grad", v + 1, v, mb))
             return None if got is None else now
         if k == "SYNC":
             done = [self.arrived.get(key) for key in self.pending_sends[s]]
@@ -322,19 +326,19 @@ class _Replay:
             if not self.split[s]:
                 self._add(s, end, -held)
         self.busy[s] += dur
-        self.times[(s, a.kind, mb)] = (start, end)
+        self.times[(a.stage, a.kind, mb)] = (start, end)
         return end
 
     def _run_p2p(self, s: int, a, start: float) -> float:
         """Pipeline sends (post and go on) and receives (the rendezvous transfer)."""
-        k, mb, c = a.kind, a.mb, self.costs[s]
+        k, mb, c, v = a.kind, a.mb, self.costs[s], a.stage
         if k in ("SEND_F", "SEND_B"):
-            key = ("act", s, s + 1, mb) if k == "SEND_F" else ("grad", s, s - 1, mb)
+            key = ("act", v, v + 1, mb) if k == "SEND_F" else ("grad", v, v - 1, mb)
             self.sent[key] = start
             self.pending_sends[s].append(key)
             return start
-        key = ("act", s - 1, s, mb) if k == "RECV_F" else ("grad", s + 1, s, mb)
-        src = key[1]
+        key = ("act", v - 1, v, mb) if k == "RECV_F" else ("grad", v + 1, v, mb)
+        src = self.rank_of[key[1]]
         end = self.arrived[key] = self._transfer(
             (src, s), max(start, self.sent[key]), self.costs[min(src, s)].send_bytes,
             self.links.bw(src, s))

@@ -45,6 +45,7 @@ from trainwright.pipeline.budget import (
     stage_in_flight,
 )
 from trainwright.pipeline.edit import load_edit_hook
+from trainwright.pipeline.interleaved import InterleavedRuntime, chunk_stages
 from trainwright.pipeline.peer_setup import agree_plan, runtime_policies
 from trainwright.pipeline.peer_setup import attach as attach_peer_swap
 from trainwright.pipeline.rebalance import LayerCatalog, Migration
@@ -64,7 +65,7 @@ from trainwright.run import checkpoint
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
 from trainwright.run.update import UpdateStep, make_update_step
-from trainwright.schedule.actions import build_schedule
+from trainwright.schedule.actions import build_schedule, stage_ranks
 from trainwright.sync import GradSync, make_grad_sync
 
 __all__ = ["Trainer"]
@@ -134,19 +135,20 @@ class Trainer:
     # ------------------------------------------------------------------ set-up steps
     def _setup_layers(self, resume: bool) -> NamedLayers:
         """Build the model, keep this stage's layers (with their optimizers), resume."""
-        cfg, s = self.cfg, self.topo.stage
+        cfg = self.cfg
         named = self.build_layers()
         cfg.check_layers(len(named))
         self.ties = prepare_ties(cfg, named)  # tied weights: one copy per holder across stages
         self.resumed = checkpoint.latest_step(self.run_dir) if resume else None
         self.parts = self._resumed_partition(len(named)) or cfg.partition(len(named))
-        first = sum(self.parts[:s])
         self.slots, seen = [], set()
-        for i in range(first, first + self.parts[s]):
-            name, module = named[i]
-            module.to(self.device)
-            self.slots.append(LayerSlot(i, name, module, self.make_optimizer(
-                owned_parameters(module, seen))))
+        for k in self.my_stages:  # one, or this rank's chunks (interleaved)
+            first = sum(self.parts[:k])
+            for i in range(first, first + self.parts[k]):
+                name, module = named[i]
+                module.to(self.device)
+                self.slots.append(LayerSlot(i, name, module, self.make_optimizer(
+                    owned_parameters(module, seen))))
         self.start = 1 if self.resumed is None else self.resumed + 1
         if hasattr(self.data, "state_dict") and hasattr(self.data, "load_state_dict"):
             self.register_state("data", self.data)
@@ -159,7 +161,7 @@ class Trainer:
             return None
         meta = checkpoint.read_meta(self.run_dir, self.resumed)
         parts = meta.get("partition")
-        if parts and len(parts) == self.cfg.parallel.pp and sum(parts) == n_layers:
+        if parts and len(parts) == self.cfg.n_stages and sum(parts) == n_layers:
             return list(parts)
         if parts:
             log.info("checkpoint of step %d was written at pp=%s x dp=%s; this run has "
@@ -203,14 +205,17 @@ class Trainer:
         cfg, s = self.cfg, self.topo.stage
         self.store, self.profiler = ActivationStore(device=self.device), profiler
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=s == 0,
-                           loss_fn=loss_fn(cfg) if s == cfg.parallel.pp - 1 else None,
+                           loss_fn=loss_fn(cfg) if cfg.n_stages - 1 in self.my_stages else None,
                            loss_scale=1.0 / cfg.train.micro_batches)
         self.stage.autocast = autocast_factory(cfg.train.precision, self.device)
+        self.chunks = chunk_stages(cfg, self.my_stages, self.parts, self.slots, self.store,
+                                   self.profiler)
 
     def _setup_schedule(self, named: NamedLayers, peer_plan: dict | None, peer_group) -> None:
         """Every stage's action list; seed 004's peer-swap actions woven in when planned."""
         cfg, topo = self.cfg, self.topo
-        self.schedules = build_schedule(cfg.train.schedule, topo.pp, cfg.train.micro_batches)
+        self.schedules = build_schedule(cfg.train.schedule, topo.pp, cfg.train.micro_batches,
+                                        cfg.parallel.virtual_stages)
         self.actions, self.extensions = self.schedules[topo.stage], None
         self.peer_plan = peer_plan
         if peer_plan is None and cfg.memory.peer_swap:
@@ -265,6 +270,12 @@ class Trainer:
         fault = None
         if fault_rank is not None and f.kill_rank == fault_rank:
             fault = kill_self_at(f.kill_step, len(self.actions) // 2, f.kill_before)
+        if self.chunks is not None:
+            self.runtime = InterleavedRuntime(
+                self.stage, self.chunks, self.actions, self._p2p(topo.pp_group),
+                rank_of=lambda k: topo.rank_of(self.stage_ranks[k]), grad_sync=self.update,
+                replica=topo.replica, rank=s, fault=fault)
+            return
         self.runtime = PipelineRuntime(
             self.stage, self.actions, self._p2p(topo.pp_group),
             prev_rank=topo.rank_of(s - 1) if s > 0 else None,
@@ -312,15 +323,27 @@ class Trainer:
             return
         meta = dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp, dp=topo.dp,
                     schedule=t.schedule, layer_names=layer_names,
-                    partition=[list(range(sum(self.parts[:k]), sum(self.parts[: k + 1])))
+                    partition=[[i for i, r in enumerate(self.stage_of) if r == k]
                                for k in range(topo.pp)])
         self.recorder = RunRecorder(self.run_dir, meta, self.stage_of, t.batch_size, t.steps,
                                     self.start, cfg.run.progress)
 
     @property
     def stage_of(self) -> list[int]:
-        """The stage of every layer under the current partition."""
-        return [k for k, n in enumerate(self.parts) for _ in range(n)]
+        """The stage (pipeline rank) of every layer under the current partition."""
+        ranks = self.stage_ranks
+        return [ranks[k] for k, n in enumerate(self.parts) for _ in range(n)]
+
+    @property
+    def my_stages(self) -> list[int]:
+        """The model stages this rank runs: its own, or its chunks ``r, r + pp, ...``."""
+        return [k for k, r in enumerate(self.stage_ranks) if r == self.topo.stage]
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The pipeline rank of every model stage (the identity with one stage per rank)."""
+        return stage_ranks(self.cfg.train.schedule, self.topo.pp,
+                           self.cfg.parallel.virtual_stages)
 
     # ------------------------------------------------------------------ the step loop
     def fit(self, on_step: Callable[[int, StepStats | None], None] | None = None,

@@ -20,10 +20,13 @@ from __future__ import annotations
 from trainwright.errors import PlanError
 
 __all__ = ["Action", "KINDS", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
-           "SCHEDULES", "SPLIT_BACKWARD", "max_in_flight", "max_waiting_w"]
+           "SCHEDULES", "SPLIT_BACKWARD", "VIRTUAL_SCHEDULES", "stage_ranks", "max_in_flight",
+           "max_waiting_w"]
 
 from trainwright.schedule.base import COMPUTE, KINDS, Action, _check, _with_comm
+from trainwright.schedule.interleaved import interleaved_1f1b
 from trainwright.schedule.zero_bubble import zb_h1, zb_h2
+from trainwright.schedule.zero_bubble_v import v_rank_of, zb_v
 
 
 def gpipe(n_stages: int, n_micro: int) -> list[list[Action]]:
@@ -70,16 +73,38 @@ def one_f_one_b(n_stages: int, n_micro: int) -> list[list[Action]]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1, "zb-h2": zb_h2}
 """Schedule name -> generator ``(n_stages, n_micro) -> one action list per stage``."""
 
-SPLIT_BACKWARD = ("zb-h1", "zb-h2")
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v")
 """Schedules whose backward is split into ``B`` (input gradients) and ``W`` (weights)."""
 
+VIRTUAL_SCHEDULES = {"interleaved-1f1b": interleaved_1f1b, "zb-v": zb_v}
+"""Schedules with several model chunks per rank: name -> generator
+``(n_ranks, n_micro, virtual_stages) -> one action list per rank``."""
 
-def build_schedule(name: str, n_stages: int, n_micro: int) -> list[list[Action]]:
-    """Look up a schedule by name (one of :data:`SCHEDULES`) and generate it."""
+
+def stage_ranks(name: str, n_ranks: int, virtual_stages: int = 1) -> list[int]:
+    """Pipeline rank of every model stage: round-robin (``s mod p``; one stage per rank:
+    the identity), or the V of ZB-V (rank ``r`` holds ``r`` and ``2p - 1 - r``)."""
+    n = n_ranks * virtual_stages
+    if name == "zb-v":
+        return [v_rank_of(s, n_ranks) for s in range(n)]
+    return [s % n_ranks for s in range(n)]
+
+
+def build_schedule(name: str, n_stages: int, n_micro: int,
+                   virtual_stages: int = 1) -> list[list[Action]]:
+    """Look up a schedule by name (one of :data:`SCHEDULES` or :data:`VIRTUAL_SCHEDULES`)
+    and generate it: one action list per stage, or, for an interleaved schedule, one per
+    rank (``n_stages`` ranks of ``virtual_stages`` chunks each)."""
+    if name in VIRTUAL_SCHEDULES:
+        return VIRTUAL_SCHEDULES[name](n_stages, n_micro, virtual_stages)
+    if virtual_stages != 1:
+        raise PlanError(f"schedule {name!r} runs one stage per rank; virtual_stages = "
+                        f"{virtual_stages} needs one of {sorted(VIRTUAL_SCHEDULES)}")
     try:
         return SCHEDULES[name](n_stages, n_micro)
     except KeyError:
-        raise PlanError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}") from None
+        names = sorted([*SCHEDULES, *VIRTUAL_SCHEDULES])
+        raise PlanError(f"unknown schedule {name!r}; choose one of {names}") from None
 
 
 def max_in_flight(actions: list[Action]) -> int:
@@ -111,11 +136,16 @@ def format_grid(schedule: list[list[Action]]) -> str:
 
     The tick of an action is found by a dry run: a forward waits for the previous stage's
     forward of the same micro-batch, a backward for the next stage's backward, and every
-    action waits for the one before it on its stage. A deadlocked schedule raises.
+    action waits for the one before it on its stage. A deadlocked schedule raises. With
+    one list per rank (interleaved), columns are ranks and cells name the virtual stage
+    (``1F0``: stage 1, forward, micro-batch 0).
     """
     n = len(schedule)
     compute = [[a for a in acts if a.kind in COMPUTE] for acts in schedule]
+    n_virtual = 1 + max((a.stage for acts in compute for a in acts), default=0)
+    per_rank = n_virtual != n
     done: dict[tuple[int, str, int], int] = {}
+    cells: dict[tuple[int, int], str] = {}
     pos = [0] * n
     free = [0] * n
     while any(pos[s] < len(compute[s]) for s in range(n)):
@@ -124,15 +154,12 @@ def format_grid(schedule: list[list[Action]]) -> str:
             if pos[s] >= len(compute[s]):
                 continue
             a = compute[s][pos[s]]
-            dep = (s - 1, "F", a.mb) if a.kind == "F" else (s + 1, "B", a.mb)
-            if a.kind == "B" and s == n - 1:
-                dep = (s, "F", a.mb)
-            if a.kind == "W":
-                dep = (s, "B", a.mb)
-            if 0 <= dep[0] < n and dep not in done:
+            dep = _grid_dependency(a, n_virtual)
+            if 0 <= dep[0] < n_virtual and dep not in done:
                 continue
             tick = max(free[s], done.get(dep, -1) + 1)
-            done[(s, a.kind, a.mb)] = tick
+            done[(a.stage, a.kind, a.mb)] = tick
+            cells[(tick, s)] = str(a) if per_rank else f"{a.kind}{a.mb}"
             free[s] = tick + 1
             pos[s] += 1
             progressed = True
@@ -140,10 +167,19 @@ def format_grid(schedule: list[list[Action]]) -> str:
             stuck = {s: str(compute[s][pos[s]]) for s in range(n) if pos[s] < len(compute[s])}
             raise PlanError(f"schedule deadlocks; stages wait on {stuck}")
     ticks = max(done.values()) + 1
-    grid = [["." for _ in range(n)] for _ in range(ticks)]
-    for (s, kind, mb), t in done.items():
-        grid[t][s] = f"{kind}{mb}"
+    grid = [[cells.get((t, s), ".") for s in range(n)] for t in range(ticks)]
     width = max(4, *(len(c) for row in grid for c in row)) + 1
-    head = "step " + "".join(f"s{s}".ljust(width) for s in range(n))
+    label = "r" if per_rank else "s"
+    head = "step " + "".join(f"{label}{s}".ljust(width) for s in range(n))
     rows = [f"{t:<5}" + "".join(c.ljust(width) for c in row) for t, row in enumerate(grid)]
     return "\n".join([head, *rows])
+
+
+def _grid_dependency(a: Action, n_stages: int) -> tuple[int, str, int]:
+    """The compute action ``a`` waits for (a stage index out of range: none)."""
+    s = a.stage
+    if a.kind == "W":
+        return (s, "B", a.mb)
+    if a.kind == "F":
+        return (s - 1, "F", a.mb)
+    return (s, "F", a.mb) if s == n_stages - 1 else (s + 1, "B", a.mb)

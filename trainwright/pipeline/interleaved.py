@@ -1,0 +1,169 @@
+"""The executor of interleaved schedules: one rank runs several model chunks.
+
+A rank holds ``v`` :class:`~trainwright.pipeline.stage.Stage` objects, one per virtual
+stage ``r, r + p, ...``, sharing one activation store and profiler. Its action list (from
+:func:`~trainwright.schedule.interleaved.interleaved_1f1b`) names the virtual stage of
+every action; activations of stage ``s`` go to the rank of ``s + 1``, gradients to the rank
+of ``s - 1``. Each stream (direction, receiving virtual stage) travels on its own p2p tag,
+so messages of different chunks between the same two ranks never match each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from trainwright.dist.comm import P2P
+from trainwright.model.build import loss_fn
+from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.pipeline.runtime import StepStats
+from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.store import ActivationStore
+from trainwright.schedule.actions import COMPUTE, Action
+from trainwright.sync import GradSync
+
+__all__ = ["InterleavedRuntime", "chunk_tag", "chunk_stages"]
+
+
+def chunk_stages(cfg, stages: list[int], parts: list[int], slots: list[LayerSlot],
+                 store: ActivationStore, profiler: LayerProfiler) -> dict[int, Stage] | None:
+    """One Stage per model chunk of this rank (None with one stage per rank).
+
+    Args:
+        cfg: the configuration (loss and micro-batches).
+        stages: this rank's virtual stages; ``parts``: layers per virtual stage.
+        slots: this rank's layers, all chunks; ``store``/``profiler``: shared by the chunks.
+    """
+    if len(stages) == 1:
+        return None
+    by_index = {slot.index: slot for slot in slots}
+    n = len(parts)
+    out = {}
+    for k in stages:
+        first = sum(parts[:k])
+        out[k] = Stage([by_index[i] for i in range(first, first + parts[k])], store, profiler,
+                       is_first=k == 0, loss_fn=loss_fn(cfg) if k == n - 1 else None,
+                       loss_scale=1.0 / cfg.train.micro_batches)
+    return out
+
+
+def chunk_tag(kind: str, to_stage: int) -> int:
+    """The p2p tag of the ``kind`` (``"act"``/``"grad"``) stream into virtual stage
+    ``to_stage`` (never 0, the tag of one-stage-per-rank pipelines)."""
+    return 1 + 2 * to_stage + (kind == "grad")
+
+
+class InterleavedRuntime:
+    """Runs a rank's chunks through its interleaved action list, one step at a time.
+
+    Args:
+        view: a stage over all the rank's layers (the trainer's: parameters, optimizers,
+            ``fast`` and the store); its forward is not used.
+        chunks: virtual stage -> its Stage (sharing ``view``'s store and profiler).
+        actions: this rank's action list (one step).
+        p2p: transfers to the other ranks of the pipeline.
+        rank_of: virtual stage -> global rank holding it.
+        grad_sync: averages gradients over replicas (SYNC) and updates (STEP).
+        replica: this rank's data-parallel index; ``rank``: its pipeline index.
+        fault: ``(step, action_index, action) -> None`` hook before each action (testing).
+    """
+
+    def __init__(self, view: Stage, chunks: dict[int, Stage], actions: list[Action], p2p: P2P,
+                 *, rank_of: Callable[[int], int], grad_sync: GradSync, replica: int = 0,
+                 rank: int = 0, fault: Callable[[int, int, Action], None] | None = None):
+        self.view, self.chunks, self.actions, self.p2p = view, chunks, actions, p2p
+        self.rank_of, self.grad_sync, self.replica = rank_of, grad_sync, replica
+        self.stage_index, self.fault = rank, fault
+        self.last = max(a.stage for a in actions if a.kind == "F")
+        self.split = any(a.kind == "W" for a in actions)  # ZB-V: B then W
+        self.here = {a.stage for a in actions}
+        """Virtual stages of this rank: a hand-over between two of them stays local."""
+        self._local: dict[tuple, tuple] = {}
+        self._measured_peak = 0
+
+    def run_step(self, step: int, inputs: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor] | None, trace: bool = False,
+                 migration=None) -> StepStats:
+        """One step: every chunk's forwards and backwards, sync, optimizer step.
+
+        Args and returns: as :meth:`trainwright.pipeline.runtime.PipelineRuntime.run_step`
+        (``inputs`` on the rank of stage 0, ``targets`` on the rank of the last stage; no
+        migration: live migration is refused with interleaved schedules).
+        """
+        if migration is not None:
+            raise RuntimeError("live migration does not run with an interleaved schedule")
+        view = self.view
+        view.store.reset_peaks()
+        for st in self.chunks.values():  # the trainer and update step set these on the view
+            st.fast, st.autocast, st.loss_gradient = view.fast, view.autocast, view.loss_gradient
+        self._io = {"in": inputs, "tg": targets, "recv": {}, "out": {}, "gin": {},
+                    "gout": {}, "loss": []}
+        events, compute_ns, t_step = [], 0, time.perf_counter_ns()
+        for i, a in enumerate(self.actions):
+            if self.fault is not None:
+                self.fault(step, i, a)
+            t0 = time.perf_counter_ns()
+            self._do(a)
+            t1 = time.perf_counter_ns()
+            compute_ns += (t1 - t0) if a.kind in COMPUTE else 0
+            if trace:
+                events.append((a.kind, a.mb, time.time_ns() - (time.perf_counter_ns() - t0),
+                               t1 - t0))
+        wall = (time.perf_counter_ns() - t_step) / 1e9
+        view.profiler.end_step()
+        losses = self._io.pop("loss")
+        if not view.fast:
+            self._measured_peak = view.store.peak_bytes
+        return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
+                         compute_s=compute_ns / 1e9,
+                         loss=float(torch.stack(losses).sum()) if losses else None,
+                         activation_peak_bytes=self._measured_peak,
+                         held_microbatches_peak=view.store.peak_microbatches, events=events,
+                         host_peak_bytes=view.store.peak_host_bytes)
+
+    def _do(self, a: Action) -> None:
+        """Run one action of virtual stage ``a.stage``."""
+        k, mb, s, io = a.kind, a.mb, a.stage, self._io
+        key = (s, mb)
+        if k == "RECV_F":
+            io["recv"][key] = self._local.pop(("act", s, mb)) if s - 1 in self.here else \
+                tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s)))
+        elif k == "F":
+            st = self.chunks[s]
+            x = (io["in"][mb],) if s == 0 else io["recv"].pop(key)
+            out = st.forward(mb, x, io["tg"][mb] if s == self.last and st.is_last else None)
+            if st.is_last:
+                io["loss"].append(out[0])
+            else:
+                io["out"][key] = out
+        elif k == "SEND_F":
+            self._send("act", s + 1, mb, io["out"].pop(key))
+        elif k == "RECV_B":
+            io["gin"][key] = self._local.pop(("grad", s, mb)) if s + 1 in self.here else \
+                tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb, tag=chunk_tag("grad", s)))
+        elif k == "B":
+            st = self.chunks[s]
+            g = st.backward(mb, None if st.is_last else io["gin"].pop(key), split=self.split)
+            if s > 0:
+                io["gout"][key] = g
+        elif k == "W":
+            self.chunks[s].backward_weight(mb)
+        elif k == "SEND_B":
+            self._send("grad", s - 1, mb, io["gout"].pop(key))
+        elif k == "SYNC":
+            self.p2p.wait_sends()
+            self.grad_sync.sync(self.view.parameters())
+        elif k == "STEP":
+            self.grad_sync.step(self.view.slots)
+        else:  # pragma: no cover - interleaved lists hold no other kinds
+            raise ValueError(f"unknown action {a} in an interleaved schedule")
+
+    def _send(self, kind: str, to_stage: int, mb: int, tensors: tuple) -> None:
+        """To the rank of ``to_stage``, or handed over locally when this rank holds it."""
+        if to_stage in self.here:
+            self._local[(kind, to_stage, mb)] = tuple(
+                t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
+        else:
+            self.p2p.send(self.rank_of(to_stage), kind, mb, tensors, tag=chunk_tag(kind, to_stage))
