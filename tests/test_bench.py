@@ -7,6 +7,7 @@ import statistics
 import pytest
 import torch
 
+from trainwright.bench.memory import MemoryBenchSpec
 from trainwright.bench.pipeline import run
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.cli import main
@@ -15,12 +16,19 @@ TINY = dict(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batches=4,
             micro_batch_size=2, split=[2, 2], steps=3, warmup=1)
 
 
+@pytest.fixture(scope="module")
+def pipeline_result():
+    """The pipeline bench on a tiny spec, run once for the tests below (DeepSpeed included
+    where it imports)."""
+    return run(PipelineBenchSpec(**TINY), repeats=2, micro_batches=(4,), overhead=False)
+
+
 @pytest.mark.timeout(600)
-def test_bench_pipeline_runs_and_systems_do_the_same_work():
+def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
     from trainwright.bench.paired import paired
     from trainwright.bench.pipeline import systems
 
-    result = run(PipelineBenchSpec(**TINY), repeats=2, micro_batches=(4,), overhead=False)
+    result = pipeline_result
     res = result["by_micro_batches"]["4"]
     rows = {r["system"]: r for r in res["rows"]}
     assert set(rows) == set(systems())  # every schedule of both systems, failures included
@@ -51,6 +59,27 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work():
                                    atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.timeout(600)
+def test_bench_pipeline_deepspeed_row(pipeline_result):
+    pytest.importorskip("deepspeed")
+    from trainwright.bench.paired import paired
+
+    res = pipeline_result["by_micro_batches"]["4"]
+    rows = {r["system"]: r for r in res["rows"]}
+    ds = rows["deepspeed_pipeline"]
+    assert "error" not in ds, ds.get("error")
+    assert len(ds["step_ms_per_round"]) == 2
+    assert res["best_torch"].startswith("torch_pipelining_")  # DeepSpeed is not torch
+    # ours over DeepSpeed in samples/s: the paired per-round ratios of the rows' own times
+    again = paired(ds["step_ms_per_round"], rows[res["best_ours"]]["step_ms_per_round"])
+    assert res["ratio_vs_deepspeed"] == pytest.approx(again["ratio"], rel=2e-3)
+    assert res["ratio_vs_deepspeed_paired"] == pytest.approx(again["paired_ratios"], rel=2e-3)
+    assert pipeline_result["ratio_vs_deepspeed"]["4"] == res["ratio_vs_deepspeed"]
+    torch.testing.assert_close(torch.tensor(ds["losses_last_round"]),
+                               torch.tensor(rows["torch_pipelining_1f1b"]["losses_last_round"]),
+                               atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.timeout(120)
 def test_stage_overhead_row_pairs_rounds():
     from trainwright.bench.stage_overhead import measure
@@ -77,6 +106,16 @@ def test_bench_sparse_spec_key_is_checked(capsys, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_bench_pipeline_spec_key_is_checked(capsys, tmp_path):
+    out = tmp_path / "pipeline.json"
+    assert main(["bench", "pipeline", "--spec", "bogus=1", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'bogus'" in err and "micro_batches" in err and not out.exists()
+    assert main(["bench", "pipeline", "--spec", "split=5", "--json", str(out)]) == 2
+    assert "split must be a JSON list" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.timeout(60)
 def test_saved_tensor_meter_counts_what_autograd_keeps():
     from trainwright.bench.meter import SavedTensorMeter
 
@@ -90,19 +129,30 @@ def test_saved_tensor_meter_counts_what_autograd_keeps():
     assert meter.bytes == 0 and meter.peak_bytes == 2 * 4 * 8 * 4
 
 
-@pytest.mark.timeout(900)
-def test_bench_memory_runs_and_keys_come_from_its_rows():
-    import statistics
+MEMORY_TINY = dict(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2,
+                   steps=4, warmup=2, limit_fraction=0.8)
 
-    from trainwright.bench.memory import MemoryBenchSpec, checkpoint_candidates
+
+@pytest.fixture(scope="module")
+def memory_result():
+    """The memory bench on a tiny spec, run once (DeepSpeed's row where it imports)."""
+    from trainwright.bench.memory import MemoryBenchSpec
     from trainwright.bench.memory import run as run_memory
 
-    spec = MemoryBenchSpec(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2,
-                           steps=4, warmup=2, limit_fraction=0.8)
-    r = run_memory(spec, repeats=2)
+    return MemoryBenchSpec(**MEMORY_TINY), run_memory(MemoryBenchSpec(**MEMORY_TINY),
+                                                      repeats=2)
+
+
+@pytest.mark.timeout(900)
+def test_bench_memory_runs_and_keys_come_from_its_rows(memory_result):
+    import statistics
+
+    from trainwright.bench.memory import checkpoint_candidates
+
+    spec, r = memory_result
     rows = {x["system"]: x for x in r["rows"]}
-    assert set(rows) == {"keep", "plan_no_swap", "plan_with_swap", "checkpoint_best",
-                         "checkpoint_all"}
+    assert set(rows) - {"deepspeed_checkpoint"} == {
+        "keep", "plan_no_swap", "plan_with_swap", "checkpoint_best", "checkpoint_all"}
     assert r["meter"].startswith("LiveStorageMeter") and r["host"]["cpus"] >= 1
     assert r["limit_bytes"] == int(0.8 * max(r["unconstrained_peak_bytes"]))
     # every stage is metered, the middle ones (which read no data) included
@@ -130,6 +180,39 @@ def test_bench_memory_runs_and_keys_come_from_its_rows():
     for name in rows:  # same model, weights and batches: every row trains the same
         torch.testing.assert_close(torch.tensor(rows[name]["losses"]),
                                    torch.tensor(rows["keep"]["losses"]))
+
+
+@pytest.mark.timeout(900)
+def test_bench_memory_deepspeed_row(memory_result):
+    pytest.importorskip("deepspeed")
+    from trainwright.bench.memory import deepspeed_layers
+
+    spec, r = memory_result
+    rows = {x["system"]: x for x in r["rows"]}
+    ds = rows["deepspeed_checkpoint"]
+    assert "error" not in ds, ds.get("error")
+    assert ds["checkpointed_layers"] == deepspeed_layers(r["best_fitting_checkpoint"])
+    assert ds["fits"] == all(p <= r["limit_bytes"] for p in ds["metered_peak_bytes_per_stage"])
+    assert len(ds["metered_peak_bytes_per_stage"]) == spec.stages
+    ratios = [a / b for a, b in zip(rows["plan_no_swap"]["step_s_per_round"],
+                                    ds["step_s_per_round"], strict=True)]
+    assert r["ratio_vs_deepspeed_checkpoint_paired"] == pytest.approx(ratios, abs=1e-3)
+    assert r["ratio_vs_deepspeed_checkpoint"] == pytest.approx(statistics.median(ratios),
+                                                               abs=1e-3)
+    assert "relative_half_range" in r["ratio_vs_deepspeed_checkpoint_spread"]
+
+
+@pytest.mark.timeout(60)
+def test_bench_memory_deepspeed_failure_is_its_rows_error():
+    from trainwright.bench.memory import DEEPSPEED, _deepspeed_keys, _timed_systems
+
+    failed = {"layers": [3], "error": "RuntimeError: boom"}
+    assert _deepspeed_keys({}, failed) == {"deepspeed": "failed",
+                                           "deepspeed_error": "RuntimeError: boom"}
+    assert DEEPSPEED not in _timed_systems(MemoryBenchSpec(**MEMORY_TINY), 1, {"layers": [1]},
+                                           failed)
+    assert DEEPSPEED in _timed_systems(MemoryBenchSpec(**MEMORY_TINY), 1, {"layers": [1]},
+                                       {"layers": [3]})
 
 
 @pytest.mark.timeout(300)

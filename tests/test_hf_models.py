@@ -173,7 +173,13 @@ _MATRIX = {
                         "train.steps": 5}),
         # the tied head moves to stage 0, next to the embedding: the tie becomes local
         ("tied_sequential", {"parallel.pp": 2, "train.optimizer": '"adamw"',
-                             "train.lr": 0.01, "rebalance.to": "[5, 1]", **_MIGRATE})],
+                             "train.lr": 0.01, "rebalance.to": "[5, 1]", **_MIGRATE}),
+        # two chunks per rank, the head (layer 4) on model stage 2: with ZB-V's V placement
+        # that is rank 1 (the tie spans ranks), interleaved round-robin puts it on rank 0
+        ("tied_sequential", {"parallel.pp": 2, "train.schedule": '"zb-v"',
+                             "parallel.virtual_stages": 2, "parallel.partition": "[1, 2, 2, 1]"}),
+        ("tied_sequential", {"parallel.pp": 2, "train.schedule": '"interleaved-1f1b"',
+                             "parallel.virtual_stages": 2, "parallel.partition": "[1, 2, 2, 1]"})],
 }
 
 

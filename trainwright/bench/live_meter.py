@@ -22,7 +22,8 @@ environment picks its cut and wrapping (so the same factory serves spawned ranks
 ``trainwright run`` subprocesses):
 
 - ``TW_BENCH_SPLIT=1``: attention and MLP as separate layers (:mod:`~trainwright.model.gpt_split`);
-- ``TW_BENCH_CHECKPOINT=1,4,7``: wrap these layer indices in ``torch.utils.checkpoint``;
+- ``TW_BENCH_CHECKPOINT=1,4,7``: wrap these layer indices in ``torch.utils.checkpoint``
+  (``TW_BENCH_CHECKPOINT_IMPL=deepspeed``: in DeepSpeed's, :class:`DeepSpeedCheckpointed`);
 - ``TW_BENCH_METER=1``: wrap every layer in :class:`Metered`;
 - ``TW_BENCH_METER_DIR=DIR``: also write ``DIR/rank{RANK}.json`` whenever the peak rises;
 - ``TW_BENCH_METER_STEPS=N``: with :func:`bench_data` as ``data.factory``, meter steps 2
@@ -45,8 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "meter", "reset_meter", "bench_gpt",
-           "bench_data"]
+__all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "DeepSpeedCheckpointed", "meter",
+           "reset_meter", "bench_gpt", "bench_data"]
 
 
 class LiveStorageMeter:
@@ -190,6 +191,40 @@ class Checkpointed(nn.Module):
         return checkpoint(self.layer, x, use_reentrant=False)
 
 
+class DeepSpeedCheckpointed(nn.Module):
+    """A layer whose forward runs under ``deepspeed.checkpointing.checkpoint``.
+
+    That is DeepSpeed's activation checkpointing, the function ``PipelineModule`` applies
+    to each ``activation_checkpoint_interval`` group (reentrant: the inputs are saved, the
+    forward runs without grad and is recomputed in backward). It is configured once per
+    process with ``deepspeed.checkpointing.configure`` (no activation partitioning, no CPU
+    checkpointing: one stage per rank, no model parallelism to partition over), after
+    DeepSpeed's communication adopts the process group that is already initialised.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+        _configure_deepspeed_checkpointing()
+
+    def forward(self, x):
+        import deepspeed
+
+        return deepspeed.checkpointing.checkpoint(self.layer, x)
+
+
+def _configure_deepspeed_checkpointing() -> None:
+    from trainwright.bench import peers
+
+    peers.deepspeed_comm()
+    from deepspeed.runtime.activation_checkpointing import checkpointing
+
+    if not checkpointing.is_configured():
+        checkpointing.configure(None, partition_activations=False,
+                                contiguous_checkpointing=False, checkpoint_in_cpu=False,
+                                synchronize=False, profile=False)
+
+
 def _env_indices(name: str) -> set[int]:
     raw = os.environ.get(name, "").strip()
     return {int(x) for x in raw.split(",") if x.strip()} if raw else set()
@@ -217,11 +252,13 @@ def bench_gpt(cfg) -> list[nn.Module]:
         meter().active = False  # set-up (plan profiling) is not counted; see bench_data
         meter().metered_model = True
         _hook_optimizer_steps()  # middle stages read no data: switch on optimizer steps
+    wrap = (DeepSpeedCheckpointed if os.environ.get("TW_BENCH_CHECKPOINT_IMPL") == "deepspeed"
+            else Checkpointed)
     wrapped = []
     for i, layer in enumerate(layers):
         if metered:
             layer = Metered(layer)
-        wrapped.append(Checkpointed(layer) if i in ckpt else layer)
+        wrapped.append(wrap(layer) if i in ckpt else layer)
     return wrapped
 
 

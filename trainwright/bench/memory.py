@@ -22,11 +22,22 @@ Rows (same model, weights, batches and runtime):
   a user would try (:func:`checkpoint_candidates`), each metered; which one won is
   ``best_fitting_checkpoint``;
 - ``checkpoint_all``: every layer checkpointed;
-- DeepSpeed activation checkpointing: when DeepSpeed is installed (reported otherwise).
+- ``deepspeed_checkpoint``, where DeepSpeed imports: DeepSpeed's activation checkpointing,
+  ``deepspeed.checkpointing.checkpoint`` (set up with ``deepspeed.checkpointing.configure``:
+  no partitioning, no CPU checkpointing), on the winning rule's layers less the embedding
+  (:func:`deepspeed_layers`). That function is what a DeepSpeed pipeline user gets:
+  ``PipelineModule(activation_checkpoint_interval=k)`` calls it on every group of ``k``
+  layers (of the ``checkpointable_layers`` types), which can only express "every layer of
+  these types"; the fewest-layers choice a user would make needs the function itself, and
+  running it inside the same runtime keeps the meter and the rounds identical, so the row
+  differs from ``checkpoint_best`` only in whose checkpoint recomputes (DeepSpeed's is
+  reentrant and saves the layer's inputs). If it fails, its row holds the error and the
+  rounds are run again without it.
 
 Timing: ``repeats`` rounds, systems in ABBA order (:mod:`~trainwright.bench.paired`);
 the headline is the median over rounds of ``plan_no_swap / checkpoint_best`` measured in
-the same round.
+the same round; ``ratio_vs_deepspeed_checkpoint`` pairs ``plan_no_swap`` with
+``deepspeed_checkpoint`` the same way (``..._paired``, ``..._spread``).
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ from trainwright.config import Config, load_config
 __all__ = ["MemoryBenchSpec", "checkpoint_candidates", "run", "main"]
 
 FACTORY = 'model.factory="trainwright.bench.live_meter:bench_gpt"'
+DEEPSPEED = "deepspeed_checkpoint"
+"""The DeepSpeed activation checkpointing row (where DeepSpeed imports)."""
 
 
 @dataclass(kw_only=True)
@@ -134,7 +147,8 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
 
     Each run is ``(name, extra config overrides, checkpointed layer indices, steps)``; its
     model is wrapped in the live-storage meter, which counts the first ``spec.warmup``
-    steps only (the timed steps after them run unmetered).
+    steps only (the timed steps after them run unmetered). The run named
+    :data:`DEEPSPEED` checkpoints with DeepSpeed's function, the others with torch's.
     """
     import torch
     import torch.distributed as dist
@@ -150,7 +164,9 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
         for j, (name, extra, checkpointed, steps) in enumerate(runs):
             os.environ.update({"TW_BENCH_SPLIT": "1", "TW_BENCH_METER": "1",
                                "TW_BENCH_METER_STEPS": str(spec.warmup),
-                               "TW_BENCH_CHECKPOINT": ",".join(map(str, checkpointed))})
+                               "TW_BENCH_CHECKPOINT": ",".join(map(str, checkpointed)),
+                               "TW_BENCH_CHECKPOINT_IMPL":
+                                   "deepspeed" if name == DEEPSPEED else "torch"})
             m = reset_meter()
             run_dir = Path(out_path).parent / f"run{j}"
             cfg = _config(spec, run_dir, list(extra), steps)
@@ -210,33 +226,63 @@ def search_checkpoint(spec: MemoryBenchSpec, limit: int) -> dict:
     return {"rule": best["rule"], "layers": best["layers"], "tried": tried}
 
 
-def _timed_systems(spec: MemoryBenchSpec, limit: int, best: dict) -> dict:
+def deepspeed_layers(best: dict) -> list[int]:
+    """The layers the DeepSpeed row checkpoints: the winning torch rule's, less the
+    embedding (layer 0). DeepSpeed's checkpoint is reentrant: with integer token ids as its
+    only input nothing in it requires grad, so the embedding would get no gradient (the
+    reason DeepSpeed's ``PipelineModule`` lets a user restrict ``checkpointable_layers``)."""
+    return [i for i in best["layers"] if i != 0]
+
+
+def _timed_systems(spec: MemoryBenchSpec, limit: int, best: dict, ds: dict | None) -> dict:
     """name -> (config overrides, checkpointed layers) of every timed row."""
     lim = (f"memory.limit={limit}", "memory.planner=optimal")
-    return {"keep": ((), []),
-            "plan_no_swap": ((*lim, "memory.host_bandwidth=1000.0"), []),  # swap priced out
-            "plan_with_swap": (lim, []),
-            "checkpoint_best": ((), best["layers"]),
-            "checkpoint_all": ((), list(range(spec.n_layers)))}
+    out = {"keep": ((), []),
+           "plan_no_swap": ((*lim, "memory.host_bandwidth=1000.0"), []),  # swap priced out
+           "plan_with_swap": (lim, []),
+           "checkpoint_best": ((), best["layers"]),
+           "checkpoint_all": ((), list(range(spec.n_layers)))}
+    if ds and "error" not in ds:
+        out[DEEPSPEED] = ((), ds["layers"])
+    return out
 
 
-def run(spec: MemoryBenchSpec, repeats: int = 5, progress=None) -> dict:
-    """Measure every row; see the module docstring. ``progress``: callback(str)."""
+def _rounds(spec: MemoryBenchSpec, systems: dict, repeats: int) -> dict[str, list]:
+    """Every system ``repeats`` times in ABBA order, one process group: name -> runs."""
+    order = [(name, *systems[name], spec.steps)
+             for r in range(repeats) for name in round_order(list(systems), r)]
+    got = _spawn_runs(spec, order)
+    per: dict[str, list] = {n: [] for n in systems}
+    for (name, *_), g in zip(order, got, strict=True):
+        per[name].append(g)
+    return per
+
+
+def run(spec: MemoryBenchSpec, repeats: int = 5, progress=None,
+        deepspeed: bool | None = None) -> dict:
+    """Measure every row; see the module docstring. ``progress``: callback(str);
+    ``deepspeed``: run the DeepSpeed row (default: where DeepSpeed imports)."""
     say = progress or (lambda _: None)
     say("keep (metered): the limit")
     unconstrained = _peaks(_spawn_runs(spec, [("keep", (), [], spec.warmup)])[0])
     limit = int(spec.limit_fraction * max(unconstrained))
     say(f"checkpoint search: {len(checkpoint_candidates(spec))} rules, metered")
     best = search_checkpoint(spec, limit)
-    systems = _timed_systems(spec, limit, best)
-    order = [(name, *systems[name], spec.steps)
-             for r in range(repeats) for name in round_order(list(systems), r)]
+    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
+    ds = {"layers": deepspeed_layers(best)} if use_ds else None
+    systems = _timed_systems(spec, limit, best, ds)
     say(f"{repeats} rounds x {len(systems)} systems, ABBA order")
-    got = _spawn_runs(spec, order)
-    per: dict[str, list] = {n: [] for n in systems}
-    for (name, *_), g in zip(order, got, strict=True):
-        per[name].append(g)
-    return _result(spec, repeats, unconstrained, limit, best, systems, per)
+    try:
+        per = _rounds(spec, systems, repeats)
+    except Exception as exc:
+        if DEEPSPEED not in systems:
+            raise
+        # the peer's failure is its row's result: the rounds again without it
+        ds["error"] = f"{type(exc).__name__}: {exc}"[-800:]
+        systems = _timed_systems(spec, limit, best, ds)
+        say(f"deepspeed failed; {repeats} rounds x {len(systems)} systems, ABBA order")
+        per = _rounds(spec, systems, repeats)
+    return _result(spec, repeats, unconstrained, limit, best, systems, per, ds)
 
 
 def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
@@ -256,10 +302,27 @@ def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
     return row
 
 
-def _result(spec, repeats, unconstrained, limit, best, systems, per) -> dict:
+def _deepspeed_keys(times: dict, ds: dict | None) -> dict:
+    """The DeepSpeed row's comparison keys, or why there are none."""
+    if ds is None:
+        return {"deepspeed": "not run: DeepSpeed is not installed (or was switched off)"}
+    if "error" in ds:
+        return {"deepspeed": "failed", "deepspeed_error": ds["error"]}
+    pr = paired(times["plan_no_swap"], times[DEEPSPEED])
+    return {"deepspeed": "deepspeed.checkpointing.checkpoint on the winning rule's layers "
+                         "(embedding excepted), same runtime, meter and rounds",
+            "ratio_vs_deepspeed_checkpoint": pr["ratio"],
+            "ratio_vs_deepspeed_checkpoint_paired": pr["paired_ratios"],
+            "ratio_vs_deepspeed_checkpoint_spread": pr["ratio_spread"]}
+
+
+def _result(spec, repeats, unconstrained, limit, best, systems, per, ds=None) -> dict:
     rows = [_row(n, systems[n], per[n], limit, spec.warmup) for n in systems]
+    if ds and "error" in ds:
+        rows.append({"system": DEEPSPEED, "checkpointed_layers": ds["layers"],
+                     "error": ds["error"]})
     by = {r["system"]: r for r in rows}
-    times = {r["system"]: r["step_s_per_round"] for r in rows}
+    times = {r["system"]: r["step_s_per_round"] for r in rows if "error" not in r}
     head = paired(times["plan_no_swap"], times["checkpoint_best"])
     return {
         "benchmark": "memory",
@@ -276,8 +339,7 @@ def _result(spec, repeats, unconstrained, limit, best, systems, per) -> dict:
         "best_fitting_checkpoint": {"rule": best["rule"], "layers": best["layers"],
                                     "names": [spec.layer_names()[i] for i in best["layers"]]},
         "checkpoint_search": best["tried"],
-        "deepspeed": "not installed" if not peers.deepspeed_available() else
-                     "installed, not run: its PipelineModule cannot take this factory's layers",
+        **_deepspeed_keys(times, ds),
         "rows": rows,
         "all_planned_rows_fit": all(by[n]["fits"] for n in ("plan_no_swap", "plan_with_swap")),
         "ratio_vs_best_fitting_checkpoint": head["ratio"],

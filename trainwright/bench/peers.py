@@ -8,7 +8,9 @@ layers, same initial weights, same split, same micro-batches, same SGD, same dat
   ``PipelineStage``\\ s and ``Schedule1F1B`` (system ``"torch_pipelining_1f1b"``);
 - :func:`deepspeed_worker` -- DeepSpeed's ``PipelineModule`` / ``PipelineEngine``
   (system ``"deepspeed_pipeline"``, or ``"deepspeed_pipeline_ckpt"`` with activation
-  checkpointing of the transformer blocks). DeepSpeed is the optional extra ``bench``;
+  checkpointing of the transformer blocks); :func:`deepspeed_train` is its body for a
+  process group that already exists (``bench pipeline`` runs it in its own group, and
+  :func:`deepspeed_comm` hands that group to DeepSpeed). DeepSpeed is the optional extra ``bench``;
   this module imports without it and :func:`deepspeed_available` tells whether it is there.
 
 A worker runs in one spawned process per rank (see :func:`spawn_peer`) and writes one JSON
@@ -86,6 +88,9 @@ __all__ = [
     "chunk_split",
     "torch_system_name",
     "deepspeed_worker",
+    "deepspeed_train",
+    "deepspeed_comm",
+    "deepspeed_env",
     "deepspeed_available",
     "spawn_peer",
     "free_port",
@@ -401,103 +406,136 @@ def deepspeed_worker(
             instead of using ``spec.split``; the system is then
             ``"deepspeed_pipeline_<method>"``.
     """
+    torch.set_num_threads(spec.threads_per_rank)
+    _check_world(spec, world_size)
+    deepspeed_env(rank, world_size, master_port)
+    init_process_group(rank, world_size, master_port)
+    try:
+        result, stage_layers, start = deepspeed_train(
+            rank, world_size, spec, activation_checkpointing=activation_checkpointing,
+            partition_method=partition_method, meter=True)
+        _write_result(out_path, layers=stage_layers, start=start, **result)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def deepspeed_env(rank: int, world_size: int, master_port: int | None = None) -> None:
+    """Environment DeepSpeed reads on CPU: ``DS_ACCELERATOR=cpu`` (before the first
+    ``import deepspeed`` in the process) and the launcher's rank variables."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=_MASTER_ADDR)
+    if master_port is not None:
+        os.environ["MASTER_PORT"] = str(master_port)
+
+
+def deepspeed_comm() -> None:
+    """Hand DeepSpeed's communication layer the process group that is already initialised
+    (gloo), without JIT-compiling its shm op; idempotent."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    _skip_deepspeed_jit_ops()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+
+
+def deepspeed_train(rank: int, world_size: int, spec: PipelineBenchSpec, *,
+                    activation_checkpointing: bool = False,
+                    partition_method: str | None = None,
+                    meter: bool = False) -> tuple[dict, list[nn.Module], int]:
+    """The body of :func:`deepspeed_worker` in an initialised gloo process group.
+
+    ``meter``: wrap every step in a :class:`SavedTensorMeter` (``saved_peak_bytes``); it
+    slows the step, so timed comparisons leave it off.
+
+    Returns:
+        This rank's result (keyword arguments of the JSON result), its stage's layers and
+        the global index of the first of them.
+    """
     os.environ["DS_ACCELERATOR"] = "cpu"  # before the first deepspeed import in this process
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=_MASTER_ADDR,
-        MASTER_PORT=str(master_port),
-    )
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
     from trainwright.model.gpt import Block
 
-    torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)
-    _skip_deepspeed_jit_ops()
-    init_process_group(rank, world_size, master_port)
-    try:
-        deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
-        torch.set_num_threads(spec.threads_per_rank)  # in case DeepSpeed touched it
-
-        all_layers = spec.layers()  # every rank builds all: identical initial weights
-        parts = [sum(spec.split[:i]) for i in range(len(spec.split) + 1)]
-        n_mb = spec.micro_batches
-        module_cls = (PipelineModule if partition_method
-                      else _split_pipeline_module(PipelineModule, parts))
-        module = module_cls(
-            layers=all_layers,
-            num_stages=world_size,
-            loss_fn=_mean_loss,  # the engine divides by gradient_accumulation_steps
-            partition_method=partition_method or "uniform",  # else the subclass decides
-            activation_checkpoint_interval=1 if activation_checkpointing else 0,
-            checkpointable_layers=[Block.__name__] if activation_checkpointing else None,
+    deepspeed_comm()
+    torch.set_num_threads(spec.threads_per_rank)  # in case DeepSpeed touched it
+    all_layers = spec.layers()  # every rank builds all: identical initial weights
+    parts = [sum(spec.split[:i]) for i in range(len(spec.split) + 1)]
+    module_cls = (PipelineModule if partition_method
+                  else _split_pipeline_module(PipelineModule, parts))
+    module = module_cls(
+        layers=all_layers,
+        num_stages=world_size,
+        loss_fn=_mean_loss,  # the engine divides by gradient_accumulation_steps
+        partition_method=partition_method or "uniform",  # else the subclass decides
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,
+        checkpointable_layers=[Block.__name__] if activation_checkpointing else None,
+    )
+    if partition_method:
+        parts = [int(x) for x in module.parts]
+    start, stop = parts[rank], parts[rank + 1]
+    if (module._local_start, module._local_stop) != (start, stop):
+        raise RuntimeError(
+            f"DeepSpeed placed layers [{module._local_start}, {module._local_stop}) on "
+            f"rank {rank}, expected [{start}, {stop})"
         )
-        if partition_method:
-            parts = [int(x) for x in module.parts]
-        start, stop = parts[rank], parts[rank + 1]
-        if (module._local_start, module._local_stop) != (start, stop):
-            raise RuntimeError(
-                f"DeepSpeed placed layers [{module._local_start}, {module._local_stop}) on "
-                f"rank {rank}, expected [{start}, {stop})"
-            )
-        stage_layers = all_layers[start:stop]
-        del all_layers
+    stage_layers = all_layers[start:stop]
+    del all_layers
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=torch.optim.SGD(module.parameters(), lr=spec.lr),
+        config=_deepspeed_config(spec), dist_init_required=False)
+    step_times, losses, peak = _deepspeed_steps(engine, spec, rank == world_size - 1,
+                                                stage_layers if meter else None)
+    system = _system_name(deepspeed_worker, {
+        "activation_checkpointing": activation_checkpointing,
+        "partition_method": partition_method})
+    extra = {"activation_checkpointing": activation_checkpointing,
+             "partition": [b - a for a, b in zip(parts, parts[1:], strict=False)]}
+    if meter:
+        extra["saved_peak_bytes"] = peak
+    result = {"system": system, "rank": rank, "step_times": step_times,
+              "losses": losses if rank == world_size - 1 else None, "extra": extra}
+    return result, stage_layers, start
 
-        optimizer = torch.optim.SGD(module.parameters(), lr=spec.lr)
-        config = {
-            "train_batch_size": n_mb * spec.micro_batch_size,
-            "train_micro_batch_size_per_gpu": spec.micro_batch_size,
-            "gradient_accumulation_steps": n_mb,
-            "gradient_clipping": 0.0,
-            "fp16": {"enabled": False},
-            "bf16": {"enabled": False},
-            "zero_optimization": {"stage": 0},
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
-        engine, _, _, _ = deepspeed.initialize(
-            model=module, optimizer=optimizer, config=config, dist_init_required=False
-        )
-        data = spec.data()
 
-        is_last = rank == world_size - 1
-        step_times: list[float] = []
-        losses: list[float] = []
-        meter = SavedTensorMeter(exclude=stage_layers)
-        for step in range(spec.steps):
-            ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
-            micro = _micro_batch_iter(ids, targets, n_mb)
-            coll.barrier()
-            t0 = time.perf_counter()
-            with meter.measure():
-                loss = engine.train_batch(data_iter=micro)
-            step_times.append(time.perf_counter() - t0)
-            if is_last:
-                losses.append(float(loss.item()))
-            logger.debug("deepspeed rank %d step %d: %.3f s", rank, step, step_times[-1])
+def _deepspeed_config(spec: PipelineBenchSpec) -> dict:
+    """fp32, ZeRO off, ``micro_batches`` accumulation steps of ``micro_batch_size``."""
+    return {
+        "train_batch_size": spec.micro_batches * spec.micro_batch_size,
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+        "gradient_accumulation_steps": spec.micro_batches,
+        "gradient_clipping": 0.0,
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
 
-        system = _system_name(deepspeed_worker, {
-            "activation_checkpointing": activation_checkpointing,
-            "partition_method": partition_method})
-        _write_result(
-            out_path,
-            system=system,
-            rank=rank,
-            step_times=step_times,
-            losses=losses if is_last else None,
-            layers=stage_layers,
-            start=start,
-            extra={"activation_checkpointing": activation_checkpointing,
-                   "saved_peak_bytes": meter.peak_bytes,
-                   "partition": [b - a for a, b in zip(parts, parts[1:], strict=False)]},
-        )
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _deepspeed_steps(engine, spec: PipelineBenchSpec, is_last: bool,
+                     metered: list[nn.Module] | None) -> tuple[list, list, int | None]:
+    """``spec.steps`` ``train_batch`` calls, each timed from just after a barrier."""
+    import contextlib
+
+    data = spec.data()
+    step_times: list[float] = []
+    losses: list[float] = []
+    meter = SavedTensorMeter(exclude=metered) if metered is not None else None
+    for step in range(spec.steps):
+        ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
+        micro = _micro_batch_iter(ids, targets, spec.micro_batches)
+        coll.barrier()
+        t0 = time.perf_counter()
+        with meter.measure() if meter else contextlib.nullcontext():
+            loss = engine.train_batch(data_iter=micro)
+        step_times.append(time.perf_counter() - t0)
+        if is_last:
+            losses.append(float(loss.item()))
+    return step_times, losses, meter.peak_bytes if meter else None
 
 
 # --------------------------------------------------------------------------------------------

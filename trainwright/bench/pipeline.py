@@ -9,7 +9,14 @@ weights, at 8 and at 4 micro-batches:
 * torch pipelining: ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` (the
   multi-chunk ones cut each rank's layers in two chunks, see
-  :func:`~trainwright.bench.peers.chunk_split`).
+  :func:`~trainwright.bench.peers.chunk_split`);
+* DeepSpeed, where it imports: ``deepspeed_pipeline``, its ``PipelineModule`` on the same
+  layers and split with its ``PipelineEngine`` (``TrainSchedule``, a 1F1B), fp32, ZeRO off,
+  client SGD (:func:`~trainwright.bench.peers.deepspeed_train`). It joins the bench's own
+  gloo group (``deepspeed.init_distributed`` adopts an initialised ``torch.distributed``),
+  so it runs in the same rounds and processes as every other system, timed like torch's
+  rows. ``ratio_vs_deepspeed`` is our best schedule's samples/s over it, paired per round;
+  ``best_torch`` and ``ratio_vs_best_torch`` stay torch pipelining's.
 
 All runs happen in one pair of processes (one process group), round by round, the systems
 in alternating order (ABBA, :mod:`trainwright.bench.paired`), so a drifting machine hits
@@ -40,6 +47,7 @@ import torch.distributed as dist
 from trainwright.bench import peers
 from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.config import Config, load_config
 from trainwright.dist import collective as coll
 
@@ -49,6 +57,8 @@ log = logging.getLogger(__name__)
 
 OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
 BUSY = ("F", "B", "W")
+DEEPSPEED = "deepspeed_pipeline"
+"""DeepSpeed's pipeline engine, a system where DeepSpeed imports (:func:`systems`)."""
 
 
 def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") -> Config:
@@ -130,6 +140,8 @@ def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBen
                 if system.startswith("trainwright_"):
                     res = _ours(rank, sp, system.removeprefix("trainwright_"),
                                 Path(out_path).parent / f"run{i}")
+                elif system == DEEPSPEED:
+                    res = _deepspeed(rank, world_size, master_port, sp)
                 else:
                     res, _ = peers.torch_pipelining_train(rank, world_size, sp,
                                                           _torch_schedules()[system])
@@ -145,13 +157,22 @@ def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBen
         dist.destroy_process_group()
 
 
+def _deepspeed(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec) -> dict:
+    """DeepSpeed's ``PipelineEngine`` (``TrainSchedule``: 1F1B) in the bench's process group,
+    timed like torch's rows (barrier, then ``train_batch``, optimizer step included)."""
+    peers.deepspeed_env(rank, world_size, master_port)  # DeepSpeed reads the launcher's
+    got, _, _ = peers.deepspeed_train(rank, world_size, spec)
+    return {"step_times_s": got["step_times"], "losses": got["losses"]}
+
+
 def _torch_schedules() -> dict[str, str]:
     return {peers.torch_system_name(s): s for s in peers.TORCH_SCHEDULES}
 
 
 def systems() -> list[str]:
     """Every system the benchmark runs."""
-    return [f"trainwright_{s}" for s in OUR_SCHEDULES] + list(_torch_schedules())
+    return ([f"trainwright_{s}" for s in OUR_SCHEDULES] + list(_torch_schedules())
+            + ([DEEPSPEED] if peers.deepspeed_available() else []))
 
 
 def _step_series(runs_of_rank: list[list[dict]], i: int, warmup: int) -> list[float] | None:
@@ -206,7 +227,7 @@ def _trace_figures(rank0: list[dict], mine: list[int], series: list[list[float]]
 
 def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict:
     ours = {k: v for k, v in per_round.items() if k.startswith("trainwright_")}
-    theirs = {k: v for k, v in per_round.items() if not k.startswith("trainwright_")}
+    theirs = {k: v for k, v in per_round.items() if k.startswith("torch_pipelining_")}
     out = {"micro_batches": m, "rounds": len(rounds), "rows": list(rows.values()),
            "bubble_bound_1f1b": round((p - 1) / (m + p - 1), 4)}
     if not ours or not theirs:
@@ -218,6 +239,12 @@ def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict
     out.update(best_ours=best_ours, best_torch=best_torch, ratio_vs_best_torch=pr["ratio"],
                paired_ratios=pr["paired_ratios"], ratio_spread=pr["ratio_spread"],
                step_vs_compute_bound=rows[best_ours]["step_vs_compute_bound"])
+    if DEEPSPEED in per_round:  # samples/s ratio, paired per round like the headline
+        ds = paired(per_round[DEEPSPEED], ours[best_ours])
+        out.update(ratio_vs_deepspeed=ds["ratio"], ratio_vs_deepspeed_paired=ds["paired_ratios"],
+                   ratio_vs_deepspeed_spread=ds["ratio_spread"])
+    elif DEEPSPEED in rows:
+        out["deepspeed_error"] = rows[DEEPSPEED]["error"]
     one = rows.get("trainwright_1f1b", {})
     zb = {k: rows[k]["bubble_fraction"] / one["bubble_fraction"]
           for k in ("trainwright_zb-h1", "trainwright_zb-h2")
@@ -250,7 +277,8 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     by_m = {str(m): summarise(runs_of_rank, spec, m) for m in micro_batches}
     keys = ("ratio_vs_best_torch", "step_vs_compute_bound", "zb_bubble_vs_1f1b",
             "bubble_fraction", "idle_s_per_rank", "paired_ratios", "ratio_spread",
-            "best_ours", "best_torch")
+            "best_ours", "best_torch", "ratio_vs_deepspeed", "ratio_vs_deepspeed_spread",
+            "deepspeed_error")
     result = {
         "benchmark": "pipeline",
         "question": "samples/s of our best schedule vs torch pipelining's best schedule on "
@@ -272,7 +300,6 @@ def main(args: argparse.Namespace) -> dict:
     spec = PipelineBenchSpec(steps=16)
     if args.steps:
         spec.steps = args.steps
-    for item in getattr(args, "spec", None) or []:
-        key, _, value = item.partition("=")
-        setattr(spec, key, type(getattr(spec, key))(value))
+    spec = dataclasses.replace(spec, **spec_overrides("pipeline", spec,
+                                                      getattr(args, "spec", None)))
     return run(spec, repeats=args.repeats)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, emulated, run_ranks
+from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
@@ -372,24 +373,6 @@ def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
     return result
 
 
-def _spec_overrides(items: list[str] | None) -> dict:
-    """``--spec rows=125000``: integer or float fields of :class:`SparseBenchSpec`."""
-    fields = {k: type(v) for k, v in asdict(SparseBenchSpec()).items()
-              if type(v) in (int, float)}
-    out = {}
-    for item in items or []:
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise ConfigError(f"bench sparse: --spec {item!r}: unknown key {key!r}; "
-                              f"choose one of {sorted(fields)}")
-        try:
-            out[key] = fields[key](value)
-        except ValueError:
-            kind = "an integer" if fields[key] is int else "a number"
-            raise ConfigError(f"bench sparse: --spec {item!r}: {key} must be {kind}") from None
-    return out
-
-
 def main(args) -> dict:
     """CLI entry: ``trainwright bench sparse [--repeats N] [--steps N] [--link RATE]
     [--spec rows=N ...]``."""
@@ -400,7 +383,8 @@ def main(args) -> dict:
     return run(SparseBenchSpec(**{"repeats": repeats, "steps": steps,
                                   "link_rate": link or "1gbit",
                                   "network": "netns" if link else "loopback",
-                                  **_spec_overrides(getattr(args, "spec", None))}))
+                                  **spec_overrides("sparse", default,
+                                                    getattr(args, "spec", None))}))
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ class TiedGradSync(GradSync):
     """
 
     def __init__(self, inner: GradSync, ties: list[Tie], topo: Topology, stage,
-                 counts: list[int]):
+                 counts: list[int], stage_ranks: list[int] | None = None):
         self.inner, self.ties, self.topo, self.stage = inner, ties, topo, stage
+        self.stage_ranks = stage_ranks  # model stage -> pipeline rank (None: the identity)
         self._groups: dict[tuple[int, ...], object] = {}
         self._mine: list[tuple[int, ...]] = []
         self.set_partition(counts)
@@ -131,13 +132,16 @@ class TiedGradSync(GradSync):
         mine = []
         for tie in self.ties:
             for d in range(self.topo.dp):
-                ranks = tuple(sorted({self.topo.rank_of(stage_of[i] % self.topo.pp, d)
-                                      for i in tie.layers}))  # interleaved: chunk -> rank
+                ranks = tuple(sorted({self.topo.rank_of(self._rank_of(stage_of[i]), d)
+                                      for i in tie.layers}))
                 if len(ranks) > 1 and ranks not in self._groups:
                     self._groups[ranks] = dist.new_group(list(ranks))
                 if d == self.topo.replica:
                     mine.append(ranks)
         self._mine = mine
+
+    def _rank_of(self, stage: int) -> int:
+        return stage if self.stage_ranks is None else self.stage_ranks[stage]
 
     def sync(self, params: list) -> None:
         """Average over replicas (the inner exchange), then sum every tie's copies."""
@@ -191,11 +195,12 @@ class TiedGradSync(GradSync):
 
 
 def wrap_tied(inner: GradSync, ties: list[Tie], topo: Topology, stage,
-              counts: list[int]) -> GradSync:
-    """``inner`` wrapped in :class:`TiedGradSync` when ties can span stages, else itself."""
+              counts: list[int], stage_ranks: list[int] | None = None) -> GradSync:
+    """``inner`` wrapped in :class:`TiedGradSync` when ties can span stages, else itself
+    (``stage_ranks``: the pipeline rank of every model stage, for several stages per rank)."""
     if not ties or topo.pp == 1:
         return inner
-    return TiedGradSync(inner, ties, topo, stage, counts)
+    return TiedGradSync(inner, ties, topo, stage, counts, stage_ranks)
 
 
 def expect_partition(sync: GradSync, counts: list[int]) -> None:

@@ -244,7 +244,7 @@ class Trainer:
         which layers this stage holds, and the optimizer step around it (loss-scale check,
         clipping, learning rate)."""
         self.sync = wrap_tied(grad_sync or make_grad_sync(self.cfg, self.topo), self.ties,
-                              self.topo, self.stage, self.parts)
+                              self.topo, self.stage, self.parts, self.stage_ranks)
         self.sync.attach([slot.module for slot in self.stage.slots])
         self.update = make_update_step(self.cfg, self.sync, self.stage, self.topo, self.start,
                                        self.device)
