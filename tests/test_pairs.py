@@ -158,6 +158,26 @@ def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
 
 
+@pytest.mark.timeout(120)
+def test_ring_trains_a_tied_model_like_the_reference(tmp_path):
+    """Tied weights x T: every ring node holds the whole model, so the shared weight is one
+    parameter, stepped once; the ring equals the single-process reference. A node that
+    fails names its error (the launcher used to report only an exit code)."""
+    from tests.test_tokenring import ring_cfg, run_ring
+    from trainwright.run.reference import train_reference
+
+    tied = {"tokenring.nodes": 2, "train.steps": 3, "model.name": '"gpt"', "model.d_model": 16,
+            "data.name": '"synthetic"', **TIED}
+    result = run_ring(ring_cfg(tmp_path / "ok", **tied))
+    assert result.ok, result.message()
+    model, _ = train_reference(ring_cfg(tmp_path / "ok", **tied))
+    torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
+    # the same model on the MLP's float vectors: the embedding refuses them, and says so
+    bad = run_ring(ring_cfg(tmp_path / "bad", **{**tied, "model.name": '"mlp"'}))
+    assert not bad.ok and "RuntimeError: Expected tensor for argument" in bad.message(), \
+        bad.message()
+
+
 def _torchrun(*args: str) -> Path:
     """``torchrun --nproc-per-node 4 -m trainwright.cli run ARGS``; the run directory."""
     import subprocess
@@ -201,6 +221,22 @@ def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
     assert [r["step"] for r in _steps(edited)] == [1, 2, 3, 4]
     moves = [json.loads(x) for x in (many / "metrics.jsonl").read_text().splitlines()]
     assert [r["new"] for r in moves if r["kind"] == "repartition"] == [[1, 3]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_interleaved_pairs_equal_the_reference(tiny, tmp_path):
+    """IL x Sp, IL x H (pp = 2 x dp = 2, two chunks per rank) and IL x Tr (ZB-V with
+    hierarchical sync under ``torchrun --nproc-per-node 4``), each equal to the reference."""
+    il = {"train.schedule": '"interleaved-1f1b"', "parallel.virtual_stages": 2}
+    zbv = {"train.schedule": '"zb-v"', "parallel.virtual_stages": 2}
+    runs = {"interleaved sparse": tiny(**BASE, **SPARSE, **il),
+            "zb-v hierarchical": tiny(**BASE, **HIER, **zbv)}
+    dirs = {k: create_run_dir(c) for k, c in runs.items()}
+    _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()], 600)
+    _check_all(runs, dirs)
+    _check_runs(_torchrun(*_sets(tmp_path, **HIER, **zbv)),
+                _torchrun(*_sets(tmp_path, **SPARSE, **il)))
 
 
 def _check_runs(*run_dirs: Path) -> None:

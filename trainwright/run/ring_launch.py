@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def _fork_node(run_dir: str, endpoint: str, index: str, role: str, resume: bool)
         code = 1
         try:
             code = node_main([run_dir, index, endpoint, role] + (["--resume"] if resume else []))
+        except BaseException:  # os._exit below would swallow the traceback
+            traceback.print_exc()
         finally:
             sys.stderr.flush()
             os._exit(code)

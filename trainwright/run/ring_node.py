@@ -252,6 +252,10 @@ class RingNode:
             log.error("node %d: %s", self.index, exc)
             self.write_stats("error", str(exc))
             return EXIT_NODE_ERROR
+        except Exception as exc:  # a bug or bad input: say what, so the launcher can tell
+            log.exception("node %d failed", self.index)
+            self.write_stats("error", f"{type(exc).__name__}: {str(exc)[:300]}")
+            return EXIT_NODE_ERROR
         finally:
             if ring is not None:
                 ring.stop()
