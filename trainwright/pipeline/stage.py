@@ -177,7 +177,6 @@ class Stage:
         """
         x = as_tuple(inputs)
         last = len(self.slots) - 1
-        self.store.follow_params([slot.module for slot in self.slots])
         for run in self._runs():
             i = run[0]
             inp = _detach(x, grad=not (self.is_first and i == 0))

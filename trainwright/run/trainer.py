@@ -376,6 +376,8 @@ class Trainer:
         migration = self._migration_for(step)
         x, y = self._batch(step)
         self.stage.fast = self._fast_step(step, migration)
+        # a gradient sync may have moved the weights (hierarchical: into its flat buffer)
+        self.store.follow_params([slot.module for slot in self.stage.slots])
         m, first = self.cfg.train.micro_batches, self.topo.stage == 0
         stats = self.runtime.run_step(
             step, split_microbatches(x, m) if first else None,
