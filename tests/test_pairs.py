@@ -226,12 +226,14 @@ def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_interleaved_pairs_equal_the_reference(tiny, tmp_path):
-    """IL x Sp, IL x H (pp = 2 x dp = 2, two chunks per rank) and IL x Tr (ZB-V with
-    hierarchical sync under ``torchrun --nproc-per-node 4``), each equal to the reference."""
+    """IL x Sp, IL x H (pp = 2 x dp = 2, two chunks per rank; with clipping and a cosine lr,
+    and with bf16) and IL x Tr (ZB-V with hierarchical sync, interleaved 1F1B with sparse
+    sync, under ``torchrun --nproc-per-node 4``), each equal to the reference."""
     il = {"train.schedule": '"interleaved-1f1b"', "parallel.virtual_stages": 2}
     zbv = {"train.schedule": '"zb-v"', "parallel.virtual_stages": 2}
-    runs = {"interleaved sparse": tiny(**BASE, **SPARSE, **il),
-            "zb-v hierarchical": tiny(**BASE, **HIER, **zbv)}
+    clip_cosine = {k: v for k, v in OPTIONS.items() if k != "eval.every"}  # eval: refused
+    runs = {"interleaved sparse clip cosine": tiny(**BASE, **SPARSE, **il, **clip_cosine),
+            "zb-v hierarchical bf16": tiny(**BASE, **HIER, **zbv, **BF16)}
     dirs = {k: create_run_dir(c) for k, c in runs.items()}
     _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()], 600)
     _check_all(runs, dirs)
