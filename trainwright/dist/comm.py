@@ -76,6 +76,10 @@ def unpack_header(h: torch.Tensor) -> tuple[int, int, list[tuple | None]]:
     return vals[1], vals[2], metas
 
 
+_CLOSED = ("Connection closed by peer", "Connection reset by peer")
+"""gloo's words for a peer whose process has gone (its sockets closed)."""
+
+
 class P2P:
     """Send and receive tensor lists between pipeline neighbours.
 
@@ -157,6 +161,12 @@ class P2P:
             lost = self.on_failure(exc)
             if lost is not None:
                 raise lost from exc
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            if peer is not None and any(m in first for m in _CLOSED):
+                # the heartbeat watchdog gave no verdict in time, but the peer's own socket
+                # closed: that process is gone
+                raise PeerLost(peer, f"its connection to {self.describe(self.rank)} closed "
+                                     f"({first[:160]})") from exc
             who = self.describe(peer) if peer is not None else "a neighbour"
             raise CommError(f"{self.describe(self.rank)}: {what} with {who} failed: "
                             f"{str(exc).splitlines()[0][:300]}") from exc
