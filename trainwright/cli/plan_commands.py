@@ -74,24 +74,12 @@ def _pp_options(args, n_devices: int, n_layers: int, node: int) -> list[int]:
     return out[-4:] or [1]
 
 
-PEER_SWAP_SCHEDULES = ("1f1b", "gpipe")
-"""Schedules the run-time peer swap works with (zero-bubble ones are planned without it)."""
-
-
-def _depths_and_schedules(args, n_devices: int, n_layers: int, node: int) -> list[tuple]:
-    """Every ``(pp, schedule)`` to plan: ``--schedule auto`` tries each schedule, and the
-    simulator's predicted step time picks."""
-    from trainwright.schedule.actions import SCHEDULES
-
-    schedules = list(SCHEDULES) if args.schedule == "auto" else [args.schedule]
-    return [(pp, s) for pp in _pp_options(args, n_devices, n_layers, node) for s in schedules]
-
-
 def cmd_plan(args: argparse.Namespace) -> dict:
     """``trainwright plan``: the plan as data (also written to ``args.json`` when given)."""
     from trainwright.observe.telemetry import atomic_write_text
+    from trainwright.plan.choose import best_plan, schedule_candidates
     from trainwright.plan.placement import Rules
-    from trainwright.plan.planner import PlanRequest, make_plan
+    from trainwright.plan.planner import PlanRequest
 
     if args.model not in PRESET_MODELS:
         raise ConfigError(f"--model {args.model!r}: choose one of {sorted(PRESET_MODELS)}")
@@ -105,28 +93,29 @@ def cmd_plan(args: argparse.Namespace) -> dict:
     t_prof = time.perf_counter() - t0
     best = None
     tried = []
-    for pp, schedule in _depths_and_schedules(args, n_dev, len(layers), topo.node_size):
+    for pp in _pp_options(args, n_dev, len(layers), topo.node_size):
         dp = n_dev // pp
         if args.global_batch % (dp * args.micro_batch_size):
             continue
         m = args.global_batch // dp // args.micro_batch_size
         grad = sum(x.param_bytes for x in layers) / pp
         sync = 2 * (dp - 1) / dp * grad / (topo.inter_node_bandwidth or 1e10) if dp > 1 else 0.0
-        req = PlanRequest(layers, schedule, pp, m, topo,
+        if args.schedule == "auto":
+            pairs, skipped = schedule_candidates(pp, m, len(layers))
+            tried += skipped
+        else:
+            multi = args.schedule in ("interleaved-1f1b", "zb-v")
+            pairs = [(args.schedule, args.virtual_stages or (2 if multi else 1))]
+        req = PlanRequest(layers, args.schedule, pp, m, topo,
                           budget=_bytes(args.budget) if args.budget else None,
                           state_factor=args.state_factor, reserve=_bytes(args.reserve),
-                          rules=Rules(),
-                          peer_swap=not args.no_peer_swap and schedule in PEER_SWAP_SCHEDULES,
+                          rules=Rules(), peer_swap=not args.no_peer_swap,
                           latency_s=args.latency_us * 1e-6, sync_s=sync)
-        try:
-            plan = make_plan(req)
-        except Exception as exc:  # a depth that cannot work is reported, not fatal
-            tried.append({"pp": pp, "schedule": schedule, "error": str(exc)[:200]})
+        plan, rows = best_plan(req, pairs)
+        tried += [{**r, "dp": dp} for r in rows]
+        if plan is None:
             continue
-        fits = all(plan.placement.stages[s].fits for s in range(pp))
-        tried.append({"pp": pp, "dp": dp, "schedule": schedule, "micro_batches": m,
-                      "fits": fits, "step_s": plan.sim.step_s})
-        key = (not fits, plan.sim.step_s)
+        key = (not all(sp.fits for sp in plan.placement.stages), plan.sim.step_s)
         if best is None or key < best[0]:
             best = (key, plan, pp, dp)
     if best is None:
@@ -151,15 +140,23 @@ def _fmt(n: float) -> str:
 
 def format_plan(out: dict) -> str:
     """The plan as the table ``trainwright plan`` prints."""
+    v = out.get("virtual_stages", 1)
+    ranks = out.get("stage_ranks") or list(range(out["pp"]))
+    chunks = f" x {v} chunks per rank" if v > 1 else ""
     lines = [f"model {out['model']} on {out['devices']} devices ({out['topology']}): "
-             f"pp={out['pp']} x dp={out['dp']}, {out['schedule']}, {out['micro_batches']} "
-             f"micro-batches; planned in {out['plan_s']:.2f} s",
+             f"pp={out['pp']} x dp={out['dp']}{chunks}, {out['schedule']}, "
+             f"{out['micro_batches']} micro-batches; planned in {out['plan_s']:.2f} s",
              f"predicted step {out['predicted']['step_s']:.3f} s "
              f"(all keep {out['all_keep']['step_s']:.3f} s)",
+             "run it with: " + " ".join(
+                 f"--set '{k}={json.dumps(x, separators=(',', ':'))}'"
+                 for k, x in out["config"].items()),
              "stage  layers      device  budget       peak         fits  policies"]
-    for s, layers in enumerate(out["partition"]):
+    for s in range(out["pp"]):
+        spans = ",".join(f"{layers[0]}-{layers[-1]}" for k, layers in enumerate(out["partition"])
+                         if ranks[k] == s)
         b = out["budgets"][s]
-        lines.append(f"{s:<6} {layers[0]:>3}-{layers[-1]:<6} {out['mapping'][s]:<7} "
+        lines.append(f"{s:<6} {spans:<11} {out['mapping'][s]:<7} "
                      f"{_fmt(b) if b is not None else '-':<12} "
                      f"{_fmt(out['predicted']['peak_bytes'][s]):<12} {str(out['fits'][s]):<5} "
                      f"{out['policy_counts'][s]}")
@@ -180,7 +177,8 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
             c.peer_bytes = {int(k): v for k, v in c.peer_bytes.items()}
         peers = {int(k): v for k, v in plan["peers"].items()}
         sched = with_peer_swap(build_schedule(plan["schedule"], plan["pp"],
-                                              plan["micro_batches"]), peers)
+                                              plan["micro_batches"],
+                                              plan.get("virtual_stages", 1)), peers)
     except FileNotFoundError:
         raise ConfigError(f"no plan file {path}; write one with `trainwright plan --json`") \
             from None
@@ -248,9 +246,13 @@ def add_parsers(sub, on_plan, on_simulate) -> None:
                    "between nodes")
     p.add_argument("--pp", default="auto", help="pipeline stages, or 'auto'")
     p.add_argument("--schedule", default="1f1b",
-                   choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "auto"],
-                   help="pipeline schedule, or 'auto': the one of least predicted step time "
-                        "(zero-bubble schedules are planned without peer swap)")
+                   choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v",
+                            "auto"],
+                   help="pipeline schedule, or 'auto': the one of least predicted step time, "
+                        "interleaved 1F1B (2..4 chunks per rank) and ZB-V included (all but "
+                        "1f1b and gpipe are planned without peer swap)")
+    p.add_argument("--virtual-stages", type=int, default=None,
+                   help="model chunks per rank for interleaved-1f1b (default 2; zb-v: 2)")
     p.add_argument("--global-batch", type=int, default=64, help="sequences per step")
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--budget", default="", help="activation bytes per device (default: memory "

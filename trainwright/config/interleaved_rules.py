@@ -32,11 +32,8 @@ def check_virtual_stages(cfg) -> None:
     if sch == "interleaved-1f1b" and m % p:
         raise ConfigError(f"train.schedule = \"{sch}\" needs train.micro_batches to be a "
                           f"multiple of parallel.pp = {p}, got {m}")
-    # peer swap and live migration are refused for every schedule but 1F1B / GPipe (core)
-    if not cfg.memory.peer_swap and any(x is not None for x in cfg.stage_limits()):
-        raise ConfigError(f"memory.limit planning works with train.schedule = \"1f1b\", "
-                          f"\"gpipe\", \"zb-h1\" or \"zb-h2\", not {sch!r} (several chunks "
-                          f"per rank); remove memory.limit, or fix memory.policies instead")
+    # peer swap and live migration are refused for every schedule but 1F1B / GPipe (core);
+    # memory.limit planning works (one limit per rank, over all its chunks)
     if cfg.eval.every:
         raise ConfigError(f"eval.every works with one stage per rank, not train.schedule = "
                           f"{sch!r}; set eval.every = 0 (evaluate the exported model instead)")

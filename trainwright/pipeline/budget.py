@@ -22,6 +22,7 @@ from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.memory import (
     POLICIES,
+    ChunkInFlight,
     InFlight,
     LayerMem,
     MemoryPlan,
@@ -30,10 +31,11 @@ from trainwright.plan.memory import (
     plan_stage,
     required_bytes,
 )
-from trainwright.schedule.actions import build_schedule, max_in_flight, max_waiting_w
+from trainwright.schedule.actions import build_schedule, max_in_flight, max_waiting_w, stage_ranks
+from trainwright.schedule.occupancy import chunk_states
 
 __all__ = ["MemoryBudget", "profile_model", "measure_host_bandwidth", "layer_mems",
-           "check_limits", "stage_in_flight", "resolve_limit"]
+           "check_limits", "stage_in_flight", "resolve_limit", "rank_chunks", "chunked_layer_mems"]
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,32 @@ def profile_model(cfg: Config, named: list) -> list[LayerCost]:
 
 def stage_in_flight(cfg: Config) -> list[int]:
     """Micro-batches each stage holds at most under the configured schedule (zero bubble: up
-    to their ``W``, with how many wait between ``B`` and ``W``: :class:`InFlight`)."""
+    to their ``W``, with how many wait between ``B`` and ``W``: :class:`InFlight`); with
+    several chunks per rank, each chunk's own counts at every peak (:class:`ChunkInFlight`)."""
     sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches,
                            cfg.parallel.virtual_stages)  # interleaved: per rank, all chunks
+    if cfg.parallel.virtual_stages > 1:
+        return [ChunkInFlight(chunk_states(actions)) for actions in sched]
     return [InFlight(max_in_flight(actions), max_waiting_w(actions)) for actions in sched]
+
+
+def rank_chunks(cfg: Config, parts: list[int]) -> list[dict[int, list[int]]]:
+    """Per pipeline rank: model stage (chunk) -> its layer indices, by the schedule's
+    placement (:func:`~trainwright.schedule.actions.stage_ranks`)."""
+    ranks = stage_ranks(cfg.train.schedule, cfg.parallel.pp, cfg.parallel.virtual_stages)
+    out: list[dict[int, list[int]]] = [{} for _ in range(cfg.parallel.pp)]
+    for k, r in enumerate(ranks):
+        first = sum(parts[:k])
+        out[r][k] = list(range(first, first + parts[k]))
+    return out
+
+
+def chunked_layer_mems(costs: list[LayerCost], chunks: dict[int, list[int]]) -> list[LayerMem]:
+    """:func:`layer_mems` of each chunk (its last output held until its backward), every
+    row tagged with its chunk, in chunk order."""
+    by_layer = {c.layer: c for c in costs}
+    return [x for k in sorted(chunks)
+            for x in layer_mems([by_layer[i] for i in chunks[k] if i in by_layer], chunk=k)]
 
 
 def resolve_limit(limit: int | str | None, cfg: Config, device: torch.device) -> int | None:
@@ -113,11 +137,10 @@ def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
     if not any(isinstance(v, int) for v in limits):
         return None
     costs = profile_model(cfg, named)
-    parts = cfg.partition(len(named))
+    chunks = rank_chunks(cfg, cfg.partition(len(named)))
     need, short = [], False
     for s, (limit, flight) in enumerate(zip(limits, stage_in_flight(cfg), strict=True)):
-        mine = costs[sum(parts[:s]) : sum(parts[: s + 1])]
-        least = min_feasible_bytes(layer_mems(mine), flight)
+        least = min_feasible_bytes(chunked_layer_mems(costs, chunks[s]), flight)
         need.append(least)
         short |= isinstance(limit, int) and limit < least
     if short:
@@ -130,19 +153,19 @@ def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
     return costs
 
 
-def layer_mems(costs: list[LayerCost]) -> list[LayerMem]:
-    """Planner input for one stage's layers (in order).
+def layer_mems(costs: list[LayerCost], chunk: int = 0) -> list[LayerMem]:
+    """Planner input for one stage's (or chunk's) layers (in order).
 
     The stage's last output is held until its backward (it is sent on, or it is the loss),
     so its bytes are added to the last layer's always-resident input bytes.
     """
-    mems = [LayerMem(c.layer, c.saved_bytes, c.input_bytes, c.forward_s, c.backward_s)
+    mems = [LayerMem(c.layer, c.saved_bytes, c.input_bytes, c.forward_s, c.backward_s, chunk)
             for c in costs]
     if mems:
         last = mems[-1]
         mems[-1] = LayerMem(last.layer, last.saved_bytes,
                             last.input_bytes + costs[-1].output_bytes, last.forward_s,
-                            last.backward_s)
+                            last.backward_s, chunk)
     return mems
 
 
@@ -156,13 +179,16 @@ class MemoryBudget:
         planner: ``"greedy"`` or ``"optimal"``.
         host_bandwidth: device-to-host bytes/s.
         fixed: policies forced by the configuration (no planning), or None.
+        chunks: with several chunks per rank, chunk -> its layer indices (``in_flight`` is
+            then a :class:`~trainwright.plan.memory.ChunkInFlight`); None: one stage.
     """
 
     def __init__(self, stage: Stage, in_flight: int, limit: int | None, planner: str,
-                 host_bandwidth: float, fixed: dict[int, str] | None = None):
+                 host_bandwidth: float, fixed: dict[int, str] | None = None,
+                 chunks: dict[int, list[int]] | None = None):
         self.stage, self.in_flight, self.limit = stage, in_flight, limit
         self.planner, self.host_bandwidth = planner, host_bandwidth
-        self.fixed = fixed
+        self.fixed, self.chunks = fixed, chunks
         self.plan: MemoryPlan | None = None
         if fixed is not None:
             stage.store.set_policies({s.index: fixed[s.index] for s in stage.slots})
@@ -181,8 +207,7 @@ class MemoryBudget:
         """
         if self.fixed is not None or self.limit is None:
             return None  # policies are fixed, or there is nothing to fit under
-        mine = {s.index for s in self.stage.slots}
-        mems = layer_mems([c for c in (costs or self.stage.profiler.table()) if c.layer in mine])
+        mems = self._mems(costs or self.stage.profiler.table())
         current = {s.index: self.stage.store.policy(s.index) for s in self.stage.slots}
         if only_if_over and required_bytes(mems, current, self.in_flight) < self.limit:
             return None
@@ -202,6 +227,13 @@ class MemoryBudget:
                  1e3 * plan.added_time_s)
         return plan
 
+    def _mems(self, costs: list[LayerCost]) -> list[LayerMem]:
+        """Planner rows of this stage's layers (per chunk with several chunks per rank)."""
+        if self.chunks is not None:
+            return chunked_layer_mems(costs, self.chunks)
+        mine = {s.index for s in self.stage.slots}
+        return layer_mems([c for c in costs if c.layer in mine])
+
     def on_layers_changed(self) -> MemoryPlan | None:
         """Re-planning hook: the stage gained or lost layers (rebalancing)."""
         return self.replan(why="after a change of layers")
@@ -210,6 +242,4 @@ class MemoryBudget:
         """The current plan per layer, for the metrics and the report."""
         if self.plan is None:
             return []
-        costs = [c for c in self.stage.profiler.table()
-                 if c.layer in {s.index for s in self.stage.slots}]
-        return self.plan.to_rows(layer_mems(costs), self.host_bandwidth)
+        return self.plan.to_rows(self._mems(self.stage.profiler.table()), self.host_bandwidth)

@@ -114,6 +114,9 @@ class ActivationStore:
         self.peak_host_bytes = 0
         self.peer = None
         """Seed 004 peer swap (:class:`~trainwright.pipeline.peerswap.PeerSwap`), or None."""
+        self.chunk_of: dict[int, int] = {}
+        """Layer -> model chunk, with several chunks per rank: the micro-batch peak then
+        counts ``(chunk, micro-batch)`` pairs, each a chunk's own activations."""
 
     def policy(self, layer: int) -> str:
         """The storage policy of ``layer`` (default ``keep``)."""
@@ -197,7 +200,7 @@ class ActivationStore:
         self.host_bytes += sum(s.nbytes for s in seg.swapped)
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self.peak_microbatches = max(self.peak_microbatches, len(self.microbatches()))
+        self.peak_microbatches = max(self.peak_microbatches, self.held_units())
 
     def pop(self, layer: int, mb: int) -> Segment:
         """Release and return the segment of ``layer`` on micro-batch ``mb``."""
@@ -248,6 +251,13 @@ class ActivationStore:
         """Micro-batches with at least one segment held."""
         return {mb for _, mb in self._segments}
 
+    def held_units(self) -> int:
+        """Micro-batches held, counted per chunk when :attr:`chunk_of` is set (a micro-batch
+        held by two chunks of this rank counts twice: each holds its own activations)."""
+        if not self.chunk_of:
+            return len(self.microbatches())
+        return len({(self.chunk_of.get(layer, -1), mb) for layer, mb in self._segments})
+
     def held(self) -> list[tuple[int, int]]:
         """``(layer, mb)`` of every held segment."""
         return list(self._segments)
@@ -256,4 +266,4 @@ class ActivationStore:
         """Start a new accounting window (each step)."""
         self.peak_bytes = self.bytes
         self.peak_host_bytes = self.host_bytes
-        self.peak_microbatches = len(self.microbatches())
+        self.peak_microbatches = self.held_units()

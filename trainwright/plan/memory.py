@@ -33,7 +33,8 @@ import numpy as np
 from trainwright.errors import PlanError
 
 __all__ = [
-    "POLICIES", "InFlight", "LayerMem", "MemoryPlan", "in_flight", "required_bytes", "added_time",
+    "POLICIES", "InFlight", "ChunkInFlight", "LayerMem", "MemoryPlan", "in_flight", "held_peak",
+    "required_bytes", "added_time",
     "needs_optimising", "min_feasible_bytes", "greedy_plan", "optimal_plan", "plan_stage",
     "format_bytes",
 ]
@@ -53,6 +54,9 @@ class LayerMem:
     input_bytes: int
     forward_s: float
     backward_s: float
+    chunk: int = 0
+    """The model chunk (virtual stage) holding the layer; matters only with a
+    :class:`ChunkInFlight` (several chunks per rank)."""
 
 
 @dataclass
@@ -156,6 +160,56 @@ def _w_wait(in_flight: int) -> int:
     return getattr(in_flight, "w_wait", 0)
 
 
+class ChunkInFlight(int):
+    """In-flight counts of a rank that runs several model chunks (interleaved 1F1B, ZB-V).
+
+    Each chunk's layers hold activations for that chunk's micro-batches only. ``states``
+    lists every maximal moment of the step as ``{chunk: (held, waiting_w)}``
+    (:func:`trainwright.schedule.occupancy.chunk_states`): ``held`` micro-batches of the
+    chunk forwarded and not released, ``waiting_w`` of them between ``B`` and ``W`` (their
+    swapped and recomputed tensors back on the device). The required bytes are the
+    largest over the states of ``sum(held * held bytes + waiting_w * brought-back bytes)``
+    over the layers, each weighted by its own chunk's counts (:attr:`LayerMem.chunk`).
+    The int value is the most ``(chunk, micro-batch)`` pairs held at once."""
+
+    states: tuple = ()
+
+    def __new__(cls, states: list[dict[int, tuple[int, int]]]) -> ChunkInFlight:
+        if not states:
+            raise ValueError("ChunkInFlight needs at least one state")
+        obj = int.__new__(cls, max(sum(h for h, _ in st.values()) for st in states))
+        obj.states = tuple(dict(st) for st in states)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"ChunkInFlight({list(self.states)})"
+
+
+def held_peak(in_flight: int, per_chunk: dict[int, int]) -> int:
+    """Most bytes held at once when chunk ``c`` holds ``per_chunk[c]`` bytes per micro-batch
+    in flight: ``in_flight * sum`` with one stage per rank, else the largest over the
+    states of a :class:`ChunkInFlight` of ``sum(held_c * per_chunk[c])``."""
+    states = getattr(in_flight, "states", None)
+    if states is None:
+        return int(in_flight) * sum(per_chunk.values())
+    return max(sum(st.get(c, (0, 0))[0] * n for c, n in per_chunk.items()) for st in states)
+
+
+def _weights(layers: list[LayerMem], in_flight: int) -> list[tuple[list[int], list[int]]]:
+    """Per state of ``in_flight``, each layer's ``(held, waiting_w)`` multipliers."""
+    states = getattr(in_flight, "states", None)
+    if states is None:
+        n, w = int(in_flight), _w_wait(in_flight)
+        return [([n] * len(layers), [w] * len(layers))]
+    known = {c for st in states for c in st}
+    missing = sorted({x.chunk for x in layers} - known)
+    if missing:
+        raise ValueError(f"layers of chunks {missing} are not in this rank's chunks "
+                         f"{sorted(known)}")
+    return [([st.get(x.chunk, (0, 0))[0] for x in layers],
+             [st.get(x.chunk, (0, 0))[1] for x in layers]) for st in states]
+
+
 def _policy(policies: dict[int, str], layer: int) -> str:
     p = policies.get(layer, "keep")
     if p not in POLICIES:
@@ -173,13 +227,16 @@ def required_bytes(layers: list[LayerMem], policies: dict[int, str], in_flight: 
         ``in_flight * sum(held) + transient`` (plus, under a split backward, what waits for
         ``W``: see :class:`InFlight`).
     """
-    held = transient = returned = 0
+    transient = 0
+    held, returned = [], []
     for x in layers:
         keep = _policy(policies, x.layer) == "keep"
-        held += x.input_bytes + (x.saved_bytes if keep else 0)
+        held.append(x.input_bytes + (x.saved_bytes if keep else 0))
         transient = transient if keep else max(transient, x.saved_bytes)
-        returned += 0 if keep else x.saved_bytes
-    return in_flight * held + transient + _w_wait(in_flight) * returned
+        returned.append(0 if keep else x.saved_bytes)
+    return transient + max(sum(f * h + w * r for f, w, h, r in zip(fs, ws, held, returned,
+                                                                   strict=True))
+                           for fs, ws in _weights(layers, in_flight))
 
 
 def added_time(layers: list[LayerMem], policies: dict[int, str], host_bandwidth: float) -> float:
@@ -233,11 +290,18 @@ def min_feasible_bytes(layers: list[LayerMem], in_flight: int) -> int:
         ``min over policies of required_bytes``, plus 1.
     """
     _check(layers, in_flight)
-    saved = sorted((x.saved_bytes for x in layers), reverse=True) + [0]
-    w = _w_wait(in_flight)
-    best = min(in_flight * sum(saved[:k]) + w * sum(saved[k:]) + saved[k]
-               for k in range(len(saved)))
-    return in_flight * sum(x.input_bytes for x in layers) + best + 1
+    if getattr(in_flight, "states", None) is None:
+        saved = sorted((x.saved_bytes for x in layers), reverse=True) + [0]
+        w = _w_wait(in_flight)
+        best = min(in_flight * sum(saved[:k]) + w * sum(saved[k:]) + saved[k]
+                   for k in range(len(saved)))
+        return in_flight * sum(x.input_bytes for x in layers) + best + 1
+    # per chunk: not keeping a layer never costs more than keeping it (waiting_w <= held)
+    # but for the transient, so the best plan still keeps the k largest layers, some k
+    order = sorted(layers, key=lambda x: -x.saved_bytes)
+    return 1 + min(required_bytes(layers, {x.layer: "keep" if i < k else "recompute"
+                                           for i, x in enumerate(order)}, in_flight)
+                   for k in range(len(order) + 1))
 
 
 def _require_feasible(layers: list[LayerMem], in_flight: int, limit_bytes: int | None) -> None:
@@ -291,7 +355,8 @@ def optimal_plan(layers: list[LayerMem], in_flight: int, limit_bytes: int | None
     """The plan of least added time that fits, as a MILP solved by HiGHS.
 
     Binaries ``k, s, r`` per layer (one of them 1); ``E >= sum(s * swap_cost) - T, E >= 0``;
-    ``M >= saved * (s + r)`` per layer; ``in_flight * sum(k * saved + input) + M <= limit - 1``;
+    ``M >= saved * (s + r)`` per layer; ``in_flight * sum(k * saved + input) + M <= limit - 1``
+    (one such row per state of a :class:`ChunkInFlight`, each layer weighted by its chunk);
     minimise ``sum(r * forward_s) + E``; bytes in MiB, time in ``scale / 1e6`` where ``scale =
     sum(forward_s) + sum(swap_cost)``. Tie-break, lexicographic (a weighted one that small
     drowns in HiGHS's tolerances): a second solve minimises ``#swap + 2 * #recompute`` (keep
@@ -333,15 +398,20 @@ def optimal_plan(layers: list[LayerMem], in_flight: int, limit_bytes: int | None
         LinearConstraint(np.hstack([0 * eye, np.diag(saved), np.diag(saved), col, col - 1]),
                          -np.inf, 0),
     ]
-    w = _w_wait(in_flight)
-    memory = np.concatenate([in_flight * saved, w * saved, w * saved, [0.0, 1.0]])[None, :]
+    weights = [(np.array(f, dtype=float), np.array(w, dtype=float))
+               for f, w in _weights(layers, in_flight)]
+    # one row per state of in_flight (one with one chunk per rank): held and brought back
+    memory = np.array([np.concatenate([f * saved, w * saved, w * saved, [0.0, 1.0]])
+                       for f, w in weights])
+    inputs = np.array([x.input_bytes for x in layers], dtype=float)
+    fixed = np.array([float(f @ inputs) for f, _ in weights])
     # finite (valid) bounds on E and M: with them unbounded HiGHS's presolve mis-prunes ties
     e_max, m_max = max(0.0, float(swap.sum()) - threshold) * unit, float(saved.max())
     bounds = Bounds(np.zeros(3 * n + 2), np.concatenate([np.ones(3 * n), [e_max, m_max]]))
     integrality = np.concatenate([np.ones(3 * n), [0, 0]])
 
     def solve(c: np.ndarray, extra: list) -> dict[int, str] | None:
-        cap = limit_bytes - 1 - in_flight * sum(x.input_bytes for x in layers)
+        cap = limit_bytes - 1 - fixed
         for _ in range(3):
             constraints = [*base, *extra, LinearConstraint(memory, -np.inf, cap / _MIB)]
             res = milp(c, integrality=integrality, bounds=bounds, constraints=constraints,

@@ -35,6 +35,8 @@ layer: its forward runs again before its backward, so every tensor of the layer 
 **Memory of a stage** under a plan (per micro-batch ``held`` = layer inputs + kept tensors;
 ``peer_mb`` = bytes it sends to peers per micro-batch; ``transient`` = the largest
 host/recompute bytes of one layer): ``required = in_flight * held + peer_mb + transient``
+(a rank of several model chunks: ``held`` per chunk, weighted by each chunk's own
+micro-batches in flight, :func:`trainwright.plan.memory.held_peak`)
 (one micro-batch's peer chunks are on the device while they are sent, or fetched back for
 backward). A peer device holds ``peer_slots(owner) * chunk`` for each chunk; a plan never
 puts on a device more than ``budget - its own required`` (:func:`place`).
@@ -53,6 +55,7 @@ import itertools
 from dataclasses import asdict, dataclass, field
 
 from trainwright.errors import PlanError
+from trainwright.plan.memory import held_peak
 
 __all__ = ["HOST", "TensorInfo", "StageMem", "Rules", "Chunk", "TensorPlan", "StagePlacement",
            "Placement", "split_by_bandwidth", "classify", "stage_required", "place",
@@ -208,14 +211,18 @@ def classify(t: TensorInfo, host_bandwidth: float, rules: Rules) -> str:
 
 def stage_required(st: StageMem, plans: dict[tuple[int, int], TensorPlan]) -> int:
     """Required bytes of a stage under per-tensor plans (missing tensors are kept)."""
-    held = sum(x.input_bytes for x in st.layers)
+    chunk_of = {x.layer: getattr(x, "chunk", 0) for x in st.layers}
+    held: dict[int, int] = {}  # per model chunk (one, with one stage per rank)
+    for x in st.layers:
+        held[chunk_of[x.layer]] = held.get(chunk_of[x.layer], 0) + x.input_bytes
     peer_mb = 0
     nonkeep: dict[int, int] = {}
     for t in st.tensors:
         p = plans.get((t.layer, t.index))
         pol = p.policy if p else "keep"
         if pol == "keep":
-            held += t.nbytes
+            c = chunk_of.get(t.layer, 0)
+            held[c] = held.get(c, 0) + t.nbytes
             continue
         if pol == "recompute":
             nonkeep[t.layer] = nonkeep.get(t.layer, 0) + t.nbytes
@@ -225,7 +232,7 @@ def stage_required(st: StageMem, plans: dict[tuple[int, int], TensorPlan]) -> in
                 nonkeep[t.layer] = nonkeep.get(t.layer, 0) + c.nbytes
             else:
                 peer_mb += c.nbytes
-    return st.in_flight * held + peer_mb + max(nonkeep.values(), default=0)
+    return held_peak(st.in_flight, held) + peer_mb + max(nonkeep.values(), default=0)
 
 
 def _host_cost(nbytes: int, interval: float, host_bandwidth: float) -> float:

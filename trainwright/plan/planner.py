@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from trainwright.errors import PlanError
 from trainwright.plan.devices import DeviceTopology
-from trainwright.plan.memory import LayerMem
+from trainwright.plan.memory import ChunkInFlight, LayerMem
 from trainwright.plan.partition import ClusterCost, minmax_partition
 from trainwright.plan.placement import (
     FAMILIES,
@@ -46,7 +46,8 @@ from trainwright.plan.placement import (
     search_mappings,
 )
 from trainwright.plan.simulate import Links, SimResult, StageCost, liveness, simulate
-from trainwright.schedule.actions import build_schedule, max_in_flight
+from trainwright.schedule.actions import build_schedule, max_in_flight, stage_ranks
+from trainwright.schedule.occupancy import chunk_states
 from trainwright.schedule.peer import with_peer_swap
 
 __all__ = ["PlanRequest", "PlanResult", "make_plan", "stage_costs", "stage_mems"]
@@ -83,6 +84,10 @@ class PlanRequest:
     """Data-parallel gradient sync time per stage."""
     top_mappings: int = 4
     max_rounds: int = 5
+    virtual_stages: int = 1
+    """Model chunks per rank (``interleaved-1f1b``: 2 or more; ``zb-v``: 2): the model is
+    cut into ``pp * virtual_stages`` stages placed on the ranks by the schedule
+    (:func:`~trainwright.schedule.actions.stage_ranks`); planned without peer swap."""
 
 
 @dataclass
@@ -103,11 +108,26 @@ class PlanResult:
     rounds: list[dict]
     schedule: str
     micro_batches: int
+    virtual_stages: int = 1
+    stage_ranks: list[int] = field(default_factory=list)
+    """Rank of every model stage (the identity with one stage per rank)."""
+
+    @property
+    def pp(self) -> int:
+        """Pipeline ranks."""
+        return len(self.mapping)
+
+    def config(self) -> dict:
+        """The ``trainwright run`` keys this plan stands for (``--set KEY=VALUE``)."""
+        return {"train.schedule": self.schedule, "train.micro_batches": self.micro_batches,
+                "parallel.pp": self.pp, "parallel.virtual_stages": self.virtual_stages,
+                "parallel.partition": [len(x) for x in self.partition]}
 
     def to_dict(self) -> dict:
         """JSON: the plan, and everything `trainwright simulate` needs to replay it."""
         return {
-            "schedule": self.schedule, "pp": len(self.partition),
+            "schedule": self.schedule, "pp": self.pp, "virtual_stages": self.virtual_stages,
+            "stage_ranks": self.stage_ranks or list(range(self.pp)), "config": self.config(),
             "micro_batches": self.micro_batches, "partition": self.partition,
             "mapping": self.mapping, "budgets": self.budgets,
             "peers": {str(k): v for k, v in self.peers.items()},
@@ -132,32 +152,43 @@ def _per_stage(x, n: int) -> list:
 
 
 def stage_mems(layers: list, parts: list[list[int]], in_flight: list[int], n_micro: int,
-               budgets: list, intervals: dict[int, float]) -> list[StageMem]:
-    """Placement input per stage (``input_bytes`` of a stage's last layer includes its
-    output, which is held until backward, as :func:`trainwright.pipeline.budget.layer_mems`)."""
+               budgets: list, intervals: dict[int, float],
+               rank_of: list[int] | None = None) -> list[StageMem]:
+    """Placement input per stage, or per rank of several model chunks (``rank_of``: the
+    rank of every model stage; each layer tagged with its chunk). ``input_bytes`` of a
+    stage's last layer includes its output, which is held until backward, as
+    :func:`trainwright.pipeline.budget.layer_mems`."""
+    ranks = rank_of or list(range(len(parts)))
     out = []
-    for s, idx in enumerate(parts):
+    for r in range(len(in_flight)):
         mems, tensors = [], []
-        for j, i in enumerate(idx):
-            x = layers[i]
-            extra = x.output_bytes if j == len(idx) - 1 else 0
-            mems.append(LayerMem(i, sum(t.nbytes for t in x.tensors), x.input_bytes + extra,
-                                 x.forward_s, x.backward_s))
-            tensors += [TensorInfo(i, t.index, t.nbytes, intervals.get(i, 0.0))
-                        for t in x.tensors]
-        out.append(StageMem(s, in_flight[s], mems, tensors, budgets[s], n_micro))
+        for k in (k for k, rk in enumerate(ranks) if rk == r):
+            idx = parts[k]
+            for j, i in enumerate(idx):
+                x = layers[i]
+                extra = x.output_bytes if j == len(idx) - 1 else 0
+                mems.append(LayerMem(i, sum(t.nbytes for t in x.tensors),
+                                     x.input_bytes + extra, x.forward_s, x.backward_s, k))
+                tensors += [TensorInfo(i, t.index, t.nbytes, intervals.get(i, 0.0))
+                            for t in x.tensors]
+        out.append(StageMem(r, in_flight[r], mems, tensors, budgets[r], n_micro))
     return out
 
 
 def stage_costs(layers: list, parts: list[list[int]], placement: Placement | None,
-                mapping: list[int], step_s: list, sync_s: list) -> list[StageCost]:
-    """Simulator costs of each stage under a placement (None: all kept)."""
+                mapping: list[int], step_s: list, sync_s: list,
+                rank_of: list[int] | None = None) -> list[StageCost]:
+    """Simulator costs of each (model) stage under a placement (None: all kept).
+
+    ``rank_of``: with several chunks per rank, the rank (index into ``placement.stages``)
+    of every model stage; ``step_s`` / ``sync_s`` are then per model stage too."""
     stage_of_dev = {d: s for s, d in enumerate(mapping)}
     out = []
     for s, idx in enumerate(parts):
         rows = [layers[i] for i in idx]
+        r = s if rank_of is None else rank_of[s]
         plans = {} if placement is None else {(t.layer, t.index): t
-                                              for t in placement.stages[s].tensors}
+                                              for t in placement.stages[r].tensors}
         recomputed = {k[0] for k, t in plans.items() if t.policy == "recompute"}
         last_kept = idx[-1] not in recomputed  # a recomputed last layer holds no output
         held = sum(x.input_bytes for x in rows) + (rows[-1].output_bytes if last_kept else 0)
@@ -216,29 +247,44 @@ def _backward_extra(layers: list, idx: list[int], recomputed: set, kept: dict,
 
 
 def _partition(req: PlanRequest) -> list[list[int]]:
-    n = len(req.layers)
+    """Layers of every model stage (``pp * virtual_stages`` of them)."""
+    n, n_st = len(req.layers), req.pp * req.virtual_stages
     if req.partition:
-        if sum(req.partition) != n or len(req.partition) != req.pp or min(req.partition) < 1:
-            raise PlanError(f"partition {req.partition} must give each of the {req.pp} stages "
+        if sum(req.partition) != n or len(req.partition) != n_st or min(req.partition) < 1:
+            raise PlanError(f"partition {req.partition} must give each of the {n_st} stages "
                             f"at least one of the {n} layers")
-        starts = [sum(req.partition[:s]) for s in range(req.pp)]
+        starts = [sum(req.partition[:s]) for s in range(n_st)]
         return [list(range(a, a + k)) for a, k in zip(starts, req.partition, strict=True)]
-    if req.pp > n:
-        raise PlanError(f"{req.pp} stages need at least {req.pp} layers; the model has {n}")
+    if n_st > n:
+        raise PlanError(f"{n_st} stages need at least {n_st} layers; the model has {n}")
     clusters = [ClusterCost((i,), x.forward_s + x.backward_s, x.output_bytes)
                 for i, x in enumerate(req.layers)]
-    return minmax_partition(clusters, req.pp, link_bandwidth=1e9).stages
+    return minmax_partition(clusters, n_st, link_bandwidth=1e9).stages
 
 
-def _budgets(req: PlanRequest, parts: list[list[int]]) -> list:
+def _budgets(req: PlanRequest, parts: list[list[int]], ranks: list[int]) -> list:
+    """Activation bytes per rank: given, or its device's memory minus its chunks' state."""
     if req.budget is not None:
         return _per_stage(req.budget, req.pp)
     mem = req.topology.memory
     out = []
-    for s, idx in enumerate(parts):
-        state = req.state_factor * sum(req.layers[i].param_bytes for i in idx)
-        out.append(int(mem[s % len(mem)] - state - req.reserve))
+    for r in range(req.pp):
+        mine = [i for k, idx in enumerate(parts) if ranks[k] == r for i in idx]
+        state = req.state_factor * sum(req.layers[i].param_bytes for i in mine)
+        out.append(int(mem[r % len(mem)] - state - req.reserve))
     return out
+
+
+def _layout(req: PlanRequest) -> tuple[list[int], list[list], list[int]]:
+    """``(rank of every model stage, each rank's action list, each rank's in-flight
+    count)``; with several chunks per rank the counts are per chunk
+    (:class:`~trainwright.plan.memory.ChunkInFlight`)."""
+    v = req.virtual_stages
+    sched = build_schedule(req.schedule, req.pp, req.micro_batches, v)
+    if v == 1:
+        return list(range(req.pp)), sched, [max_in_flight(a) for a in sched]
+    return (stage_ranks(req.schedule, req.pp, v), sched,
+            [ChunkInFlight(chunk_states(a)) for a in sched])
 
 
 def _links(req: PlanRequest, mapping: list[int]) -> tuple[list[list[float]], list[list[float]]]:
@@ -275,14 +321,16 @@ def _candidates(req: PlanRequest, mems: list[StageMem]) -> list[list[int]]:
     return [[d for r in per_node for d in r[min(i, len(r) - 1)]] for i in range(depth)]
 
 
-def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0) -> tuple:
+def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0,
+              ranks: list[int] | None = None) -> tuple:
     xfer, direct = _links(req, mapping)
-    families = tuple(f for f in req.rules.families if req.peer_swap or f != "peer")
+    peer_ok = req.peer_swap and req.virtual_stages == 1
+    families = tuple(f for f in req.rules.families if peer_ok or f != "peer")
     rules = Rules(req.rules.short_s, req.rules.long_s, families, req.rules.scale * scale)
     local = list(range(req.pp))  # placement over stage indices, links as stage x stage
     placement = place(mems, local, direct, min(req.topology.host_bandwidth), rules)
     placement.mapping = list(mapping)
-    costs = stage_costs(req.layers, parts, placement, local, steps, syncs)
+    costs = stage_costs(req.layers, parts, placement, local, steps, syncs, ranks)
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     links = Links(local, xfer, min(req.topology.host_bandwidth), req.latency_s)
     sim = simulate(with_peer_swap(sched, peers), costs, links)
@@ -302,21 +350,22 @@ def make_plan(req: PlanRequest) -> PlanResult:
     if bad:
         raise PlanError(f"unknown policy families {bad}; choose from {FAMILIES}")
     parts = _partition(req)
-    budgets = _budgets(req, parts)
-    sched = build_schedule(req.schedule, req.pp, req.micro_batches)
-    in_flight = [max_in_flight(a) for a in sched]
-    steps, syncs = _per_stage(req.step_s, req.pp), _per_stage(req.sync_s, req.pp)
+    ranks, sched, in_flight = _layout(req)
+    budgets = _budgets(req, parts, ranks)
+    v = req.virtual_stages  # a rank's optimizer step and sync: split evenly over its chunks
+    steps = [_per_stage(req.step_s, req.pp)[r] / v for r in ranks]
+    syncs = [_per_stage(req.sync_s, req.pp)[r] / v for r in ranks]
     ns = req.topology.node_size
     if req.pp > ns and req.pp % ns:
         raise PlanError(f"{req.pp} stages do not fill whole nodes of {ns} devices; use a "
                         f"multiple of {ns} or at most {ns} stages")
     ident = list(range(req.pp))
-    keep_costs = stage_costs(req.layers, parts, None, ident, steps, syncs)
+    keep_costs = stage_costs(req.layers, parts, None, ident, steps, syncs, ranks)
     xfer0, _ = _links(req, ident)
     keep_sim = simulate(sched, keep_costs, Links(ident, xfer0, min(req.topology.host_bandwidth),
                                                  req.latency_s))
     intervals = liveness(keep_sim, keep_costs, parts)
-    mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals)
+    mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals, ranks)
     rounds: list[dict] = []
 
     def rank(r):
@@ -325,16 +374,16 @@ def make_plan(req: PlanRequest) -> PlanResult:
 
     best, best_map = None, None
     for mapping in _candidates(req, mems):
-        r = _evaluate(req, parts, mems, mapping, steps, syncs, sched)
+        r = _evaluate(req, parts, mems, mapping, steps, syncs, sched, ranks=ranks)
         rounds.append({"round": "mapping", "mapping": mapping, "step_s": r[3].step_s,
                        "fits": sum(sp.fits for sp in r[0].stages),
                        "score": None})
         if best is None or rank(r) < rank(best):
             best, best_map = r, mapping
     best_scale = 1.0
-    if req.peer_swap and req.rules.short_s is None:  # a busy host link: prefer the peers
+    if req.peer_swap and v == 1 and req.rules.short_s is None:  # a busy host link: prefer the peers
         for scale in (4.0, 16.0, math.inf):
-            r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, scale)
+            r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, scale, ranks)
             rounds.append({"round": "thresholds", "scale": str(scale), "step_s": r[3].step_s,
                            "fits": sum(sp.fits for sp in r[0].stages)})
             if rank(r) < rank(best):
@@ -342,8 +391,9 @@ def make_plan(req: PlanRequest) -> PlanResult:
     for _ in range(req.max_rounds):  # seed claim 4: simulate, refine, until no better
         placement, costs, _, sim, _ = best
         intervals = liveness(sim, costs, parts)
-        mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals)
-        r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, best_scale)
+        mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals,
+                          ranks)
+        r = _evaluate(req, parts, mems, best_map, steps, syncs, sched, best_scale, ranks)
         rounds.append({"round": "refine", "mapping": best_map, "step_s": r[3].step_s,
                        "fits": sum(sp.fits for sp in r[0].stages)})
         if rank(r) < rank(best):
@@ -352,4 +402,4 @@ def make_plan(req: PlanRequest) -> PlanResult:
             break
     placement, costs, peers, sim, xfer = best
     return PlanResult(parts, list(best_map), budgets, placement, costs, xfer, peers, sim,
-                      keep_sim, rounds, req.schedule, req.micro_batches)
+                      keep_sim, rounds, req.schedule, req.micro_batches, v, ranks)

@@ -28,6 +28,12 @@ Semantics (matching :mod:`trainwright.pipeline.runtime` and gloo):
   owner's ``PEER_FETCH`` has posted the receive), ``PEER_SETTLE`` waits for that
   delivery and frees the peer's copy, ``PEER_WAIT`` waits on the owner's side.
 
+Several chunks per rank (interleaved 1F1B, ZB-V: one list per rank, actions naming model
+stages): ``costs`` may hold one row per list, or one per **model stage**; then each
+compute action and each transfer takes its own stage's row, ``SYNC`` / ``STEP`` the sum
+of the rank's chunks', and a rank's memory and busy time add up its chunks'. A message
+between two stages of one rank (ZB-V's turn) is handed over in memory: no link, no time.
+
 Memory per device (bytes the activation store counts, plus chunks held for peers):
 ``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
 ``+peer_in`` at ``PEER_FETCH(m)``, ``+transient`` from the start of ``B(m)``, and all of
@@ -146,9 +152,11 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         Deadlock: naming every stuck stage's next action and what it waits for.
     """
     n = len(schedule)
-    if len(costs) != n or len(links.mapping) < n:
-        raise PlanError(f"{n} stages need {n} stage costs and a device for each; got "
-                        f"{len(costs)} costs and {len(links.mapping)} devices")
+    n_virtual = len({a.stage for acts in schedule for a in acts if a.kind in ("F", "B", "W")})
+    if len(costs) not in (n, n_virtual) or len(links.mapping) < n:
+        raise PlanError(f"{n} stages need {n} stage costs (or one per model stage, "
+                        f"{n_virtual}) and a device for each; got {len(costs)} costs and "
+                        f"{len(links.mapping)} devices")
     replay = _Replay(schedule, costs, links)
     replay.run()
     return replay.result()
@@ -160,6 +168,10 @@ class _Replay:
     def __init__(self, schedule: list[list], costs: list[StageCost], links: Links) -> None:
         n = len(schedule)
         self.schedule, self.costs, self.links, self.n = schedule, costs, links, n
+        # several chunks per rank: one cost per model stage (else one per list, as before)
+        self.per_stage = len(costs) != n
+        self.chunks_of = [sorted({a.stage for a in acts if a.kind in ("F", "B", "W")})
+                          for acts in schedule]
         self.split = [any(a.kind == "W" for a in acts) for acts in schedule]
         self.clock = [0.0] * n
         self.pos = [0] * n
@@ -249,6 +261,16 @@ class _Replay:
         if store:
             self.own[s].append((t, d))
 
+    def _cost(self, s: int, a) -> StageCost:
+        """The cost row of action ``a`` on list ``s``: its model stage's, or the list's."""
+        return self.costs[a.stage] if self.per_stage else self.costs[s]
+
+    def _rank_sum(self, s: int, field_name: str) -> float:
+        """``sync_s`` / ``step_s`` of list ``s``: summed over its chunks' rows, per stage."""
+        if not self.per_stage:
+            return getattr(self.costs[s], field_name)
+        return sum(getattr(self.costs[k], field_name) for k in self.chunks_of[s])
+
     def _ready(self, s: int, a) -> float | None:
         """Earliest start of action ``a`` on stage ``s``, or None while it must wait."""
         k, mb, now = a.kind, a.mb, self.clock[s]
@@ -262,13 +284,13 @@ class _Replay:
             return None if None in done else max([now, *done])
         if k in ("PEER_SEND", "PEER_RETURN", "PEER_SETTLE", "PEER_WAIT"):
             return self._peer_ready(s, a, now)
-        if k == "B" and self.costs[s].host_bytes:
-            back = self.host_back.get((s, mb))
+        if k == "B" and self._cost(s, a).host_bytes:
+            back = self.host_back.get((a.stage, mb))
             if back is None:  # the copy back starts now (no receive before this B)
                 back = self._transfer(("host", s),
                                       max(now, self.link_free.get(("host", s), 0.0)),
-                                      self.costs[s].host_bytes, self.links.host_bandwidth)
-                self.host_back[(s, mb)] = back
+                                      self._cost(s, a).host_bytes, self.links.host_bandwidth)
+                self.host_back[(a.stage, mb)] = back
             return max(now, back)
         return now
 
@@ -288,15 +310,17 @@ class _Replay:
 
     def _run(self, s: int, a, start: float) -> float:
         """Take action ``a`` on stage ``s`` from ``start``; return its end."""
-        k, c = a.kind, self.costs[s]
+        k = a.kind
+        c = self.costs[self.chunks_of[s][0]] if k in ("SYNC", "STEP") and self.per_stage \
+            else self._cost(s, a)
         if k in ("F", "B", "W"):
             end = self._run_compute(s, a, start)
         elif k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
             end = self._run_p2p(s, a, start)
         elif k == "SYNC":
-            end = start + c.sync_s
+            end = start + self._rank_sum(s, "sync_s")
         elif k == "STEP":
-            end = start + c.step_s
+            end = start + self._rank_sum(s, "step_s")
         else:
             end = self._run_peer(s, a, start)
         return end + c.action_s.get(k, 0.0)
@@ -306,7 +330,7 @@ class _Replay:
 
         With ``W`` actions (zero bubble) ``B`` takes ``backward_s - weight_s`` and the
         micro-batch's bytes stay held until its ``W`` ends."""
-        mb, c = a.mb, self.costs[s]
+        mb, c = a.mb, self._cost(s, a)
         held = c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())
         w = c.weight_s or c.backward_s / 2
         if a.kind == "F":
@@ -331,7 +355,7 @@ class _Replay:
 
     def _run_p2p(self, s: int, a, start: float) -> float:
         """Pipeline sends (post and go on) and receives (the rendezvous transfer)."""
-        k, mb, c, v = a.kind, a.mb, self.costs[s], a.stage
+        k, mb, c, v = a.kind, a.mb, self._cost(s, a), a.stage
         if k in ("SEND_F", "SEND_B"):
             key = ("act", v, v + 1, mb) if k == "SEND_F" else ("grad", v, v - 1, mb)
             self.sent[key] = start
@@ -339,11 +363,14 @@ class _Replay:
             return start
         key = ("act", v - 1, v, mb) if k == "RECV_F" else ("grad", v + 1, v, mb)
         src = self.rank_of[key[1]]
-        end = self.arrived[key] = self._transfer(
-            (src, s), max(start, self.sent[key]), self.costs[min(src, s)].send_bytes,
-            self.links.bw(src, s))
+        sender = self.costs[min(key[1], key[2])] if self.per_stage else self.costs[min(src, s)]
+        if src == s:  # two chunks of one rank (ZB-V's turn): handed over in memory
+            end = self.arrived[key] = max(start, self.sent[key])
+        else:
+            end = self.arrived[key] = self._transfer(
+                (src, s), max(start, self.sent[key]), sender.send_bytes, self.links.bw(src, s))
         if k == "RECV_B" and c.host_bytes:
-            self.host_back[(s, mb)] = self._transfer(("host", s), start, c.host_bytes,
+            self.host_back[(v, mb)] = self._transfer(("host", s), start, c.host_bytes,
                                                      self.links.host_bandwidth)
         return end
 

@@ -210,6 +210,7 @@ class Trainer:
         self.stage.autocast = autocast_factory(cfg.train.precision, self.device)
         self.chunks = chunk_stages(cfg, self.my_stages, self.parts, self.slots, self.store,
                                    self.profiler)
+        self.store.chunk_of = {i: k for k, ls in (self.chunk_layers or {}).items() for i in ls}
 
     def _setup_schedule(self, named: NamedLayers, peer_plan: dict | None, peer_group) -> None:
         """Every stage's action list; seed 004's peer-swap actions woven in when planned."""
@@ -307,7 +308,8 @@ class Trainer:
         if not bandwidth and limit is not None and fixed is None:
             bandwidth = measure_host_bandwidth(self.device)
         self.budget = MemoryBudget(self.stage, stage_in_flight(cfg)[s], limit,
-                                   cfg.memory.planner, bandwidth, fixed)
+                                   cfg.memory.planner, bandwidth, fixed,
+                                   chunks=self.chunk_layers)
         if limit is not None and fixed is None:
             self.budget.replan(costs=profile_model(cfg, self.build_layers()),
                                why="before step 1")
@@ -338,6 +340,13 @@ class Trainer:
     def my_stages(self) -> list[int]:
         """The model stages this rank runs: its own, or its chunks ``r, r + pp, ...``."""
         return [k for k, r in enumerate(self.stage_ranks) if r == self.topo.stage]
+
+    @property
+    def chunk_layers(self) -> dict[int, list[int]] | None:
+        """With several chunks per rank: chunk -> its layer indices; else None."""
+        if self.chunks is None:
+            return None
+        return {k: [slot.index for slot in st.slots] for k, st in self.chunks.items()}
 
     @property
     def stage_ranks(self) -> list[int]:
