@@ -217,7 +217,8 @@ def test_plan_auto_picks_the_schedule_of_least_predicted_step(tmp_path, capsys):
     assert main(["plan", "--schedule", "auto", "--pp", "2", "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     tried = [t for t in plan["depths_tried"] if "step_s" in t]
-    assert {t["schedule"] for t in tried} == {"1f1b", "gpipe", *ZB}
+    assert {t["schedule"] for t in tried} == {"1f1b", "gpipe", *ZB, "interleaved-1f1b", "zb-v"}
     best = min(tried, key=lambda t: (not t["fits"], t["step_s"]))
-    assert plan["schedule"] == best["schedule"]
+    assert (plan["schedule"], plan["virtual_stages"]) == (best["schedule"],
+                                                          best["virtual_stages"])
     assert main(["schedule", "--schedule", "zb-h2", "--pp", "3", "--micro-batches", "6"]) == 0
