@@ -93,3 +93,17 @@ def test_memory_limit_plans_chunks_and_trains_like_the_reference(tiny):
                 # the store counts what memory holds: (chunk, micro-batch) pairs
                 assert st["held_microbatches_peak"] == _pairs_peak(sched[st["stage"]]), \
                     (label, row["step"], st)
+
+
+@pytest.mark.timeout(120)
+def test_impossible_limit_with_chunks_names_each_rank(tmp_path, capsys):
+    from trainwright.cli import main
+    code = main(["run", "--set", f'run.dir="{tmp_path}"', "--set", "memory.limit=1000",
+                 "--set", 'train.schedule="zb-v"', "--set", "parallel.virtual_stages=2",
+                 "--set", "model.n_blocks=2", "--set", "model.d_model=32",
+                 "--set", "model.context=16", "--set", "data.name=\"synthetic\""])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "cannot be met even with every layer recomputed" in err
+    assert "rank 0" in err and "rank 1" in err
+    assert not any(tmp_path.iterdir())

@@ -67,8 +67,8 @@ def test_chunk_states_give_the_walked_peak_for_any_policies(schedule, p, m, v):
     for r, actions in enumerate(build_schedule(schedule, p, m, v)):
         flight = ChunkInFlight(chunk_states(actions))
         layers = _rank_layers(p, v, schedule, r)
-        for pols in (["keep"] * 6, ["recompute"] * 6, ["keep", "swap", "recompute"] * 2):
-            policies = {x.layer: pol for x, pol in zip(layers, pols * 2)}
+        for pols in (["keep"], ["recompute"], ["keep", "swap", "recompute"]):
+            policies = {x.layer: pols[j % len(pols)] for j, x in enumerate(layers)}
             held, back, transient = {}, {}, 0
             for x in layers:
                 keep = policies[x.layer] == "keep"

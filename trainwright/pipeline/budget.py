@@ -144,7 +144,8 @@ def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
         need.append(least)
         short |= isinstance(limit, int) and limit < least
     if short:
-        per_stage = ", ".join(f"stage {s} {format_bytes(n)} ({n} B)" for s, n in enumerate(need))
+        unit = "rank" if cfg.parallel.virtual_stages > 1 else "stage"  # a rank: all its chunks
+        per_stage = ", ".join(f"{unit} {s} {format_bytes(n)} ({n} B)" for s, n in enumerate(need))
         raise ConfigError(f"memory.limit = {cfg.memory.limit!r} cannot be met even with every "
                           f"layer recomputed; the smallest feasible limits are: {per_stage}. "
                           f"Raise memory.limit (one value, or one per stage) or use more "

@@ -6,7 +6,9 @@
 * :mod:`~trainwright.plan.imbalance`: when to re-partition (smoothing, hysteresis);
 * :mod:`~trainwright.plan.devices`: device topologies (presets, ``nvidia-smi`` text);
 * :mod:`~trainwright.plan.placement`, :mod:`~trainwright.plan.planner`,
-  :mod:`~trainwright.plan.simulate`: seed 004's device mapping, planner and event simulator.
+  :mod:`~trainwright.plan.simulate`: seed 004's device mapping, planner and event simulator;
+* :mod:`~trainwright.plan.choose`: ``trainwright plan --schedule auto``'s candidate
+  schedules (several chunks per rank included) and the best of their plans.
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`.
 """
