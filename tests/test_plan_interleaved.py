@@ -187,3 +187,32 @@ def test_cli_plan_auto_names_schedule_and_chunks(tmp_path, capsys):
     tried = json.loads(out.read_text())["depths_tried"]
     assert {(t["schedule"], t["virtual_stages"]) for t in tried} >= {
         ("1f1b", 1), ("zb-h2", 1), ("zb-v", 2), (IL, 2), (IL, 3), (IL, 4)}
+
+
+@pytest.mark.parametrize("schedule, v", [("zb-v", 2), ("zb-h1", 1), (IL, 2)])
+def test_simulated_memory_holds_each_chunks_bytes_and_what_waits_for_w(schedule, v):
+    from trainwright.plan.simulate import StageCost
+    p, m = 2, 4
+    sched = build_schedule(schedule, p, m, v)
+    n = p * v
+    costs = [StageCost(1.0 + k, 2.0, held_bytes=1000 * (k + 1), transient_bytes=7,
+                       w_held_bytes=100 * (k + 1)) for k in range(n)]
+    r = simulate(sched, costs, Links(list(range(p)), [[1e12] * p] * p))
+    for rank, actions in enumerate(sched):
+        held = {k: costs[k].held_bytes for k in range(n)}
+        split = any(a.kind == "W" for a in actions)
+        # split backward: B brings back w_held, kept with the rest until W; else transient
+        back = {k: costs[k].w_held_bytes if split else costs[k].transient_bytes
+                for k in range(n)}
+        cur = peak = 0
+        for a in actions:
+            if a.kind == "F":
+                cur += held[a.stage]
+            elif a.kind == "B":
+                cur += back[a.stage]
+                peak = max(peak, cur)
+                cur -= 0 if split else held[a.stage] + back[a.stage]
+            elif a.kind == "W":
+                cur -= held[a.stage] + back[a.stage]
+            peak = max(peak, cur)
+        assert r.own_peak_bytes[rank] == peak, (schedule, rank)

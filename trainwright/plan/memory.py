@@ -185,14 +185,19 @@ class ChunkInFlight(int):
         return f"ChunkInFlight({list(self.states)})"
 
 
-def held_peak(in_flight: int, per_chunk: dict[int, int]) -> int:
+def held_peak(in_flight: int, per_chunk: dict[int, int],
+              brought_back: dict[int, int] | None = None) -> int:
     """Most bytes held at once when chunk ``c`` holds ``per_chunk[c]`` bytes per micro-batch
-    in flight: ``in_flight * sum`` with one stage per rank, else the largest over the
-    states of a :class:`ChunkInFlight` of ``sum(held_c * per_chunk[c])``."""
+    in flight, and ``brought_back[c]`` more per micro-batch waiting for its ``W``:
+    ``in_flight * sum + w_wait * sum`` with one stage per rank (:class:`InFlight`), else
+    the largest over the states of a :class:`ChunkInFlight` of the per-chunk sums."""
+    back = brought_back or {}
     states = getattr(in_flight, "states", None)
     if states is None:
-        return int(in_flight) * sum(per_chunk.values())
-    return max(sum(st.get(c, (0, 0))[0] * n for c, n in per_chunk.items()) for st in states)
+        return int(in_flight) * sum(per_chunk.values()) + _w_wait(in_flight) * sum(back.values())
+    return max(sum(st.get(c, (0, 0))[0] * per_chunk.get(c, 0)
+                   + st.get(c, (0, 0))[1] * back.get(c, 0) for c in {*per_chunk, *back})
+               for st in states)
 
 
 def _weights(layers: list[LayerMem], in_flight: int) -> list[tuple[list[int], list[int]]]:

@@ -36,7 +36,8 @@ layer: its forward runs again before its backward, so every tensor of the layer 
 ``peer_mb`` = bytes it sends to peers per micro-batch; ``transient`` = the largest
 host/recompute bytes of one layer): ``required = in_flight * held + peer_mb + transient``
 (a rank of several model chunks: ``held`` per chunk, weighted by each chunk's own
-micro-batches in flight, :func:`trainwright.plan.memory.held_peak`)
+micro-batches in flight, :func:`trainwright.plan.memory.held_peak`; under a split
+backward, plus the host/recompute bytes of the micro-batches waiting for their ``W``)
 (one micro-batch's peer chunks are on the device while they are sent, or fetched back for
 backward). A peer device holds ``peer_slots(owner) * chunk`` for each chunk; a plan never
 puts on a device more than ``budget - its own required`` (:func:`place`).
@@ -232,7 +233,11 @@ def stage_required(st: StageMem, plans: dict[tuple[int, int], TensorPlan]) -> in
                 nonkeep[t.layer] = nonkeep.get(t.layer, 0) + c.nbytes
             else:
                 peer_mb += c.nbytes
-    return held_peak(st.in_flight, held) + peer_mb + max(nonkeep.values(), default=0)
+    back: dict[int, int] = {}  # split backward: brought back at B, held until W
+    for layer, n in nonkeep.items():
+        back[chunk_of.get(layer, 0)] = back.get(chunk_of.get(layer, 0), 0) + n
+    return (held_peak(st.in_flight, held, back) + peer_mb
+            + max(nonkeep.values(), default=0))
 
 
 def _host_cost(nbytes: int, interval: float, host_bandwidth: float) -> float:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from trainwright.errors import PlanError
 from trainwright.plan.devices import DeviceTopology
-from trainwright.plan.memory import ChunkInFlight, LayerMem
+from trainwright.plan.memory import ChunkInFlight, InFlight, LayerMem
 from trainwright.plan.partition import ClusterCost, minmax_partition
 from trainwright.plan.placement import (
     FAMILIES,
@@ -46,7 +46,12 @@ from trainwright.plan.placement import (
     search_mappings,
 )
 from trainwright.plan.simulate import Links, SimResult, StageCost, liveness, simulate
-from trainwright.schedule.actions import build_schedule, max_in_flight, stage_ranks
+from trainwright.schedule.actions import (
+    build_schedule,
+    max_in_flight,
+    max_waiting_w,
+    stage_ranks,
+)
 from trainwright.schedule.occupancy import chunk_states
 from trainwright.schedule.peer import with_peer_swap
 
@@ -218,6 +223,7 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
                for i, x in zip(idx, rows, strict=True)]
         out.append(StageCost(sum(fwd), sum(bwd), send_bytes=rows[-1].output_bytes,
                              held_bytes=held, transient_bytes=transient,
+                             w_held_bytes=sum(per_layer.values()),
                              host_bytes=host, peer_bytes=peer, step_s=step_s[s],
                              sync_s=sync_s[s], layer_forward_s=fwd, layer_backward_s=bwd))
     return out
@@ -282,7 +288,8 @@ def _layout(req: PlanRequest) -> tuple[list[int], list[list], list[int]]:
     v = req.virtual_stages
     sched = build_schedule(req.schedule, req.pp, req.micro_batches, v)
     if v == 1:
-        return list(range(req.pp)), sched, [max_in_flight(a) for a in sched]
+        return list(range(req.pp)), sched, [InFlight(max_in_flight(a), max_waiting_w(a))
+                                            for a in sched]
     return (stage_ranks(req.schedule, req.pp, v), sched,
             [ChunkInFlight(chunk_states(a)) for a in sched])
 

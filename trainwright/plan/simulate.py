@@ -88,6 +88,9 @@ class StageCost:
     layer_forward_s: list = field(default_factory=list)
     """Per-layer forward times (for :func:`liveness`); optional."""
     layer_backward_s: list = field(default_factory=list)
+    w_held_bytes: int = 0
+    """Under a split backward: the bytes ``B(m)`` brings back (every host-swapped and
+    recomputed layer's activations), held until ``W(m)``; 0: ``transient_bytes``."""
 
 
 @dataclass
@@ -331,7 +334,9 @@ class _Replay:
         With ``W`` actions (zero bubble) ``B`` takes ``backward_s - weight_s`` and the
         micro-batch's bytes stay held until its ``W`` ends."""
         mb, c = a.mb, self._cost(s, a)
-        held = c.held_bytes + c.transient_bytes + sum(c.peer_bytes.values())
+        # a split backward keeps what B brought back (every layer's) until W
+        extra = (c.w_held_bytes or c.transient_bytes) if self.split[s] else c.transient_bytes
+        held = c.held_bytes + extra + sum(c.peer_bytes.values())
         w = c.weight_s or c.backward_s / 2
         if a.kind == "F":
             dur = c.mb_forward_s.get(mb, c.forward_s)
@@ -346,7 +351,7 @@ class _Replay:
         else:
             dur = c.mb_backward_s.get(mb, c.backward_s) - (w if self.split[s] else 0.0)
             end = start + dur
-            self._add(s, start, c.transient_bytes)
+            self._add(s, start, extra)
             if not self.split[s]:
                 self._add(s, end, -held)
         self.busy[s] += dur
