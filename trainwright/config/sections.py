@@ -209,7 +209,8 @@ class MemoryConfig(Section):
 
     limit: Any = ""  # a size, "auto", or a list: checked by Config.stage_limits
     """Activation bytes each stage may hold: ``"512MB"``, ``536870912``, a list with one
-    value per stage, ``"auto"`` (CUDA: device memory minus ``reserve``), or ``""`` for none."""
+    value per stage, ``"auto"`` (CUDA: device memory minus ``reserve``), or ``""`` for none.
+    With several chunks per rank (``parallel.virtual_stages``): per rank, all its chunks."""
     planner: Literal["greedy", "optimal"] = "greedy"
     """``"greedy"`` (seed 000's rule) or ``"optimal"`` (MILP, scipy HiGHS)."""
     policies: list[str] = []
