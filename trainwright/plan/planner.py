@@ -22,6 +22,13 @@ or meta), a schedule, a device topology and memory budgets, and returns a
    intervals from the chosen plan's replay, place again, simulate again; stop when the
    step time no longer improves.
 
+With ``virtual_stages = v > 1`` (interleaved 1F1B, ZB-V) the model is cut into ``pp * v``
+stages, placed on the ranks by the schedule
+(:func:`~trainwright.schedule.actions.stage_ranks`); costs are per model stage (the
+simulator replays each rank's list with its chunks' rows), budgets, in-flight counts
+(per chunk: :class:`~trainwright.plan.memory.ChunkInFlight`) and placement per rank, and
+peer swap is not planned.
+
 Pure: no torch (profiles are plain rows with ``forward_s, backward_s, input_bytes,
 output_bytes, param_bytes, tensors``).
 """
