@@ -216,3 +216,16 @@ def test_simulated_memory_holds_each_chunks_bytes_and_what_waits_for_w(schedule,
                 cur -= held[a.stage] + back[a.stage]
             peak = max(peak, cur)
         assert r.own_peak_bytes[rank] == peak, (schedule, rank)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--schedule", "1f1b", "--virtual-stages", "2"], "goes with --schedule interleaved"),
+    (["--schedule", "zb-v", "--virtual-stages", "3"], "exactly 2 chunks per rank"),
+    (["--schedule", IL, "--virtual-stages", "1"], "needs 2 or more chunks")])
+def test_cli_plan_refuses_virtual_stages_that_do_not_fit_the_schedule(args, needle, capsys,
+                                                                     tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--meta", "--pp", "2", *args, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()

@@ -74,6 +74,21 @@ def _pp_options(args, n_devices: int, n_layers: int, node: int) -> list[int]:
     return out[-4:] or [1]
 
 
+def _check_virtual_stages(schedule: str, v: int | None) -> None:
+    """``--virtual-stages`` fits the schedule: 2 or more for interleaved 1F1B, 2 for ZB-V,
+    not given otherwise (``auto`` chooses it)."""
+    if v is None:
+        return
+    if schedule == "interleaved-1f1b" and v < 2:
+        raise ConfigError(f"--virtual-stages {v}: interleaved-1f1b needs 2 or more chunks "
+                          f"per rank")
+    if schedule == "zb-v" and v != 2:
+        raise ConfigError(f"--virtual-stages {v}: zb-v places exactly 2 chunks per rank")
+    if schedule not in ("interleaved-1f1b", "zb-v"):
+        raise ConfigError(f"--virtual-stages goes with --schedule interleaved-1f1b or zb-v, "
+                          f"not {schedule} (auto tries 2 to 4 chunks itself)")
+
+
 def cmd_plan(args: argparse.Namespace) -> dict:
     """``trainwright plan``: the plan as data (also written to ``args.json`` when given)."""
     from trainwright.observe.telemetry import atomic_write_text
@@ -83,6 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> dict:
 
     if args.model not in PRESET_MODELS:
         raise ConfigError(f"--model {args.model!r}: choose one of {sorted(PRESET_MODELS)}")
+    _check_virtual_stages(args.schedule, args.virtual_stages)
     topo = _topology(args)
     n_dev = topo.node_size * max(args.nodes, 1)
     t0 = time.perf_counter()
