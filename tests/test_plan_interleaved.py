@@ -148,6 +148,10 @@ def test_auto_picks_zb_v_when_its_bubble_is_least_and_the_config_runs():
     step = {(t["schedule"], t["virtual_stages"]): t["step_s"] for t in tried}
     assert step[("zb-v", 2)] == pytest.approx(25.5)
     assert step[(IL, 2)] == pytest.approx(28.5) and step[("1f1b", 1)] == pytest.approx(33)
+    one_pass = [c for c in cands if c[0] not in ("zb-h1", "zb-h2", "zb-v")]
+    il, _ = best_plan(_request(rows, "1f1b", 4, 8), one_pass)  # without a split backward
+    assert (il.schedule, il.virtual_stages) == (IL, 4)
+    assert il.sim.step_s == pytest.approx(24 + 3 * 3 / 4)  # 3m + 3(p - 1) / v
     keys = plan.to_dict()["config"]
     overrides = [f"{k}={json.dumps(x)}" for k, x in keys.items()]
     cfg = load_config(None, [*overrides, "model.n_blocks=14", "train.batch_size=32"])
