@@ -247,7 +247,7 @@ def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict
         out["deepspeed_error"] = rows[DEEPSPEED]["error"]
     one = rows.get("trainwright_1f1b", {})
     zb = {k: rows[k]["bubble_fraction"] / one["bubble_fraction"]
-          for k in ("trainwright_zb-h1", "trainwright_zb-h2")
+          for k in ("trainwright_zb-h1", "trainwright_zb-h2", "trainwright_zb-v")
           if "bubble_fraction" in rows.get(k, {}) and one.get("bubble_fraction")}
     if zb:
         out["zb_bubble_vs_1f1b_per_schedule"] = {k: round(v, 4) for k, v in zb.items()}
