@@ -38,6 +38,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -153,8 +154,20 @@ def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBen
             runs.append(res)
             Path(out_path).write_text(json.dumps({"rank": rank, "runs": runs,
                                                   "step_times_s": []}))
+            if rank == 0:
+                _progress(i + 1, len(plan), res)
     finally:
         dist.destroy_process_group()
+
+
+def _progress(done: int, total: int, res: dict) -> None:
+    """One line on stderr per finished run (the whole bench takes up to an hour)."""
+    times = res.get("step_times_s") or []
+    what = res["error"][:80] if "error" in res else (
+        f"median step {1e3 * statistics.median(times):.1f} ms" if times else "done")
+    print(f"bench pipeline: {done}/{total} round {res['round'] + 1}, {res['micro_batches']} "
+          f"micro-batches, {res['system']}: {what} ({res['wall_s']:.0f} s)",
+          file=sys.stderr, flush=True)
 
 
 def _deepspeed(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec) -> dict:
