@@ -40,9 +40,16 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
     assert best_o == min((k for k in step if k.startswith("trainwright_")), key=step.get)
     assert best_t == min((k for k in step if k.startswith("torch_pipelining_")), key=step.get)
     again = paired(rows[best_t]["step_ms_per_round"], rows[best_o]["step_ms_per_round"])
+    assert res["screen_ratio_vs_best_torch"] == pytest.approx(again["ratio"], rel=2e-3)
+    # the headline comes from the head-to-head phase: those two only, back to back
+    h2h = res["head_to_head"]
+    assert h2h["systems"] == [best_o, best_t] and h2h["rounds"] == 2
+    per = h2h["step_ms_per_round"]
+    again = paired(per[best_t], per[best_o])
     assert res["ratio_vs_best_torch"] == pytest.approx(again["ratio"], rel=2e-3)
     assert len(res["paired_ratios"]) == 2 and "relative_half_range" in res["ratio_spread"]
     assert result["ratio_vs_best_torch"]["4"] == res["ratio_vs_best_torch"]
+    assert res["step_vs_compute_bound"] == h2h["step_vs_compute_bound"] > 0
     for name in ("trainwright_1f1b", "trainwright_zb-h1"):
         assert 0 <= rows[name]["bubble_fraction"] < 1
         assert len(rows[name]["idle_s_per_rank"]) == 2

@@ -94,7 +94,13 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
         fused, fused_held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=split, fast=True)
         for a, b in zip(base, fused, strict=True):
             torch.testing.assert_close(a, b)
-        assert (held, fused_held) == (4 * 2, 1 * 2)  # 4 layers: one segment per micro-batch
+        # 4 layers, 2 segments per micro-batch: the embedding alone (its input, token ids,
+        # needs no gradient: fused with the blocks, B would leave their whole backward to W)
+        assert (held, fused_held) == (4 * 2, 2 * 2)
+    stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())],
+                  ActivationStore(), LayerProfiler(), is_first=False)
+    stage.fast = True
+    assert stage._runs() == [[0, 1, 2, 3]]  # not the model's first layer: one run
     # a swap layer in the middle splits the fused run in two
     store = ActivationStore()
     stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())], store,

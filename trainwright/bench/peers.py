@@ -205,11 +205,27 @@ def torch_stage_ids(schedule: str, rank: int, world_size: int) -> list[int]:
 
 
 def chunk_split(split: list[int], chunks_per_stage: int) -> list[int]:
-    """Cut each of ``split``'s stages into ``chunks_per_stage`` runs of layers (the first
-    runs one longer when it does not divide): ``[5, 5]`` by 2 -> ``[3, 2, 3, 2]``."""
+    """Cut the model ``[embed, blocks..., head]`` into ``len(split) * chunks_per_stage``
+    chunks holding equal numbers of blocks, the embedding joining the first chunk and the
+    head the last: ``[5, 5]`` by 2 -> ``[3, 2, 2, 3]``.
+
+    This is how a user of a multi-chunk schedule balances it. Looped placement (chunks
+    ``r`` and ``r + p`` on rank ``r``) then gives every rank the blocks it has under
+    ``split``; V-shaped placement (chunks ``r`` and ``2p - 1 - r``) gives rank 0 the same
+    blocks plus the embedding and the head. Cutting each stage of ``split`` in two instead
+    (``[3, 2, 3, 2]``) would put 5 blocks on one rank and 3 on the other.
+
+    With fewer blocks than chunks (tiny test models) each stage of ``split`` is cut in
+    ``chunks_per_stage`` runs of layers instead.
+    """
+    n = len(split) * chunks_per_stage
+    blocks = sum(split) - 2
+    if blocks >= n:
+        base, extra = divmod(blocks, n)
+        return [base + (i < extra) + (i == 0) + (i == n - 1) for i in range(n)]
     out = []
-    for n in split:
-        base, extra = divmod(n, chunks_per_stage)
+    for layers in split:
+        base, extra = divmod(layers, chunks_per_stage)
         out += [base + (i < extra) for i in range(chunks_per_stage)]
     if min(out) < 1:
         raise ValueError(f"split {split} has a stage with fewer than {chunks_per_stage} layers")
@@ -223,9 +239,9 @@ def torch_pipelining_worker(
     """Train the benchmark workload with a ``torch.distributed.pipelining`` schedule on one rank.
 
     With ``Schedule1F1B`` stage ``rank`` holds ``spec.stage_layers(rank)``; the multi-chunk
-    schedules cut every stage of ``spec.split`` in two (:func:`chunk_split`: 4 stages on 2
-    ranks, placed by :func:`torch_stage_ids`), so each rank's total work is the same as
-    in 1F1B for the looped schedules. Each chunk is an ``nn.Sequential`` in a manual
+    schedules cut the model in ``2 * world_size`` chunks of equal blocks (:func:`chunk_split`:
+    4 stages on 2 ranks, placed by :func:`torch_stage_ids`), so each rank holds the blocks
+    it holds in 1F1B. Each chunk is an ``nn.Sequential`` in a manual
     ``PipelineStage`` (the first takes the token ids, the last returns logits), with
     ``spec.micro_batches`` micro-batches and plain SGD. Each step's time is taken with
     ``time.perf_counter()`` from just after a barrier to after ``optimizer.step()``.

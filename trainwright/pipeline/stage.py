@@ -142,12 +142,16 @@ class Stage:
 
     def _runs(self) -> list[list[int]]:
         """Positions of the slots, grouped into the segments a forward makes: one per
-        layer, or on a fast step (:attr:`fast`) runs of consecutive ``keep`` layers."""
+        layer, or on a fast step (:attr:`fast`) runs of consecutive ``keep`` layers (the
+        model's first layer always alone)."""
         runs: list[list[int]] = []
         fusable_prev = False
         for i, slot in enumerate(self.slots):
+            # the first stage's first layer (its inputs need no gradient) stays alone: fused
+            # with the layers after it, a split backward would find no input gradient to
+            # compute and leave the whole segment's backward to W
             fusable = (self.fast and self.store.policy(slot.index) == "keep"
-                       and slot.index not in self.record_rng)
+                       and slot.index not in self.record_rng and not (self.is_first and i == 0))
             if fusable and fusable_prev:
                 runs[-1].append(i)
             else:
