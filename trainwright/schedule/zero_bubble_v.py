@@ -6,11 +6,12 @@ up, and rank 0 holds both the first stage and the loss. Stages ``p - 1`` and ``p
 rank ``p - 1``: their hand-over stays on the rank (the executor passes it locally).
 The backward is split into ``B`` and ``W`` as in ZB-H1/H2 (:mod:`.zero_bubble`).
 
-Each rank's order comes from a unit-cost list-scheduling dry run (``F = B = W = 1``, free
-communication): a free rank takes, in order of preference, a ready ``B`` (oldest
-micro-batch, later stage first), a ready forward of its second chunk, a ready forward of
-its first chunk while it holds fewer than ``2p`` chunk micro-batches (forwarded, ``W`` not
-done: about 1F1B's activation memory, in halves), else its oldest pending ``W``.
+Each rank's order comes from a list-scheduling dry run (``F = B = W``, a hand-over to
+another rank costing half an action, see ``LATENCY``): a free rank takes, in order of
+preference, a ready ``B`` (oldest micro-batch, later stage first), a ready forward of its
+second chunk, a ready forward of its first chunk while it holds fewer than ``2p`` chunk
+micro-batches (forwarded, ``W`` not done: about 1F1B's activation memory, in halves),
+else its oldest pending ``W``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from trainwright.errors import PlanError
 from trainwright.schedule.base import Action
 
 __all__ = ["zb_v", "v_rank_of"]
+
+
+COST, LATENCY = 2, 1
+"""Dry-run ticks per action and per hand-over to another rank. Under unit costs and free
+communication the steady state's dependency loop (a micro-batch's ``B`` down the V and the
+next ``F`` back) exactly fills a rank's cycle, so any real latency, or a ``B`` dearer than a
+``W``, stalls both ranks every micro-batch: measured on the pipeline bench (2 ranks, 8
+micro-batches) step / compute bound 1.08-1.09. Pricing a hand-over at half an action
+makes the dry run keep slack in that loop: 1.04-1.06 on the same work."""
 
 
 def v_rank_of(stage: int, n_ranks: int) -> int:
@@ -40,10 +50,10 @@ def _order(p: int, m: int) -> list[list[tuple[str, int, int]]]:
                 kind, s = pick
                 mb = nxt[(kind, s)]
                 nxt[(kind, s)] += 1
-                done[(kind, s, mb)] = t + 1
+                done[(kind, s, mb)] = t + COST
                 order[r].append((kind, s, mb))
         t += 1
-        if t > 10 * total + 10:  # pragma: no cover - the rules always leave a move
+        if t > 10 * COST * total + 10:  # pragma: no cover - the rules always leave a move
             raise PlanError("ZB-V dry run made no progress")
     return order
 
@@ -53,8 +63,9 @@ def _pick(r: int, p: int, m: int, t: int, done: dict, nxt: dict) -> tuple[str, i
     n = 2 * p
     first, second = r, n - 1 - r
 
-    def ready(key) -> bool:
-        return key in done and done[key] <= t
+    def ready(key) -> bool:  # a hand-over from another rank arrives LATENCY later
+        lag = 0 if v_rank_of(key[1], p) == r else LATENCY
+        return key in done and done[key] + lag <= t
 
     if any(end > t for (_, s, _), end in done.items() if v_rank_of(s, p) == r):
         return None  # busy
