@@ -148,3 +148,41 @@ def test_step_time_is_the_slowest_rank_after_warmup():
     results = [{"step_times_s": [9.0, 1.0, 3.0]}, {"step_times_s": [8.0, 2.0, 1.0]}]
     assert step_time_s(results, warmup=1) == [2.0, 3.0]
     assert step_time_s(results, warmup=3) == []
+
+
+_ORPHAN = """
+import multiprocessing as mp, os, sys, time
+from trainwright.bench.peers import _exit_with_parent
+
+def child():
+    _exit_with_parent(poll_s=0.05)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=child)
+    p.start()
+    time.sleep(2.0)  # the child is up and watching
+    print(p.pid, flush=True)
+    os._exit(0)  # the parent dies without joining or killing it
+"""
+
+
+@pytest.mark.timeout(60)
+def test_bench_rank_exits_when_its_parent_dies(tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=40, check=True)
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid), "the orphaned bench rank kept running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

@@ -89,3 +89,29 @@ def test_pipeline_equals_single_process(tiny, world):
             _check_held_microbatches(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc
+
+
+def _trainers_release_groups(rank: int, world: int, jobs: list[tuple[Config, str]]) -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    from trainwright.run.trainer import Trainer
+
+    before = len(c10d._world.pg_map)
+    for cfg, run_dir in jobs:
+        trainer = Trainer(cfg, Path(run_dir))
+        trainer.fit()
+        assert len(c10d._world.pg_map) > before  # its pipeline, control and replica groups
+        trainer.close()
+        assert trainer.topo.pp_group is None and trainer.topo.dp_group is None
+        assert len(c10d._world.pg_map) == before, "a closed trainer left process groups"
+
+
+@pytest.mark.timeout(120)
+def test_closed_trainer_releases_its_process_groups(tiny):
+    # a benchmark builds ~90 trainers in two processes: each must give its groups back
+    cfgs = [tiny(**{"parallel.pp": 2, "train.schedule": '"1f1b"'}),
+            tiny(**{"parallel.pp": 2, "train.schedule": '"zb-v"', "parallel.virtual_stages": 2})]
+    dirs = [create_run_dir(c) for c in cfgs]
+    run_workers(_trainers_release_groups, 2, list(zip(cfgs, map(str, dirs), strict=True)),
+                timeout_s=100)
+

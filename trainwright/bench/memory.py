@@ -173,8 +173,10 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
             if rank == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
             coll.barrier()
-            Trainer(cfg, run_dir).fit()
+            trainer = Trainer(cfg, run_dir)
+            trainer.fit()
             m.stop_steps()
+            trainer.close()
             coll.barrier()
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             out.append(_run_record(name, rows, m.peak_bytes, rank, world_size, spec))

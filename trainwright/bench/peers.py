@@ -61,6 +61,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -571,6 +572,20 @@ def _system_name(worker_fn: Callable[..., Any], worker_kwargs: dict[str, Any]) -
     return str(getattr(inner, "__name__", repr(worker_fn)))
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this rank when the process that spawned it is gone (killed bench, closed shell):
+    an orphaned rank would otherwise run the rest of an hour-long plan on its own."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.error("bench rank: parent process %d is gone; exiting", parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _rank_entry(
     rank: int,
     worker_fn: Callable[..., None],
@@ -581,6 +596,7 @@ def _rank_entry(
     worker_kwargs: dict[str, Any],
 ) -> None:
     """Spawn target: run ``worker_fn`` for ``rank`` with its own output file."""
+    _exit_with_parent()
     worker_fn(
         rank,
         world_size,

@@ -124,7 +124,9 @@ def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> d
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
     coll.barrier()
-    Trainer(cfg, run_dir).fit()
+    trainer = Trainer(cfg, run_dir)
+    trainer.fit()
+    trainer.close()  # the bench builds ~90 trainers in these two processes
     if rank != 0:
         return {}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

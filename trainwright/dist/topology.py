@@ -31,6 +31,15 @@ class Topology:
     """A second group over this rank's pipeline for control traffic (re-partition plans,
     layer migration), so its messages never queue behind activations on the data group."""
 
+    def destroy(self) -> None:
+        """Destroy this rank's groups. A process that builds many trainers in turn (a
+        benchmark, a test session) would otherwise keep every one's connections and threads."""
+        groups = {id(g): g for g in (self.pp_group, self.ctrl_group, self.dp_group)
+                  if g is not None}
+        for g in groups.values():
+            dist.destroy_process_group(g)
+        self.pp_group = self.ctrl_group = self.dp_group = None
+
     @property
     def world_size(self) -> int:
         """``pp * dp``."""

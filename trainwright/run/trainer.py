@@ -114,6 +114,7 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = device or torch.device("cpu")
         self.watchdog, self.outputs = watchdog, outputs
+        self._own_mesh = mesh is None
         self.topo = mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
         self.build_layers = layers or (lambda: build_layers(cfg))
         self.data = data if data is not None else build_data(cfg)
@@ -499,6 +500,12 @@ class Trainer:
         if dist.is_initialized():
             coll.barrier()
         return self.recorder.loss if self.recorder is not None else None
+
+    def close(self) -> None:
+        """Release the process groups this trainer created (not a ``mesh`` it was given);
+        call after :meth:`fit` when the process goes on to build another trainer."""
+        if self._own_mesh and dist.is_initialized():
+            self.topo.destroy()
 
     # ------------------------------------------------------------------ helpers
     def _gather(self, obj) -> list | None:

@@ -162,14 +162,18 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     """Run one training job on the already initialised default process group.
 
     Every rank of the group calls this with the same arguments; it may be called several
-    times in one process group (tests do), each call building its own mesh groups. A thin
-    wrapper of :class:`~trainwright.run.trainer.Trainer`.
+    times in one process group (tests do), each call building its own mesh groups and
+    destroying them when training ends. A thin wrapper of
+    :class:`~trainwright.run.trainer.Trainer`.
 
     Returns:
         The last step's mean loss on rank 0, None on other ranks.
     """
-    return Trainer(cfg, run_dir, device=device, resume=resume, watchdog=watchdog,
-                   fault_rank=fault_rank).fit()
+    trainer = Trainer(cfg, run_dir, device=device, resume=resume, watchdog=watchdog,
+                      fault_rank=fault_rank)
+    loss = trainer.fit()
+    trainer.close()
+    return loss
 
 
 def main(argv: list[str] | None = None) -> int:
