@@ -219,3 +219,21 @@ def test_load_metrics_dedupes_and_ignores_unknown(tmp_path: Path) -> None:
 def test_missing_run_dir(tmp_path: Path) -> None:
     with pytest.raises(NotADirectoryError):
         write_report(tmp_path / "nope")
+
+
+@pytest.mark.timeout(30)
+def test_progress_to_a_log_file_prints_plain_lines(capsys) -> None:
+    from trainwright.observe.progress import RunProgress, StepProgress
+
+    runs = RunProgress("bench pipeline", 3)  # pytest's stderr is not a terminal
+    for i in range(1, 4):
+        runs.update(i, f"run {i}: median step 1.0 ms")
+    runs.close()
+    steps = StepProgress(total=20)
+    for step in range(1, 21):
+        steps.update(step, 2.0 / step, 10.0)
+    steps.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == [f"bench pipeline: {i}/3 run {i}: median step 1.0 ms" for i in (1, 2, 3)]
+    assert lines[3:] == [f"step {s}/20  loss {2.0 / s:.4f}  10.0 samples/s"
+                         for s in range(2, 21, 2)]  # every tenth of the run, and the last

@@ -48,7 +48,6 @@ import dataclasses
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -61,6 +60,7 @@ from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.config import Config, load_config
 from trainwright.dist import collective as coll
+from trainwright.observe.progress import RunProgress
 
 __all__ = ["OUR_SCHEDULES", "spec_config", "trace_steps", "run", "main"]
 
@@ -145,6 +145,7 @@ def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBen
     torch.set_num_threads(spec.threads_per_rank)
     peers.init_process_group(rank, world_size, master_port)
     runs = []
+    progress = RunProgress("bench pipeline", len(plan)) if rank == 0 else None
     try:
         for i, (rnd, m, system) in enumerate(plan):
             sp = dataclasses.replace(spec, micro_batches=m)
@@ -166,20 +167,21 @@ def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBen
             runs.append(res)
             Path(out_path).write_text(json.dumps({"rank": rank, "runs": runs,
                                                   "step_times_s": []}))
-            if rank == 0:
-                _progress(i + 1, len(plan), res)
+            if progress is not None:
+                progress.update(i + 1, _progress_text(res))
     finally:
+        if progress is not None:
+            progress.close()
         dist.destroy_process_group()
 
 
-def _progress(done: int, total: int, res: dict) -> None:
-    """One line on stderr per finished run (the whole bench takes up to an hour)."""
+def _progress_text(res: dict) -> str:
+    """One run's result for the progress bar (the whole bench takes up to an hour)."""
     times = res.get("step_times_s") or []
     what = res["error"][:80] if "error" in res else (
         f"median step {1e3 * statistics.median(times):.1f} ms" if times else "done")
-    print(f"bench pipeline: {done}/{total} round {res['round'] + 1}, {res['micro_batches']} "
-          f"micro-batches, {res['system']}: {what} ({res['wall_s']:.0f} s)",
-          file=sys.stderr, flush=True)
+    return (f"round {res['round'] + 1}, {res['micro_batches']} micro-batches, "
+            f"{res['system']}: {what} ({res['wall_s']:.0f} s)")
 
 
 def _deepspeed(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec) -> dict:

@@ -1,4 +1,4 @@
-"""The console progress bar shown by rank 0: step, loss, samples/s."""
+"""Console progress bars: training steps (step, loss, samples/s) and a benchmark's runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-__all__ = ["StepProgress"]
+__all__ = ["RunProgress", "StepProgress"]
 
 
 class StepProgress:
@@ -55,3 +55,38 @@ class StepProgress:
         """Stop redrawing."""
         if self._bar is not None:
             self._bar.stop()
+
+
+class RunProgress:
+    """A rich progress bar over a benchmark's runs, showing the last one's result (one plain
+    line per run when stderr is not a terminal, e.g. a log file).
+
+    Args:
+        title: what runs, e.g. ``"bench pipeline"``.
+        total: number of runs.
+    """
+
+    def __init__(self, title: str, total: int):
+        self._console, self._title, self._total = Console(file=sys.stderr), title, total
+        self._bar = None
+        if self._console.is_terminal:
+            self._bar = Progress(
+                TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(),
+                TimeRemainingColumn(), TextColumn("{task.fields[last]}"),
+                console=self._console, transient=False)
+            self._task = self._bar.add_task(title, total=total, last="")
+            self._bar.start()
+
+    def update(self, done: int, text: str) -> None:
+        """Show that ``done`` runs have finished, the last with result ``text``."""
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, last=text)
+        else:
+            self._console.print(f"{self._title}: {done}/{self._total} {text}", highlight=False,
+                                soft_wrap=True)
+
+    def close(self) -> None:
+        """Stop redrawing."""
+        if self._bar is not None:
+            self._bar.stop()
+
