@@ -154,27 +154,35 @@ _ORPHAN = """
 import multiprocessing as mp, os, sys, time
 from trainwright.bench.peers import _exit_with_parent
 
-def child():
+def child(ready):
     _exit_with_parent(poll_s=0.05)
+    open(ready, "w").close()
     time.sleep(60)
 
 if __name__ == "__main__":
-    p = mp.get_context("spawn").Process(target=child)
+    ready = sys.argv[1]
+    p = mp.get_context("spawn").Process(target=child, args=(ready,))
     p.start()
-    time.sleep(2.0)  # the child is up and watching
+    if sys.argv[2] == "late":  # die while the child may still be importing
+        time.sleep(0.2)
+    else:
+        while not os.path.exists(ready):
+            time.sleep(0.05)
     print(p.pid, flush=True)
     os._exit(0)  # the parent dies without joining or killing it
 """
 
 
-@pytest.mark.timeout(60)
-def test_bench_rank_exits_when_its_parent_dies(tmp_path):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("when", ["watching", "late"])
+def test_bench_rank_exits_when_its_parent_dies(tmp_path, when):
     script = tmp_path / "orphan.py"
     script.write_text(_ORPHAN)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=40, check=True)
-    pid = int(out.stdout.split()[-1])
-    deadline = time.monotonic() + 10
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "ready"), when],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pid = int(proc.stdout.readline())  # the child inherits the pipe: read one line only
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 60  # a late child first finishes importing torch
     while time.monotonic() < deadline and _alive(pid):
         time.sleep(0.1)
     assert not _alive(pid), "the orphaned bench rank kept running"

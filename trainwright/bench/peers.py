@@ -574,8 +574,14 @@ def _system_name(worker_fn: Callable[..., Any], worker_kwargs: dict[str, Any]) -
 
 def _exit_with_parent(poll_s: float = 1.0) -> None:
     """End this rank when the process that spawned it is gone (killed bench, closed shell):
-    an orphaned rank would otherwise run the rest of an hour-long plan on its own."""
-    parent = os.getppid()
+    an orphaned rank would otherwise run the rest of an hour-long plan on its own.
+
+    The parent is the one multiprocessing recorded at spawn, not ``os.getppid()`` now: a
+    parent that died while this rank was still importing torch would read as init."""
+    import multiprocessing
+
+    spawner = multiprocessing.parent_process()
+    parent = spawner.pid if spawner is not None else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
