@@ -45,10 +45,13 @@ def _skip_layers() -> list[nn.Module]:
     return copy.deepcopy(_exported())
 
 
-def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool = False):
+def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool = False,
+           first: bool = False):
+    # first=False: integer inputs need no gradient either way, and a first stage would defer
+    # its whole backward to W (tested on its own below), never splitting it
     store = ActivationStore()
     slots = [LayerSlot(i, f"l{i}", m) for i, m in enumerate(layers)]
-    stage = Stage(slots, store, LayerProfiler(), is_first=True, loss_fn=loss,
+    stage = Stage(slots, store, LayerProfiler(), is_first=first, loss_fn=loss,
                   loss_scale=1 / len(inputs))
     store.set_policies({i: policy for i in range(len(layers))})
     stage.fast = fast
@@ -94,13 +97,7 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
         fused, fused_held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=split, fast=True)
         for a, b in zip(base, fused, strict=True):
             torch.testing.assert_close(a, b)
-        # 4 layers, 2 segments per micro-batch: the embedding alone (its input, token ids,
-        # needs no gradient: fused with the blocks, B would leave their whole backward to W)
-        assert (held, fused_held) == (4 * 2, 2 * 2)
-    stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())],
-                  ActivationStore(), LayerProfiler(), is_first=False)
-    stage.fast = True
-    assert stage._runs() == [[0, 1, 2, 3]]  # not the model's first layer: one run
+        assert (held, fused_held) == (4 * 2, 1 * 2)  # 4 layers, one segment per micro-batch
     # a swap layer in the middle splits the fused run in two
     store = ActivationStore()
     stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())], store,
@@ -108,6 +105,33 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
     store.set_policies({1: "swap"})
     stage.fast = True
     assert stage._runs() == [[0], [1], [2, 3]]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fast", [False, True])
+def test_first_stage_defers_its_backward_to_w(fast):
+    """Nobody waits for the first stage's input gradients: its B does nothing and its W runs
+    one unsplit backward, with the gradients of the unsplit reference."""
+    xs = [torch.randint(0, 64, (2, 8)) for _ in range(2)]
+    ys = [torch.randint(0, 64, (2, 8)) for _ in range(2)]
+    ce = lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    base, _ = _grads(_gpt_layers(), xs, ys, ce, "keep", split=False)
+    store = ActivationStore()
+    stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())], store,
+                  LayerProfiler(), is_first=True, loss_fn=ce, loss_scale=1 / len(xs))
+    stage.fast = fast
+    for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        stage.forward(mb, (x,), y)
+    held = store.held()
+    for mb in range(len(xs)):
+        assert stage.backward(mb, split=True) == (None,)
+    assert store.held() == held  # B touched nothing
+    assert all(p.grad is None for p in stage.parameters())
+    for mb in range(len(xs)):
+        stage.backward_weight(mb)
+    assert store.held() == [] and store.bytes == 0
+    for a, b in zip(base, stage.parameters(), strict=True):
+        torch.testing.assert_close(a, b.grad)
 
 
 @pytest.mark.timeout(180)

@@ -75,6 +75,9 @@ class Stage:
         no plan needs per-layer figures and no policy change or migration is pending)."""
         self._weight_work: dict[int, list] = {}
         """Micro-batch -> segments whose weight gradients (W) are still to compute."""
+        self._deferred: dict[int, tuple | None] = {}
+        """First stage under a split backward: micro-batch -> its output gradients, kept by
+        B for W to run the whole backward at once (see :meth:`backward`)."""
         self.autocast: Callable | None = None
         """Mixed precision: a factory of the autocast context every layer's forward (and
         recompute) runs in; the loss is then taken in fp32. None: full precision."""
@@ -142,16 +145,12 @@ class Stage:
 
     def _runs(self) -> list[list[int]]:
         """Positions of the slots, grouped into the segments a forward makes: one per
-        layer, or on a fast step (:attr:`fast`) runs of consecutive ``keep`` layers (the
-        model's first layer always alone)."""
+        layer, or on a fast step (:attr:`fast`) runs of consecutive ``keep`` layers."""
         runs: list[list[int]] = []
         fusable_prev = False
         for i, slot in enumerate(self.slots):
-            # the first stage's first layer (its inputs need no gradient) stays alone: fused
-            # with the layers after it, a split backward would find no input gradient to
-            # compute and leave the whole segment's backward to W
             fusable = (self.fast and self.store.policy(slot.index) == "keep"
-                       and slot.index not in self.record_rng and not (self.is_first and i == 0))
+                       and slot.index not in self.record_rng)
             if fusable and fusable_prev:
                 runs[-1].append(i)
             else:
@@ -234,6 +233,12 @@ class Stage:
         Returns:
             Gradients of the stage's inputs (None where an input needs no gradient).
         """
+        if split and self.is_first:
+            # nobody waits for the first stage's input gradients (token ids need none), so
+            # its B defers everything to W, which runs one unsplit backward: B + W in two
+            # passes costs more than one (torch's pipelining does the same on stage 0)
+            self._deferred[mb] = grads
+            return (None,)
         # the layers holding a segment of mb: normally every slot; during a migration, layers
         # shipped away are skipped and layers received (or retiring) are included
         known = {s.index: s for s in [*self.slots, *self.retiring.values()]}
@@ -282,6 +287,9 @@ class Stage:
     def backward_weight(self, mb: int) -> None:
         """W of micro-batch ``mb``: weight gradients left by :meth:`backward` with ``split``;
         releases its segments."""
+        if mb in self._deferred:
+            self.backward(mb, self._deferred.pop(mb))
+            return
         for seg, work, transient, b_s in self._weight_work.pop(mb, []):
             t0 = time.perf_counter()
             backward_weight(work)

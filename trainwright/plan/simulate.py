@@ -331,13 +331,16 @@ class _Replay:
     def _run_compute(self, s: int, a, start: float) -> float:
         """``F``/``B``/``W``: compute time, memory, and the host swap's copy out after ``F``.
 
-        With ``W`` actions (zero bubble) ``B`` takes ``backward_s - weight_s`` and the
-        micro-batch's bytes stay held until its ``W`` ends."""
+        With ``W`` actions (zero bubble) ``B`` takes ``backward_s - weight_s`` (nothing on
+        the first stage, whose ``W`` runs the whole backward) and the micro-batch's bytes
+        stay held until its ``W`` ends."""
         mb, c = a.mb, self._cost(s, a)
         # a split backward keeps what B brought back (every layer's) until W
         extra = (c.w_held_bytes or c.transient_bytes) if self.split[s] else c.transient_bytes
         held = c.held_bytes + extra + sum(c.peer_bytes.values())
         w = c.weight_s or c.backward_s / 2
+        if a.stage == 0:  # the first stage's B defers all its work to W (Stage.backward)
+            w = c.mb_backward_s.get(mb, c.backward_s)
         if a.kind == "F":
             dur = c.mb_forward_s.get(mb, c.forward_s)
             end = start + dur

@@ -6,12 +6,19 @@ up, and rank 0 holds both the first stage and the loss. Stages ``p - 1`` and ``p
 rank ``p - 1``: their hand-over stays on the rank (the executor passes it locally).
 The backward is split into ``B`` and ``W`` as in ZB-H1/H2 (:mod:`.zero_bubble`).
 
-Each rank's order comes from a list-scheduling dry run (``F = B = W``, a hand-over to
-another rank costing half an action, see ``LATENCY``): a free rank takes, in order of
-preference, a ready ``B`` (oldest micro-batch, later stage first), a ready forward of its
-second chunk, a ready forward of its first chunk while it holds fewer than ``2p`` chunk
-micro-batches (forwarded, ``W`` not done: about 1F1B's activation memory, in halves),
-else its oldest pending ``W``.
+Each rank's order is the one the paper lays out (torch's ``ScheduleZBVZeroBubble`` runs
+the same): rank ``r`` first forwards ``2(p - r) - 1`` micro-batches on its first chunk, then
+``r`` pairs of forwards (second chunk, first chunk), then ``p - r`` rounds of ``F B W`` on its
+second chunk; the steady state alternates ``F B W`` on the first chunk and on the second,
+``W`` straight after its ``B``; the cool-down finishes the ``B`` passes and then the ``W``
+passes. On the first stage ``B`` does nothing and ``W`` runs the whole backward (nobody
+waits for that stage's input gradients; see :meth:`trainwright.pipeline.stage.Stage.backward`).
+
+[Note: why not a dry run] An earlier order came from a list-scheduling dry run under unit
+costs. On the pipeline bench (2 ranks, 8 micro-batches) it left each rank idle 6-10 % of the
+step (a ``B`` costs more than an ``F`` or a ``W``, and every hand-over has latency, which
+unit costs do not see); the paper's order, with ``W`` right after ``B``, keeps slack in the
+loop between the ranks and idled 3-5 %.
 """
 
 from __future__ import annotations
@@ -22,68 +29,58 @@ from trainwright.schedule.base import Action
 __all__ = ["zb_v", "v_rank_of"]
 
 
-COST, LATENCY = 2, 1
-"""Dry-run ticks per action and per hand-over to another rank. Under unit costs and free
-communication the steady state's dependency loop (a micro-batch's ``B`` down the V and the
-next ``F`` back) exactly fills a rank's cycle, so any real latency, or a ``B`` dearer than a
-``W``, stalls both ranks every micro-batch: measured on the pipeline bench (2 ranks, 8
-micro-batches) step / compute bound 1.08-1.09. Pricing a hand-over at half an action
-makes the dry run keep slack in that loop: 1.04-1.06 on the same work."""
-
-
 def v_rank_of(stage: int, n_ranks: int) -> int:
     """The rank holding virtual stage ``stage`` in the V placement."""
     return stage if stage < n_ranks else 2 * n_ranks - 1 - stage
 
 
 def _order(p: int, m: int) -> list[list[tuple[str, int, int]]]:
-    """Every rank's compute order ``(kind, stage, mb)`` from the unit-cost dry run."""
-    n = 2 * p
-    done: dict[tuple[str, int, int], int] = {}  # -> end time
-    order: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
-    nxt = {(k, s): 0 for k in "FBW" for s in range(n)}  # next micro-batch per kind, stage
-    t, total = 0, 3 * n * m
-    while len(done) < total:
-        for r in range(p):
-            pick = _pick(r, p, m, t, done, nxt)
-            if pick is not None:
-                kind, s = pick
-                mb = nxt[(kind, s)]
-                nxt[(kind, s)] += 1
-                done[(kind, s, mb)] = t + COST
-                order[r].append((kind, s, mb))
-        t += 1
-        if t > 10 * COST * total + 10:  # pragma: no cover - the rules always leave a move
-            raise PlanError("ZB-V dry run made no progress")
-    return order
+    """Every rank's compute order ``(kind, stage, mb)`` as the ZB-V paper lays it out."""
+    n_micro = max(2 * p - 1, m)  # enough micro-batches to fill the V; extra ones dropped
+    return [[o for o in _rank_order(r, p, n_micro) if o[2] < m] for r in range(p)]
 
 
-def _pick(r: int, p: int, m: int, t: int, done: dict, nxt: dict) -> tuple[str, int] | None:
-    """What rank ``r`` starts at time ``t`` (None: it waits)."""
-    n = 2 * p
-    first, second = r, n - 1 - r
+def _rank_order(r: int, p: int, n_micro: int) -> list[tuple[str, int, int]]:
+    c0, c1 = r, 2 * p - 1 - r
+    ops: list[tuple[str, int, int]] = []
+    f = {c0: 0, c1: 0}  # forwards issued per chunk
+    b = {c0: 0, c1: 0}  # B passes issued per chunk
 
-    def ready(key) -> bool:  # a hand-over from another rank arrives LATENCY later
-        lag = 0 if v_rank_of(key[1], p) == r else LATENCY
-        return key in done and done[key] + lag <= t
+    def fwd(s: int) -> None:
+        ops.append(("F", s, f[s]))
+        f[s] += 1
 
-    if any(end > t for (_, s, _), end in done.items() if v_rank_of(s, p) == r):
-        return None  # busy
-    bs = []
-    for s in (second, first):
-        mb = nxt[("B", s)]
-        if mb < nxt[("F", s)] and ready(("B", s + 1, mb) if s < n - 1 else ("F", s, mb)):
-            bs.append((mb, -s, s))
-    if bs:
-        return "B", min(bs)[2]
-    held = sum(nxt[("F", s)] - nxt[("W", s)] for s in (first, second))
-    for s in (second, first):
-        mb = nxt[("F", s)]
-        if mb < m and (s == 0 or ready(("F", s - 1, mb))) and (s == second or held < n):
-            return "F", s
-    ws = [(done[("B", s, nxt[("W", s)])], s) for s in (first, second)
-          if nxt[("W", s)] < nxt[("B", s)]]
-    return ("W", min(ws)[1]) if ws else None
+    def bwd(s: int, w: bool) -> None:
+        ops.append(("B", s, b[s]))
+        if w:
+            ops.append(("W", s, b[s]))
+        b[s] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        fwd(c0)
+    for _ in range(r):
+        fwd(c1)
+        fwd(c0)
+    for _ in range(p - r):
+        fwd(c1)
+        bwd(c1, w=True)
+    while f[c1] < f[c0] or f[c0] < n_micro:
+        if f[c0] < n_micro:
+            fwd(c0)
+        bwd(c0, w=True)
+        fwd(c1)
+        bwd(c1, w=True)
+    w0, w1 = b[c0], b[c1]  # the W passes still to do start here
+    for _ in range(r):
+        bwd(c0, w=False)
+        bwd(c1, w=False)
+    for _ in range(p - r):
+        bwd(c0, w=False)
+        ops.append(("W", c0, w0))
+        w0 += 1
+    ops += [("W", c1, i) for i in range(w1, b[c1])]
+    ops += [("W", c0, i) for i in range(w0, b[c0])]
+    return ops
 
 
 def _lower(rank: int, n_stages: int, order: list[tuple[str, int, int]]) -> list[Action]:
