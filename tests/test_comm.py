@@ -61,11 +61,27 @@ def _round_trip(rank, world):
     p2p.wait_sends()
 
 
+def _posted_ahead(rank, world):
+    p2p = P2P(dist.group.WORLD, rank, timeout_s=20, device=torch.device("cpu"))
+    shapes = [(3, 4), (3, 4), (2, 5)]  # the last message's shape differs: its header says so
+    if rank == 0:
+        for mb, shape in enumerate(shapes):
+            p2p.send(1, "act", mb, [torch.full(shape, float(mb))], tag=3)
+        p2p.wait_sends()
+    else:
+        for mb, shape in enumerate(shapes):
+            (t,) = p2p.recv(0, "act", mb, tag=3, more=mb < len(shapes) - 1)
+            torch.testing.assert_close(t, torch.full(shape, float(mb)))
+            assert (len(p2p._early) == 1) == (mb < len(shapes) - 1)
+    dist.barrier()
+
+
 @pytest.mark.timeout(90)
 def test_p2p_checks_and_deadlines():
     run_workers(_round_trip, 2)
     run_workers(_mismatch, 2)
     run_workers(_deadline, 2)
+    run_workers(_posted_ahead, 2)
 
 
 def _dense(rank, world):

@@ -165,3 +165,18 @@ def test_zb_v_trains_equal_to_single_process_pp2(tiny):
              for pol in ('["swap", "recompute", "keep", "recompute"]',
                          '["recompute", "swap", "swap", "keep"]')]
     _train_and_compare(cfgs, 2, 380)
+
+
+def test_receives_followed_by_the_same_stream():
+    from trainwright.pipeline.interleaved import _receives_followed
+
+    acts = build_schedule("zb-v", 2, 4, virtual_stages=2)
+    for rank, actions in enumerate(acts):
+        here = {a.stage for a in actions}
+        ahead = _receives_followed(actions, here)
+        recvs = [(i, a) for i, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")
+                 and (a.stage - 1 if a.kind == "RECV_F" else a.stage + 1) not in here]
+        for i, a in recvs:  # ahead exactly when a later receive of the same stream follows
+            later = any(b.kind == a.kind and b.stage == a.stage for j, b in recvs if j > i)
+            assert (i in ahead) == later, (rank, i, a)
+        assert ahead and all(actions[i].kind.startswith("RECV") for i in ahead)

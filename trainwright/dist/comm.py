@@ -104,6 +104,8 @@ class P2P:
         self.describe = describe
         self.on_failure = on_failure or (lambda exc: None)
         self._pending: list[tuple[object, list[torch.Tensor]]] = []
+        self._early: dict[tuple[int, int], tuple[object, torch.Tensor]] = {}
+        """(peer, tag) -> the header receive posted ahead for the stream's next message."""
 
     def send(self, peer: int, kind: str, mb: int, tensors: Sequence[torch.Tensor | None],
              tag: int = 0) -> None:
@@ -119,17 +121,27 @@ class P2P:
         if len(self._pending) > 64:
             self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
 
-    def recv(self, peer: int, kind: str, mb: int, tag: int = 0) -> list[torch.Tensor | None]:
+    def recv(self, peer: int, kind: str, mb: int, tag: int = 0,
+             more: bool = False) -> list[torch.Tensor | None]:
         """Receive the tensors ``peer`` sent for micro-batch ``mb`` of this ``kind`` (on
         ``tag``, as sent).
+
+        Args:
+            more: the caller will receive again on this ``(peer, tag)`` stream, and nothing
+                else travels on it meanwhile: the next message's header receive is posted
+                now, so the transfer can run while this rank computes.
 
         Raises:
             CommError: wrong kind or micro-batch arrived, or the deadline passed.
             PeerLost: the peer (or another rank, per the watchdog) is gone.
         """
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(coll.irecv(header, src=peer, group=self.group, tag=tag), peer,
-                   f"{kind} header")
+        early = self._early.pop((peer, tag), None)
+        if early is None:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            work = coll.irecv(header, src=peer, group=self.group, tag=tag)
+        else:
+            work, header = early
+        self._wait(work, peer, f"{kind} header")
         got_kind, got_mb, metas = unpack_header(header.cpu())
         if got_kind != KIND_CODES[kind] or got_mb != mb:
             names = {v: k for k, v in KIND_CODES.items()}
@@ -146,6 +158,10 @@ class P2P:
             self._wait(coll.irecv(t, src=peer, group=self.group, tag=tag), peer,
                        f"{kind} payload")
             out.append(t)
+        if more:
+            nxt = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            self._early[(peer, tag)] = (coll.irecv(nxt, src=peer, group=self.group, tag=tag),
+                                        nxt)
         return out
 
     def wait_sends(self) -> None:

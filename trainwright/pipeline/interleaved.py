@@ -81,6 +81,7 @@ class InterleavedRuntime:
         self.here = {a.stage for a in actions}
         """Virtual stages of this rank: a hand-over between two of them stays local."""
         self._local: dict[tuple, tuple] = {}
+        self._more = _receives_followed(actions, self.here)
         self._measured_peak = 0
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
@@ -105,7 +106,7 @@ class InterleavedRuntime:
             if self.fault is not None:
                 self.fault(step, i, a)
             t0 = time.perf_counter_ns()
-            self._do(a)
+            self._do(a, i in self._more)
             t1 = time.perf_counter_ns()
             compute_ns += (t1 - t0) if a.kind in COMPUTE else 0
             if trace:
@@ -123,13 +124,15 @@ class InterleavedRuntime:
                          held_microbatches_peak=view.store.peak_microbatches, events=events,
                          host_peak_bytes=view.store.peak_host_bytes)
 
-    def _do(self, a: Action) -> None:
-        """Run one action of virtual stage ``a.stage``."""
+    def _do(self, a: Action, more: bool = False) -> None:
+        """Run one action of virtual stage ``a.stage`` (``more``: a receive whose stream
+        brings another message later in the step)."""
         k, mb, s, io = a.kind, a.mb, a.stage, self._io
         key = (s, mb)
         if k == "RECV_F":
             io["recv"][key] = self._local.pop(("act", s, mb)) if s - 1 in self.here else \
-                tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s)))
+                tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s),
+                                more=more))
         elif k == "F":
             st = self.chunks[s]
             x = (io["in"][mb],) if s == 0 else io["recv"].pop(key)
@@ -142,7 +145,8 @@ class InterleavedRuntime:
             self._send("act", s + 1, mb, io["out"].pop(key))
         elif k == "RECV_B":
             io["gin"][key] = self._local.pop(("grad", s, mb)) if s + 1 in self.here else \
-                tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb, tag=chunk_tag("grad", s)))
+                tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb, tag=chunk_tag("grad", s),
+                                more=more))
         elif k == "B":
             st = self.chunks[s]
             g = st.backward(mb, None if st.is_last else io["gin"].pop(key), split=self.split)
@@ -167,3 +171,20 @@ class InterleavedRuntime:
                 t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
         else:
             self.p2p.send(self.rank_of(to_stage), kind, mb, tensors, tag=chunk_tag(kind, to_stage))
+
+
+def _receives_followed(actions: list[Action], here: set[int]) -> set[int]:
+    """Indices of the receives from another rank after which the same stream (kind, virtual
+    stage) receives again in the step: their next header can be posted ahead."""
+    out, seen = set(), set()
+    for i in range(len(actions) - 1, -1, -1):
+        a = actions[i]
+        if a.kind not in ("RECV_F", "RECV_B"):
+            continue
+        if (a.stage - 1 if a.kind == "RECV_F" else a.stage + 1) in here:
+            continue  # handed over locally
+        key = (a.kind, a.stage)
+        if key in seen:
+            out.add(i)
+        seen.add(key)
+    return out
