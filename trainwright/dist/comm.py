@@ -135,12 +135,7 @@ class P2P:
             CommError: wrong kind or micro-batch arrived, or the deadline passed.
             PeerLost: the peer (or another rank, per the watchdog) is gone.
         """
-        early = self._early.pop((peer, tag), None)
-        if early is None:
-            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = coll.irecv(header, src=peer, group=self.group, tag=tag)
-        else:
-            work, header = early
+        work, header = self._early.pop((peer, tag), None) or self._post_header(peer, tag)
         self._wait(work, peer, f"{kind} header")
         got_kind, got_mb, metas = unpack_header(header.cpu())
         if got_kind != KIND_CODES[kind] or got_mb != mb:
@@ -159,10 +154,13 @@ class P2P:
                        f"{kind} payload")
             out.append(t)
         if more:
-            nxt = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-            self._early[(peer, tag)] = (coll.irecv(nxt, src=peer, group=self.group, tag=tag),
-                                        nxt)
+            self._early[(peer, tag)] = self._post_header(peer, tag)
         return out
+
+    def _post_header(self, peer: int, tag: int) -> tuple[object, torch.Tensor]:
+        """Post the receive of ``peer``'s next header on ``tag``: ``(work, header buffer)``."""
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        return coll.irecv(header, src=peer, group=self.group, tag=tag), header
 
     def wait_sends(self) -> None:
         """Block until every posted send has completed (call before the step ends)."""
