@@ -54,6 +54,7 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
         assert 0 <= rows[name]["bubble_fraction"] < 1
         assert len(rows[name]["idle_s_per_rank"]) == 2
         assert rows[name]["step_vs_compute_bound"] > 0
+        assert rows[name]["period_ms_median"] > 0  # the former clock, kept beside
     assert res["zb_bubble_vs_1f1b"] == pytest.approx(min(
         rows[k]["bubble_fraction"] / rows["trainwright_1f1b"]["bubble_fraction"]
         for k in ("trainwright_zb-h1", "trainwright_zb-h2", "trainwright_zb-v")), rel=2e-3)

@@ -19,8 +19,8 @@ from trainwright.sync.dense import BucketedAllReduce, naive_all_reduce
 def test_header_round_trip():
     ts = [torch.zeros(2, 3, 4), None, torch.ones(5, dtype=torch.int64).requires_grad_(False)]
     ts[0].requires_grad_()
-    kind, mb, metas = unpack_header(pack_header("grad", 7, ts))
-    assert (kind, mb) == (2, 7)
+    kind, mb, metas, ahead = unpack_header(pack_header("grad", 7, ts, ahead=2))
+    assert (kind, mb, ahead) == (2, 7, 2)
     assert metas == [(torch.float32, True, (2, 3, 4)), None, (torch.int64, False, (5,))]
 
 
@@ -63,16 +63,40 @@ def _round_trip(rank, world):
 
 def _posted_ahead(rank, world):
     p2p = P2P(dist.group.WORLD, rank, timeout_s=20, device=torch.device("cpu"))
-    shapes = [(3, 4), (3, 4), (2, 5)]  # the last message's shape differs: its header says so
+    # message 1 lands in the receives posted ahead; message 2's shapes differ from what was
+    # posted (placeholders travel first); a None travels as a placeholder only
+    msgs = [[(3, 4), None], [(3, 4), None], [None, (2, 5)], [(1,), (2, 2)]]
     if rank == 0:
-        for mb, shape in enumerate(shapes):
-            p2p.send(1, "act", mb, [torch.full(shape, float(mb))], tag=3)
+        for mb, shapes in enumerate(msgs):
+            p2p.send(1, "act", mb, [None if s is None else torch.full(s, float(mb))
+                                    for s in shapes], tag=3, ahead=mb > 0)
+        p2p.wait_sends()
+        assert len(p2p._pending) == 0
+    else:
+        for mb, shapes in enumerate(msgs):
+            got = p2p.recv(0, "act", mb, tag=3, more=mb < len(msgs) - 1)
+            assert [None if t is None else tuple(t.shape) for t in got] == shapes
+            for t in got:
+                if t is not None:
+                    torch.testing.assert_close(t, torch.full(t.shape, float(mb)))
+            early = p2p._early.get((0, 3))
+            assert (early is not None) == (mb < len(msgs) - 1)
+            if early is not None:  # the payload receive, shaped like this message
+                assert [tuple(t.shape) for _, t in early[2]] == [s for s in shapes if s]
+    dist.barrier()
+
+
+def _ahead_disagreement(rank, world):
+    p2p = P2P(dist.group.WORLD, rank, timeout_s=20, device=torch.device("cpu"))
+    if rank == 0:  # the sender does not know that the second receive was posted ahead
+        for mb in range(2):
+            p2p.send(1, "grad", mb, [torch.ones(3)], tag=5)
         p2p.wait_sends()
     else:
-        for mb, shape in enumerate(shapes):
-            (t,) = p2p.recv(0, "act", mb, tag=3, more=mb < len(shapes) - 1)
-            torch.testing.assert_close(t, torch.full(shape, float(mb)))
-            assert (len(p2p._early) == 1) == (mb < len(shapes) - 1)
+        p2p.recv(0, "grad", 0, tag=5, more=True)
+        with pytest.raises(CommError, match="disagree on the receives posted ahead"):
+            p2p.recv(0, "grad", 1, tag=5)
+        p2p._early.clear()
     dist.barrier()
 
 
@@ -82,6 +106,7 @@ def test_p2p_checks_and_deadlines():
     run_workers(_mismatch, 2)
     run_workers(_deadline, 2)
     run_workers(_posted_ahead, 2)
+    run_workers(_ahead_disagreement, 2)
 
 
 def _dense(rank, world):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from trainwright.cli.main import main
@@ -167,10 +169,12 @@ def test_zb_v_trains_equal_to_single_process_pp2(tiny):
     _train_and_compare(cfgs, 2, 380)
 
 
-def test_receives_followed_by_the_same_stream():
-    from trainwright.pipeline.interleaved import _receives_followed
+@pytest.mark.parametrize("schedule,p,m,v", [("zb-v", 2, 4, 2), ("zb-v", 4, 8, 2),
+                                             (IL, 2, 4, 2), (IL, 3, 6, 3)])
+def test_receives_followed_by_the_same_stream(schedule, p, m, v):
+    from trainwright.pipeline.interleaved import _receives_followed, _sends_after_first
 
-    acts = build_schedule("zb-v", 2, 4, virtual_stages=2)
+    acts = build_schedule(schedule, p, m, virtual_stages=v)
     for rank, actions in enumerate(acts):
         here = {a.stage for a in actions}
         ahead = _receives_followed(actions, here)
@@ -180,3 +184,14 @@ def test_receives_followed_by_the_same_stream():
             later = any(b.kind == a.kind and b.stage == a.stage for j, b in recvs if j > i)
             assert (i in ahead) == later, (rank, i, a)
         assert ahead and all(actions[i].kind.startswith("RECV") for i in ahead)
+    # every stream's sends after its first one find their receives posted ahead: as many
+    # per stream as the receiving rank posts ahead for it
+    posted, assumed = Counter(), Counter()
+    for actions in acts:
+        here = {a.stage for a in actions}
+        for i in _receives_followed(actions, here):
+            posted[(actions[i].kind[-1], actions[i].stage)] += 1
+        for i in _sends_after_first(actions, here):
+            a = actions[i]
+            assumed[(a.kind[-1], a.stage + 1 if a.kind == "SEND_F" else a.stage - 1)] += 1
+    assert posted and posted == assumed

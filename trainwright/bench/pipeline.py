@@ -30,9 +30,13 @@ drifting machine hits them alike; a system that fails is reported with its error
    ``ratio_vs_best_torch`` (median of the per-round samples/s ratios, spread stated) and
    ``step_vs_compute_bound`` come from this phase; the screening's own paired ratio stays
    as ``screen_ratio_vs_best_torch``.
- Our step time is rank 0's wall
-time between consecutive step ends (everything included); torch's is barrier-to-optimizer-
-step, the slowest rank per step.
+
+**One clock for every system**, torch's: a barrier before each step, then each rank's time
+from leaving it to the end of its step (our ``STEP`` action, torch's ``optimizer.step``),
+the slowest rank per step. Data reading and loss logging lie outside it for torch; for ours
+the batch read and the trainer's per-step set-up lie inside, the metrics gather and row
+outside. Our former clock, rank 0's time between consecutive metrics rows (everything
+included, no barrier), stays in each of our rows as ``period_ms_median``.
 
 From our trace, per step after warm-up: the **common span** runs from the first action of
 any rank to the last action of any rank; each rank's idle time is the span minus its
@@ -117,7 +121,8 @@ def trace_steps(trace_path: Path, warmup: int) -> dict[int, dict]:
 
 
 def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> dict:
-    """Train with our ``schedule`` in the current process group; rank 0 reads the run back."""
+    """Train with our ``schedule`` in the current process group, each step timed on every
+    rank as torch's are (module docstring); rank 0 also reads the run's metrics and trace."""
     from trainwright.run.trainer import Trainer
 
     cfg = spec_config(spec, run_dir, schedule)
@@ -125,17 +130,27 @@ def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> d
         run_dir.mkdir(parents=True, exist_ok=True)
     coll.barrier()
     trainer = Trainer(cfg, run_dir)
-    trainer.fit()
+    started, ended = {}, {}
+
+    def on_step(step: int, stats) -> None:
+        ended[step] = max(t + d for s, _, _, t, d in trainer.trace_events if s == step)
+        coll.barrier()
+        started[step + 1] = time.time_ns()
+
+    coll.barrier()
+    started[trainer.start] = time.time_ns()
+    trainer.fit(on_step)
     trainer.close()  # the bench builds ~90 trainers in these two processes
+    times = [(ended[k] - started[k]) / 1e9 for k in sorted(ended)]
     if rank != 0:
-        return {}
+        return {"step_times_s": times}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
     start = next(r for r in rows if r["kind"] == "run")["time_started"]
     ends = [start] + [r["time"] for r in steps]
-    times = [b - a for a, b in zip(ends, ends[1:], strict=False)]
     trace = trace_steps(run_dir / "trace.json", spec.warmup)
     return {"step_times_s": times, "losses": [r["loss"] for r in steps],
+            "period_s": [b - a for a, b in zip(ends, ends[1:], strict=False)],
             "trace": {str(k): v for k, v in trace.items()}}
 
 
@@ -203,12 +218,9 @@ def systems() -> list[str]:
 
 
 def _step_series(runs_of_rank: list[list[dict]], i: int, warmup: int) -> list[float] | None:
-    """Timed step seconds of run ``i``: rank 0's for ours, slowest rank's for torch."""
-    first = runs_of_rank[0][i]
-    if "error" in first or any("error" in r[i] for r in runs_of_rank):
+    """Timed step seconds of run ``i``, every system alike: the slowest rank's per step."""
+    if any("error" in r[i] for r in runs_of_rank):
         return None
-    if first["system"].startswith("trainwright_"):
-        return first["step_times_s"][warmup:]
     per_rank = [r[i]["step_times_s"][warmup:] for r in runs_of_rank]
     return [max(ts) for ts in zip(*per_rank, strict=True)]
 
@@ -235,6 +247,8 @@ def summarise(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int) -
                "losses_last_round": [round(v, 5) for v in losses]}
         if name.startswith("trainwright_"):
             row.update(_trace_figures(runs_of_rank[0], mine, series))
+            row["period_ms_median"] = round(1e3 * statistics.median(  # the former clock
+                statistics.median(runs_of_rank[0][i]["period_s"][spec.warmup:]) for i in mine), 1)
         rows[name] = row
     return _headline(rows, per_round, m, len(spec.split), rounds)
 

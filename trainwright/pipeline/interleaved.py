@@ -81,7 +81,10 @@ class InterleavedRuntime:
         self.here = {a.stage for a in actions}
         """Virtual stages of this rank: a hand-over between two of them stays local."""
         self._local: dict[tuple, tuple] = {}
-        self._more = _receives_followed(actions, self.here)
+        self._linked = _receives_followed(actions, self.here) | _sends_after_first(
+            actions, self.here)
+        """Transfers whose stream carries another message after them (a receive) or before
+        them (a send) in the step: their receives are posted ahead (P2P's note)."""
         self._measured_peak = 0
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
@@ -106,7 +109,7 @@ class InterleavedRuntime:
             if self.fault is not None:
                 self.fault(step, i, a)
             t0 = time.perf_counter_ns()
-            self._do(a, i in self._more)
+            self._do(a, i in self._linked)
             t1 = time.perf_counter_ns()
             compute_ns += (t1 - t0) if a.kind in COMPUTE else 0
             if trace:
@@ -124,15 +127,16 @@ class InterleavedRuntime:
                          held_microbatches_peak=view.store.peak_microbatches, events=events,
                          host_peak_bytes=view.store.peak_host_bytes)
 
-    def _do(self, a: Action, more: bool = False) -> None:
-        """Run one action of virtual stage ``a.stage`` (``more``: a receive whose stream
-        brings another message later in the step)."""
+    def _do(self, a: Action, linked: bool = False) -> None:
+        """Run one action of virtual stage ``a.stage`` (``linked``: a receive whose stream
+        brings another message later in the step, or a send that follows another one on its
+        stream)."""
         k, mb, s, io = a.kind, a.mb, a.stage, self._io
         key = (s, mb)
         if k == "RECV_F":
             io["recv"][key] = self._local.pop(("act", s, mb)) if s - 1 in self.here else \
                 tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s),
-                                more=more))
+                                more=linked))
         elif k == "F":
             st = self.chunks[s]
             x = (io["in"][mb],) if s == 0 else io["recv"].pop(key)
@@ -142,11 +146,11 @@ class InterleavedRuntime:
             else:
                 io["out"][key] = out
         elif k == "SEND_F":
-            self._send("act", s + 1, mb, io["out"].pop(key))
+            self._send("act", s + 1, mb, io["out"].pop(key), linked)
         elif k == "RECV_B":
             io["gin"][key] = self._local.pop(("grad", s, mb)) if s + 1 in self.here else \
                 tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb, tag=chunk_tag("grad", s),
-                                more=more))
+                                more=linked))
         elif k == "B":
             st = self.chunks[s]
             g = st.backward(mb, None if st.is_last else io["gin"].pop(key), split=self.split)
@@ -155,7 +159,7 @@ class InterleavedRuntime:
         elif k == "W":
             self.chunks[s].backward_weight(mb)
         elif k == "SEND_B":
-            self._send("grad", s - 1, mb, io["gout"].pop(key))
+            self._send("grad", s - 1, mb, io["gout"].pop(key), linked)
         elif k == "SYNC":
             self.p2p.wait_sends()
             self.grad_sync.sync(self.view.parameters())
@@ -164,13 +168,15 @@ class InterleavedRuntime:
         else:  # pragma: no cover - interleaved lists hold no other kinds
             raise ValueError(f"unknown action {a} in an interleaved schedule")
 
-    def _send(self, kind: str, to_stage: int, mb: int, tensors: tuple) -> None:
-        """To the rank of ``to_stage``, or handed over locally when this rank holds it."""
+    def _send(self, kind: str, to_stage: int, mb: int, tensors: tuple, ahead: bool) -> None:
+        """To the rank of ``to_stage`` (``ahead``: its receive is posted already), or handed
+        over locally when this rank holds it."""
         if to_stage in self.here:
             self._local[(kind, to_stage, mb)] = tuple(
                 t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
         else:
-            self.p2p.send(self.rank_of(to_stage), kind, mb, tensors, tag=chunk_tag(kind, to_stage))
+            self.p2p.send(self.rank_of(to_stage), kind, mb, tensors,
+                          tag=chunk_tag(kind, to_stage), ahead=ahead)
 
 
 def _receives_followed(actions: list[Action], here: set[int]) -> set[int]:
@@ -184,6 +190,23 @@ def _receives_followed(actions: list[Action], here: set[int]) -> set[int]:
         if (a.stage - 1 if a.kind == "RECV_F" else a.stage + 1) in here:
             continue  # handed over locally
         key = (a.kind, a.stage)
+        if key in seen:
+            out.add(i)
+        seen.add(key)
+    return out
+
+
+def _sends_after_first(actions: list[Action], here: set[int]) -> set[int]:
+    """Indices of the sends to another rank that follow an earlier send of the same stream
+    (kind, receiving virtual stage) in the step: the receiver, whose matching receive list is
+    :func:`_receives_followed`'s mirror, posted their receives ahead."""
+    out, seen = set(), set()
+    for i, a in enumerate(actions):
+        if a.kind not in ("SEND_F", "SEND_B"):
+            continue
+        key = ("RECV_F", a.stage + 1) if a.kind == "SEND_F" else ("RECV_B", a.stage - 1)
+        if key[1] in here:
+            continue  # handed over locally
         if key in seen:
             out.add(i)
         seen.add(key)
