@@ -11,13 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainwright.bench.peers import (
-    deepspeed_available,
-    deepspeed_worker,
-    spawn_peer,
-    step_time_s,
-    torch_pipelining_worker,
-)
+from trainwright.bench.deepspeed_peer import deepspeed_available, deepspeed_worker
+from trainwright.bench.peers import spawn_peer, step_time_s, torch_pipelining_worker
 from trainwright.bench.spec import PipelineBenchSpec
 
 
@@ -134,7 +129,7 @@ def test_spawn_peer_kills_ranks_past_the_deadline():
 @pytest.mark.timeout(120)
 def test_module_imports_without_deepspeed():
     code = (
-        "import sys; import trainwright.bench.peers as p; "
+        "import sys; import trainwright.bench.peers; import trainwright.bench.deepspeed_peer as p; "
         "assert 'deepspeed' not in sys.modules; print(type(p.deepspeed_available()).__name__)"
     )
     out = subprocess.run(

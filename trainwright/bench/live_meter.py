@@ -214,9 +214,9 @@ class DeepSpeedCheckpointed(nn.Module):
 
 
 def _configure_deepspeed_checkpointing() -> None:
-    from trainwright.bench import peers
+    from trainwright.bench import deepspeed_peer
 
-    peers.deepspeed_comm()
+    deepspeed_peer.deepspeed_comm()
     from deepspeed.runtime.activation_checkpointing import checkpointing
 
     if not checkpointing.is_configured():

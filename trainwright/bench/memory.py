@@ -52,7 +52,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from trainwright.bench import peers
+from trainwright.bench import deepspeed_peer, peers
 from trainwright.bench.paired import host_info, paired, round_order, spread
 from trainwright.config import Config, load_config
 
@@ -270,7 +270,7 @@ def run(spec: MemoryBenchSpec, repeats: int = 5, progress=None,
     limit = int(spec.limit_fraction * max(unconstrained))
     say(f"checkpoint search: {len(checkpoint_candidates(spec))} rules, metered")
     best = search_checkpoint(spec, limit)
-    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
+    use_ds = deepspeed_peer.deepspeed_available() if deepspeed is None else deepspeed
     ds = {"layers": deepspeed_layers(best)} if use_ds else None
     systems = _timed_systems(spec, limit, best, ds)
     say(f"{repeats} rounds x {len(systems)} systems, ABBA order")

@@ -12,7 +12,7 @@ weights, at 8 and at 4 micro-batches:
   :func:`~trainwright.bench.peers.chunk_split`);
 * DeepSpeed, where it imports: ``deepspeed_pipeline``, its ``PipelineModule`` on the same
   layers and split with its ``PipelineEngine`` (``TrainSchedule``, a 1F1B), fp32, ZeRO off,
-  client SGD (:func:`~trainwright.bench.peers.deepspeed_train`). It joins the bench's own
+  client SGD (:func:`~trainwright.bench.deepspeed_peer.deepspeed_train`). It joins the bench's own
   gloo group (``deepspeed.init_distributed`` adopts an initialised ``torch.distributed``),
   so it runs in the same rounds and processes as every other system, timed like torch's
   rows. ``ratio_vs_deepspeed`` is our best schedule's samples/s over it, paired per round;
@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainwright.bench import peers
+from trainwright.bench import deepspeed_peer, peers
 from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.bench.spec_overrides import spec_overrides
@@ -202,8 +202,8 @@ def _progress_text(res: dict) -> str:
 def _deepspeed(rank: int, world_size: int, master_port: int, spec: PipelineBenchSpec) -> dict:
     """DeepSpeed's ``PipelineEngine`` (``TrainSchedule``: 1F1B) in the bench's process group,
     timed like torch's rows (barrier, then ``train_batch``, optimizer step included)."""
-    peers.deepspeed_env(rank, world_size, master_port)  # DeepSpeed reads the launcher's
-    got, _, _ = peers.deepspeed_train(rank, world_size, spec)
+    deepspeed_peer.deepspeed_env(rank, world_size, master_port)  # DeepSpeed reads the launcher's
+    got, _, _ = deepspeed_peer.deepspeed_train(rank, world_size, spec)
     return {"step_times_s": got["step_times"], "losses": got["losses"]}
 
 
@@ -214,7 +214,7 @@ def _torch_schedules() -> dict[str, str]:
 def systems() -> list[str]:
     """Every system the benchmark runs."""
     return ([f"trainwright_{s}" for s in OUR_SCHEDULES] + list(_torch_schedules())
-            + ([DEEPSPEED] if peers.deepspeed_available() else []))
+            + ([DEEPSPEED] if deepspeed_peer.deepspeed_available() else []))
 
 
 def _step_series(runs_of_rank: list[list[dict]], i: int, warmup: int) -> list[float] | None:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainwright.bench import peers
+from trainwright.bench import deepspeed_peer, peers
 from trainwright.bench.ours import train_rank
 from trainwright.bench.paired import host_info, paired, round_order
 from trainwright.bench.spec import PipelineBenchSpec
@@ -174,7 +174,7 @@ def _run_system(name: str, spec: RebalanceBenchSpec, best: list[int] | None):
         return peers.spawn_peer(rebalance_worker, spec, world_size=spec.stages,
                                 worker_kwargs={"partition": best})[0]
     try:
-        return peers.spawn_peer(peers.deepspeed_worker, _deepspeed_spec(spec),
+        return peers.spawn_peer(deepspeed_peer.deepspeed_worker, _deepspeed_spec(spec),
                                 world_size=spec.stages,
                                 worker_kwargs={"partition_method": "parameters"})
     except Exception as exc:  # a peer that fails is reported, not fatal to the bench
@@ -244,7 +244,7 @@ def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = Non
     migration over samples/s of the best static partition, both measured in that round;
     the headline ``ratio_to_best`` is their median (see :mod:`trainwright.bench.paired`).
     """
-    use_ds = peers.deepspeed_available() if deepspeed is None else deepspeed
+    use_ds = deepspeed_peer.deepspeed_available() if deepspeed is None else deepspeed
     systems = list(SYSTEMS[:2 + bool(use_ds)])
     runs, (best, layer_times) = _rounds(spec, repeats, systems)
     ours_runs, static_runs = runs[SYSTEMS[0]], runs[SYSTEMS[1]]
