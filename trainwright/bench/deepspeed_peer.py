@@ -164,6 +164,9 @@ def deepspeed_worker(
             dist.destroy_process_group()
 
 
+deepspeed_worker.system_name = deepspeed_system_name  # how spawn_peer names its runs
+
+
 def deepspeed_env(rank: int, world_size: int, master_port: int | None = None) -> None:
     """Environment DeepSpeed reads on CPU: ``DS_ACCELERATOR=cpu`` (before the first
     ``import deepspeed`` in the process) and the launcher's rank variables."""

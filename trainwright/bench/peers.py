@@ -316,14 +316,13 @@ def torch_system_name(schedule: str) -> str:
 
 
 def _system_name(worker_fn: Callable[..., Any], worker_kwargs: dict[str, Any]) -> str:
-    """The system a worker runs (its function name for workers not defined here)."""
+    """The system a worker runs: its ``system_name(**worker_kwargs)`` where it has one (the
+    DeepSpeed worker does), else its function name."""
     inner = getattr(worker_fn, "func", worker_fn)
     if inner is torch_pipelining_worker:
         return torch_system_name(worker_kwargs.get("schedule", "1F1B"))
-    if getattr(inner, "__name__", "") == "deepspeed_worker":
-        from trainwright.bench.deepspeed_peer import deepspeed_system_name
-
-        return deepspeed_system_name(**worker_kwargs)
+    if callable(getattr(inner, "system_name", None)):
+        return inner.system_name(**worker_kwargs)
     return str(getattr(inner, "__name__", repr(worker_fn)))
 
 

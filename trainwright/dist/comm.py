@@ -191,6 +191,11 @@ class P2P:
         shapes = _shapes(metas)
         if (ahead != NOT_POSTED) != (posted is not None) or (
                 ahead == POSTED and shapes != [(t.dtype, tuple(t.shape)) for _, t in posted]):
+            for w, _ in posted or []:  # gloo must not write into a freed buffer: drain them
+                try:
+                    self._wait(w, peer, f"{kind} payload")
+                except CommError:
+                    pass
             raise CommError(f"{self.describe(self.rank)} and {self.describe(peer)} disagree on "
                             f"the receives posted ahead for {kind} of micro-batch {mb} (posted: "
                             f"{posted is not None}, sender assumed: {ahead}); the ranks run "
