@@ -179,35 +179,42 @@ class InterleavedRuntime:
                           tag=chunk_tag(kind, to_stage), ahead=ahead)
 
 
+_TRANSFER = {"RECV_F": ("F", 0, -1), "RECV_B": ("B", 0, 1), "SEND_F": ("F", 1, 1),
+             "SEND_B": ("B", -1, -1)}
+"""kind -> (direction, receiving stage - a.stage, other end's stage - a.stage)."""
+
+
+def _remote_stream(a: Action, here: set[int]) -> tuple[str, int] | None:
+    """The stream (direction, receiving virtual stage) that transfer ``a`` travels on, or
+    None for a compute action or a hand-over between two chunks of this rank."""
+    if a.kind not in _TRANSFER:
+        return None
+    direction, to, other = _TRANSFER[a.kind]
+    return None if a.stage + other in here else (direction, a.stage + to)
+
+
 def _receives_followed(actions: list[Action], here: set[int]) -> set[int]:
-    """Indices of the receives from another rank after which the same stream (kind, virtual
-    stage) receives again in the step: their next header can be posted ahead."""
+    """Indices of the receives from another rank after which the same stream receives again
+    in the step: the next message's receives can be posted ahead."""
     out, seen = set(), set()
     for i in range(len(actions) - 1, -1, -1):
-        a = actions[i]
-        if a.kind not in ("RECV_F", "RECV_B"):
-            continue
-        if (a.stage - 1 if a.kind == "RECV_F" else a.stage + 1) in here:
-            continue  # handed over locally
-        key = (a.kind, a.stage)
-        if key in seen:
-            out.add(i)
-        seen.add(key)
+        stream = _remote_stream(actions[i], here)
+        if stream is not None and actions[i].kind.startswith("RECV"):
+            if stream in seen:
+                out.add(i)
+            seen.add(stream)
     return out
 
 
 def _sends_after_first(actions: list[Action], here: set[int]) -> set[int]:
-    """Indices of the sends to another rank that follow an earlier send of the same stream
-    (kind, receiving virtual stage) in the step: the receiver, whose matching receive list is
-    :func:`_receives_followed`'s mirror, posted their receives ahead."""
+    """Indices of the sends to another rank that follow an earlier send of the same stream in
+    the step: the receiver (:func:`_receives_followed`, its mirror) posted their receives
+    ahead."""
     out, seen = set(), set()
     for i, a in enumerate(actions):
-        if a.kind not in ("SEND_F", "SEND_B"):
-            continue
-        key = ("RECV_F", a.stage + 1) if a.kind == "SEND_F" else ("RECV_B", a.stage - 1)
-        if key[1] in here:
-            continue  # handed over locally
-        if key in seen:
-            out.add(i)
-        seen.add(key)
+        stream = _remote_stream(a, here)
+        if stream is not None and a.kind.startswith("SEND"):
+            if stream in seen:
+                out.add(i)
+            seen.add(stream)
     return out
