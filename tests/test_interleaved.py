@@ -107,7 +107,7 @@ def _il(tiny, pp: int, v: int = 2, schedule: str = IL, **extra):
                    "train.schedule": f'"{schedule}"', "train.steps": 3, **extra})
 
 
-def _train_and_compare(cfgs, world: int, timeout_s: int) -> None:
+def _train_and_compare(cfgs, world: int, timeout_s: int) -> list:
     from tests.test_pipeline import _check_against_reference, _train_jobs
     dirs = [create_run_dir(c) for c in cfgs]
     run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)),
@@ -119,6 +119,7 @@ def _train_and_compare(cfgs, world: int, timeout_s: int) -> None:
             _check_against_reference(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc
+    return dirs
 
 
 @pytest.mark.timeout(400)
@@ -167,6 +168,44 @@ def test_zb_v_trains_equal_to_single_process_pp2(tiny):
              for pol in ('["swap", "recompute", "keep", "recompute"]',
                          '["recompute", "swap", "swap", "keep"]')]
     _train_and_compare(cfgs, 2, 380)
+
+
+def test_zb_v_carries_trailing_weight_passes_up_to_the_start_up_wait():
+    from trainwright.schedule.carry import carried, steady_state
+    for p in range(2, 7):
+        for m in (p, 2 * p, 4 * p):
+            lists = build_schedule("zb-v", p, m, 2)
+            for r, acts in enumerate(lists):
+                trailing = 0
+                while acts[-3 - trailing].kind == "W":
+                    trailing += 1
+                n = min(r, trailing)
+                assert carried(acts) == (n + 2 if n else 0), (p, m, r)
+            steady = steady_state(lists)
+            check_schedule(steady)  # the carried passes need no message: still deadlock-free
+            for acts, st in zip(lists, steady, strict=True):
+                assert Counter(acts) == Counter(st)
+    assert carried(build_schedule(IL, 2, 4, 2)[1]) == 0  # no W to carry
+
+
+@pytest.mark.timeout(300)
+def test_zb_v_carry_trains_equal_and_moves_the_passes(tiny):
+    """Rank 1 leaves its last W, SYNC and STEP of steps 2 and 3 to the next step (step 1
+    is measured, step 4 the last); the run still equals the single-process reference."""
+    import json
+    cfg = _il(tiny, 2, schedule="zb-v", **{"train.micro_batches": 4, "train.steps": 4})
+    [run_dir] = _train_and_compare([cfg], 2, 280)
+    events = [e for e in json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+              if e.get("ph") == "X"]
+    for rank in (0, 1):
+        for k in range(1, 5):
+            got = [e["args"]["kind"] for e in sorted(events, key=lambda e: e["ts"])
+                   if e["pid"] == rank and e["args"]["step"] == k]
+            carried_in, carried_out = rank == 1 and k in (3, 4), rank == 1 and k in (2, 3)
+            assert (got[:3] == ["W", "SYNC", "STEP"]) == carried_in, (rank, k, got[:4])
+            assert (got[-2:] == ["SYNC", "STEP"]) != carried_out, (rank, k, got[-4:])
+            assert got.count("W") == 8 + carried_in - carried_out, (rank, k)
+            assert got.count("STEP") == 1 + carried_in - carried_out, (rank, k)
 
 
 @pytest.mark.parametrize("schedule,p,m,v", [("zb-v", 2, 4, 2), ("zb-v", 4, 8, 2),

@@ -70,7 +70,7 @@ __all__ = ["OUR_SCHEDULES", "spec_config", "trace_steps", "run", "main"]
 
 log = logging.getLogger(__name__)
 
-OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
+OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v:whole")
 BUSY = ("F", "B", "W")
 DEEPSPEED = "deepspeed_pipeline"
 """DeepSpeed's pipeline engine, a system where DeepSpeed imports (:func:`systems`)."""
@@ -78,7 +78,9 @@ DEEPSPEED = "deepspeed_pipeline"
 
 def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") -> Config:
     """Our configuration for the benchmark workload (interleaved and ZB-V: two chunks per
-    rank, cut as torch's multi-chunk schedules are: ``peers.chunk_split``)."""
+    rank, cut as torch's multi-chunk schedules are: ``peers.chunk_split``). ``"zb-v:whole"``
+    is ZB-V with ``train.carry_weight_grads`` off: every step runs its whole list."""
+    schedule, _, variant = schedule.partition(":")
     split, chunks = spec.split, 2 if schedule in ("interleaved-1f1b", "zb-v") else 1
     if chunks > 1:
         split = peers.chunk_split(spec.split, chunks)
@@ -92,6 +94,7 @@ def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") 
         f"parallel.pp={len(spec.split)}", f"parallel.partition={split}",
         f"parallel.virtual_stages={chunks}",
         f"parallel.threads_per_rank={spec.threads_per_rank}",
+        f"train.carry_weight_grads={'false' if variant == 'whole' else 'true'}",
         "run.report=false", "run.progress=false", "run.checkpoint_every=0",
         f"run.trace_steps={spec.steps}", f"run.profile_every={spec.steps}",
         f'run.dir="{run_dir.parent}"', f'run.name="{run_dir.name}"',

@@ -179,6 +179,12 @@ class TrainConfig(Section):
     """Linear warm-up: step ``k <= warmup_steps`` uses ``lr * k / warmup_steps``."""
     min_lr: NonNegativeFloat = 0.0
     """Learning rate reached at the last step by the ``cosine`` and ``linear`` schedules."""
+    carry_weight_grads: bool = True
+    """``zb-v``: a rank leaves its last weight-gradient passes and its optimizer step to the
+    start of the next step, where it would otherwise wait for the stages before it (same
+    numbers, shorter steps; see docs/schedules.md). Only between two fused steps of
+    ``fit`` with dense sync, no tied weights, no clipping, no fp16 and no checkpoint or
+    evaluation between them; elsewhere the step runs whole."""
 
 
 class ParallelConfig(Section):

@@ -22,6 +22,7 @@ from trainwright.pipeline.runtime import StepStats
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.schedule.actions import COMPUTE, Action
+from trainwright.schedule.carry import carried
 from trainwright.sync import GradSync
 
 __all__ = ["InterleavedRuntime", "chunk_tag", "chunk_stages"]
@@ -86,35 +87,36 @@ class InterleavedRuntime:
         """Transfers whose stream carries another message after them (a receive) or before
         them (a send) in the step: their receives are posted ahead (P2P's note)."""
         self._measured_peak = 0
+        self.carry = carried(actions)
+        """Actions at the end of the list a step may leave to the next (``schedule.carry``)."""
+        self._carried: list[Action] = []
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, trace: bool = False,
-                 migration=None) -> StepStats:
+                 migration=None, carry: bool = False) -> StepStats:
         """One step: every chunk's forwards and backwards, sync, optimizer step.
 
         Args and returns: as :meth:`trainwright.pipeline.runtime.PipelineRuntime.run_step`
         (``inputs`` on the rank of stage 0, ``targets`` on the rank of the last stage; no
-        migration: live migration is refused with interleaved schedules).
+        migration: live migration is refused with interleaved schedules). ``carry``: leave
+        this rank's last weight passes, sync and optimizer step to the start of the next
+        ``run_step`` (or :meth:`flush`), see :mod:`trainwright.schedule.carry`.
         """
         if migration is not None:
             raise RuntimeError("live migration does not run with an interleaved schedule")
         view = self.view
+        events, t_step = [], time.perf_counter_ns()
+        # the last step's carried passes run first, under that step's settings
+        compute_ns = self._run(step, self._carried, events, trace, offset=None)
+        self._carried = []
         view.store.reset_peaks()
         for st in self.chunks.values():  # the trainer and update step set these on the view
             st.fast, st.autocast, st.loss_gradient = view.fast, view.autocast, view.loss_gradient
         self._io = {"in": inputs, "tg": targets, "recv": {}, "out": {}, "gin": {},
                     "gout": {}, "loss": []}
-        events, compute_ns, t_step = [], 0, time.perf_counter_ns()
-        for i, a in enumerate(self.actions):
-            if self.fault is not None:
-                self.fault(step, i, a)
-            t0 = time.perf_counter_ns()
-            self._do(a, i in self._linked)
-            t1 = time.perf_counter_ns()
-            compute_ns += (t1 - t0) if a.kind in COMPUTE else 0
-            if trace:
-                events.append((a.kind, a.mb, time.time_ns() - (time.perf_counter_ns() - t0),
-                               t1 - t0))
+        cut = len(self.actions) - (self.carry if carry else 0)
+        compute_ns += self._run(step, self.actions[:cut], events, trace, offset=0)
+        self._carried = self.actions[cut:]
         wall = (time.perf_counter_ns() - t_step) / 1e9
         view.profiler.end_step()
         losses = self._io.pop("loss")
@@ -126,6 +128,30 @@ class InterleavedRuntime:
                          activation_peak_bytes=self._measured_peak,
                          held_microbatches_peak=view.store.peak_microbatches, events=events,
                          host_peak_bytes=view.store.peak_host_bytes)
+
+    def flush(self) -> None:
+        """Run the actions the last step carried, if any: call before anything reads this
+        rank's weights or gradients between steps."""
+        carried_now, self._carried = self._carried, []
+        self._run(-1, carried_now, [], False, offset=None)
+
+    def _run(self, step: int, actions: list[Action], events: list, trace: bool,
+             offset: int | None) -> int:
+        """Run ``actions`` (``offset``: their index in the step's list, for the fault hook and
+        posted-ahead receives; None for carried ones). Returns their compute nanoseconds."""
+        compute_ns = 0
+        for j, a in enumerate(actions):
+            i = None if offset is None else offset + j
+            if self.fault is not None and i is not None:
+                self.fault(step, i, a)
+            t0 = time.perf_counter_ns()
+            self._do(a, i in self._linked)
+            t1 = time.perf_counter_ns()
+            compute_ns += (t1 - t0) if a.kind in COMPUTE else 0
+            if trace:
+                events.append((a.kind, a.mb, time.time_ns() - (time.perf_counter_ns() - t0),
+                               t1 - t0))
+        return compute_ns
 
     def _do(self, a: Action, linked: bool = False) -> None:
         """Run one action of virtual stage ``a.stage`` (``linked``: a receive whose stream

@@ -59,6 +59,7 @@ from trainwright.schedule.actions import (
     max_waiting_w,
     stage_ranks,
 )
+from trainwright.schedule.carry import steady_state
 from trainwright.schedule.occupancy import chunk_states
 from trainwright.schedule.peer import with_peer_swap
 
@@ -100,6 +101,9 @@ class PlanRequest:
     """Model chunks per rank (``interleaved-1f1b``: 2 or more; ``zb-v``: 2): the model is
     cut into ``pp * virtual_stages`` stages placed on the ranks by the schedule
     (:func:`~trainwright.schedule.actions.stage_ranks`); planned without peer swap."""
+    carry_weight_grads: bool = True
+    """``zb-v``: simulate the steady step, each rank's carried weight passes first
+    (``train.carry_weight_grads``, :func:`~trainwright.schedule.carry.steady_state`)."""
 
 
 @dataclass
@@ -347,6 +351,8 @@ def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0
     costs = stage_costs(req.layers, parts, placement, local, steps, syncs, ranks)
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     links = Links(local, xfer, min(req.topology.host_bandwidth), req.latency_s)
+    if req.schedule == "zb-v" and req.carry_weight_grads:
+        sched = steady_state(sched)
     sim = simulate(with_peer_swap(sched, peers), costs, links)
     return placement, costs, peers, sim, xfer
 

@@ -350,6 +350,8 @@ class _Replay:
         elif a.kind == "W":
             dur = w
             end = start + dur
+            if (a.stage, "F", mb) not in self.times:  # carried from the last step: held
+                self._add(s, 0.0, held)                # from this one's start (schedule.carry)
             self._add(s, end, -held)
         else:
             dur = c.mb_backward_s.get(mb, c.backward_s) - (w if self.split[s] else 0.0)

@@ -114,7 +114,7 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = device or torch.device("cpu")
         self.watchdog, self.outputs = watchdog, outputs
-        self._own_mesh = mesh is None
+        self._own_mesh, self._fitting = mesh is None, False
         self.topo = mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
         self.build_layers = layers or (lambda: build_layers(cfg))
         self.data = data if data is not None else build_data(cfg)
@@ -370,11 +370,17 @@ class Trainer:
             The last step's mean loss on rank 0, None on other ranks.
         """
         step = self.start if start is None else start
-        while step <= self.cfg.train.steps:
-            stats = self.train_step(step)
-            if on_step is not None:
-                on_step(step, stats)
-            step = self.sync.applied_through(step) + 1
+        self._fitting = True  # steps follow each other: one may carry work into the next
+        try:
+            while step <= self.cfg.train.steps:
+                stats = self.train_step(step)
+                if on_step is not None:
+                    on_step(step, stats)
+                step = self.sync.applied_through(step) + 1
+        finally:
+            self._fitting = False
+        if isinstance(self.runtime, InterleavedRuntime):
+            self.runtime.flush()
         return self.finish()
 
     def train_step(self, step: int) -> StepStats | None:
@@ -392,7 +398,8 @@ class Trainer:
         stats = self.runtime.run_step(
             step, split_microbatches(x, m) if first else None,
             split_microbatches(y, m) if self.stage.is_last else None,
-            trace=step - self.start < self.cfg.run.trace_steps, migration=migration)
+            trace=step - self.start < self.cfg.run.trace_steps, migration=migration,
+            **self._carry(step))
         if step == self.start and self.budget.plan is not None:
             stats.memory_plan = self._plan_record()
         if migration is not None:
@@ -407,6 +414,21 @@ class Trainer:
         if self.outputs and (step == self.cfg.train.steps or (every and step % every == 0)):
             self.save_checkpoint(step)
         return stats
+
+    def _carry(self, step: int) -> dict:
+        """``carry=True`` when this step may leave its last weight passes and optimizer step
+        to the next (``train.carry_weight_grads``, :mod:`trainwright.schedule.carry`):
+        inside :meth:`fit`, a fused step before the last, dense sync, no tied weights (their
+        ``SYNC`` sums over stages), an update that needs no other pipeline rank, no
+        checkpoint or evaluation after it."""
+        if not isinstance(self.runtime, InterleavedRuntime):
+            return {}
+        cfg, ckpt, ev = self.cfg, self.cfg.run.checkpoint_every, self.cfg.eval.every
+        return {"carry": bool(
+            self._fitting and cfg.train.carry_weight_grads
+            and self.stage.fast and step < cfg.train.steps and cfg.sync.strategy == "dense"
+            and not self.ties and getattr(self.update, "local", False)
+            and not (self.outputs and ckpt and step % ckpt == 0) and not (ev and step % ev == 0))}
 
     def _fast_step(self, step: int, migration: Migration | None) -> bool:
         """Whether this step may fuse consecutive ``keep`` layers, unmeasured: nothing

@@ -55,6 +55,13 @@ class UpdateStep(GradSync):
         """This rank's parameters the global norm must not count (e.g. the second copy of a
         tied weight, whose gradient another stage already counts)."""
 
+    @property
+    def local(self) -> bool:
+        """Whether this rank's step needs nothing from the other pipeline ranks (no global
+        clip norm, no fp16 overflow vote), so it may run after theirs
+        (``train.carry_weight_grads``)."""
+        return self.clip_norm == 0 and self.scaler is None
+
     def sync(self, params: list) -> None:
         """The wrapped exchange's sync."""
         self.inner.sync(params)
