@@ -244,8 +244,12 @@ def torch_pipelining_worker(
 
 
 def torch_pipelining_train(rank: int, world_size: int, spec: PipelineBenchSpec,
-                           schedule: str = "1F1B") -> tuple[dict, dict]:
+                           schedule: str = "1F1B", clock: str = "step") -> tuple[dict, dict]:
     """The body of :func:`torch_pipelining_worker` in an initialised process group.
+
+    ``clock="step"`` puts a barrier before every step and times each; ``"run"`` puts one
+    after the ``spec.warmup`` steps only and times the rest back to back (``run_s``: from
+    leaving it to this rank's last ``optimizer.step``), as a training loop runs them.
 
     Returns:
         This rank's result (see the module docstring) and its final parameters.
@@ -282,11 +286,15 @@ def torch_pipelining_train(rank: int, world_size: int, spec: PipelineBenchSpec,
 
     step_times: list[float] = []
     losses: list[float] = []
+    run_t0 = run_s = 0.0
     for step in range(spec.steps):
         ids, targets = data.batch(step + 1, spec.batch_size)  # steps are 1-based
         mb_losses: list[torch.Tensor] = []
-        coll.barrier()
+        if clock == "step" or step == spec.warmup:
+            coll.barrier()
         t0 = time.perf_counter()
+        if step == spec.warmup:
+            run_t0 = t0
         optimizer.zero_grad()
         inputs = (ids,) if has_first else ()
         if has_last:
@@ -295,6 +303,7 @@ def torch_pipelining_train(rank: int, world_size: int, spec: PipelineBenchSpec,
             sched.step(*inputs, **step_kwargs)
         optimizer.step()
         step_times.append(time.perf_counter() - t0)
+        run_s = time.perf_counter() - run_t0 if step >= spec.warmup else 0.0
         if has_last:  # each entry is loss_mb / micro_batches: the sum is the mean
             losses.append(torch.stack(mb_losses).sum().item())
         logger.debug("torch pipelining rank %d step %d: %.3f s", rank, step, step_times[-1])
@@ -302,6 +311,7 @@ def torch_pipelining_train(rank: int, world_size: int, spec: PipelineBenchSpec,
     state = {k: v for start, ls in chunks.values() for k, v in _stage_state(ls, start).items()}
     checksum = float(sum(p.detach().double().sum().item() for p in params))
     return {"system": torch_system_name(schedule), "rank": rank, "step_times_s": step_times,
+            "run_s": run_s, "run_steps": spec.steps - spec.warmup, "clock": clock,
             "losses": losses if has_last else None, "params_checksum": checksum}, state
 
 

@@ -24,19 +24,34 @@ drifting machine hits them alike; a system that fails is reported with its error
 
 1. **screening**: every system, ``screen_rounds`` rounds. It gives the table, the bubbles,
    ``ratio_vs_deepspeed``, and each side's best schedule (least median step time);
-2. **head-to-head**: only those two best, ``repeats`` rounds, back to back. With twelve
-   systems a round takes minutes, and the machine's speed drifts over minutes; two runs
-   back to back are seconds apart, so their ratio measures the systems, not the drift.
-   ``ratio_vs_best_torch`` (median of the per-round samples/s ratios, spread stated) and
-   ``step_vs_compute_bound`` come from this phase; the screening's own paired ratio stays
-   as ``screen_ratio_vs_best_torch``.
+2. **head-to-head**: only those two best, ``repeats`` rounds, back to back, each round
+   under both clocks (below). With a dozen systems a round takes minutes, and the
+   machine's speed drifts over minutes; two runs back to back are seconds apart, so their
+   ratio measures the systems, not the drift. ``ratio_vs_best_torch`` (run clock, median
+   of the per-round samples/s ratios, spread stated), ``step_clock_ratio_vs_best_torch``
+   and ``step_vs_compute_bound`` (step clock) come from this phase; the screening's own
+   paired ratio stays as ``screen_ratio_vs_best_torch``.
 
-**One clock for every system**, torch's: a barrier before each step, then each rank's time
-from leaving it to the end of its step (our ``STEP`` action, torch's ``optimizer.step``),
-the slowest rank per step. Data reading and loss logging lie outside it for torch; for ours
-the batch read and the trainer's per-step set-up lie inside, the metrics gather and row
-outside. Our former clock, rank 0's time between consecutive metrics rows (everything
-included, no barrier), stays in each of our rows as ``period_ms_median``.
+**Two clocks, each the same for every system:**
+
+* **step clock** (screening, and the per-step figures): torch's, a barrier before each
+  step, then each rank's time from leaving it to the end of its step (our ``STEP``
+  action, torch's ``optimizer.step``), the slowest rank per step. Data reading and loss
+  logging lie outside it for torch; for ours the batch read and the trainer's per-step
+  set-up lie inside, the metrics gather and row outside. A barrier per step stops a rank
+  from starting its next step while another still finishes this one, which a training
+  loop without one does: under torch's ZB-V, rank 0 starts forwarding the next step while
+  rank 1 still runs its last weight passes. Our ZB-V carries those passes into the next
+  step (``train.carry_weight_grads``), so this clock would credit us with an overlap it
+  denies torch;
+* **run clock** (the headline): one barrier after the warm-up steps, then the remaining
+  steps back to back as a training loop runs them (torch: data, ``step``, loss logging,
+  ``optimizer.step``; ours: ``Trainer.fit``, its per-step metrics gather included), each
+  rank timed from leaving the barrier to the end of its last step; the slowest rank's
+  time over the number of steps. Our last step is a measured (unfused) profile step.
+
+Our former clock, rank 0's time between consecutive metrics rows (everything included, no
+barrier), stays in each of our screening rows as ``period_ms_median``.
 
 From our trace, per step after warm-up: the **common span** runs from the first action of
 any rank to the last action of any rank; each rank's idle time is the span minus its
@@ -123,9 +138,12 @@ def trace_steps(trace_path: Path, warmup: int) -> dict[int, dict]:
     return out
 
 
-def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> dict:
-    """Train with our ``schedule`` in the current process group, each step timed on every
-    rank as torch's are (module docstring); rank 0 also reads the run's metrics and trace."""
+def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path,
+          clock: str = "step") -> dict:
+    """Train with our ``schedule`` in the current process group, timed on every rank as
+    torch's are (module docstring; ``clock`` as for
+    :func:`~trainwright.bench.peers.torch_pipelining_train`); rank 0 also reads the run's
+    metrics and trace."""
     from trainwright.run.trainer import Trainer
 
     cfg = spec_config(spec, run_dir, schedule)
@@ -136,23 +154,31 @@ def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path) -> d
     started, ended = {}, {}
 
     def on_step(step: int, stats) -> None:
-        ended[step] = max(t + d for s, _, _, t, d in trainer.trace_events if s == step)
-        coll.barrier()
-        started[step + 1] = time.time_ns()
+        if clock == "step" or step in (spec.warmup, spec.steps):
+            ended[step] = max(t + d for s, _, _, t, d in trainer.trace_events if s == step)
+        if clock == "step" or step == spec.warmup:
+            coll.barrier()
+            started[step + 1] = time.time_ns()
 
     coll.barrier()
     started[trainer.start] = time.time_ns()
     trainer.fit(on_step)
     trainer.close()  # the bench builds ~90 trainers in these two processes
-    times = [(ended[k] - started[k]) / 1e9 for k in sorted(ended)]
+    out: dict = {"clock": clock}
+    if clock == "step":
+        out["step_times_s"] = [(ended[k] - started[k]) / 1e9 for k in sorted(ended)]
+    else:
+        out["step_times_s"] = []
+        out["run_s"] = (ended[spec.steps] - started[spec.warmup + 1]) / 1e9
+        out["run_steps"] = spec.steps - spec.warmup
     if rank != 0:
-        return {"step_times_s": times}
+        return out
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
     start = next(r for r in rows if r["kind"] == "run")["time_started"]
     ends = [start] + [r["time"] for r in steps]
     trace = trace_steps(run_dir / "trace.json", spec.warmup)
-    return {"step_times_s": times, "losses": [r["loss"] for r in steps],
+    return {**out, "losses": [r["loss"] for r in steps],
             "period_s": [b - a for a, b in zip(ends, ends[1:], strict=False)],
             "trace": {str(k): v for k, v in trace.items()}}
 
@@ -165,18 +191,18 @@ def bench_worker(rank: int, world_size: int, master_port: int, spec: PipelineBen
     runs = []
     progress = RunProgress("bench pipeline", len(plan)) if rank == 0 else None
     try:
-        for i, (rnd, m, system) in enumerate(plan):
-            sp = dataclasses.replace(spec, micro_batches=m)
+        for i, (rnd, m, system, *clock) in enumerate(plan):
+            sp, clock = dataclasses.replace(spec, micro_batches=m), (clock or ["step"])[0]
             t0 = time.perf_counter()
             try:
                 if system.startswith("trainwright_"):
                     res = _ours(rank, sp, system.removeprefix("trainwright_"),
-                                Path(out_path).parent / f"run{i}")
+                                Path(out_path).parent / f"run{i}", clock)
                 elif system == DEEPSPEED:
                     res = _deepspeed(rank, world_size, master_port, sp)
                 else:
                     res, _ = peers.torch_pipelining_train(rank, world_size, sp,
-                                                          _torch_schedules()[system])
+                                                          _torch_schedules()[system], clock)
             except Exception as exc:  # a peer failing on CPU is reported, not dropped
                 log.exception("%s failed", system)
                 res = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -197,7 +223,9 @@ def _progress_text(res: dict) -> str:
     """One run's result for the progress bar (the whole bench takes up to an hour)."""
     times = res.get("step_times_s") or []
     what = res["error"][:80] if "error" in res else (
-        f"median step {1e3 * statistics.median(times):.1f} ms" if times else "done")
+        f"median step {1e3 * statistics.median(times):.1f} ms" if times else
+        f"{1e3 * res['run_s'] / res['run_steps']:.1f} ms per step back to back"
+        if res.get("run_s") else "done")
     return (f"round {res['round'] + 1}, {res['micro_batches']} micro-batches, "
             f"{res['system']}: {what} ({res['wall_s']:.0f} s)")
 
@@ -221,9 +249,13 @@ def systems() -> list[str]:
 
 
 def _step_series(runs_of_rank: list[list[dict]], i: int, warmup: int) -> list[float] | None:
-    """Timed step seconds of run ``i``, every system alike: the slowest rank's per step."""
+    """Timed step seconds of run ``i``, every system alike: the slowest rank's per step;
+    under the run clock one figure, the slowest rank's time for the steps after warm-up
+    over their number."""
     if any("error" in r[i] for r in runs_of_rank):
         return None
+    if runs_of_rank[0][i].get("clock") == "run":
+        return [max(r[i]["run_s"] for r in runs_of_rank) / runs_of_rank[0][i]["run_steps"]]
     per_rank = [r[i]["step_times_s"][warmup:] for r in runs_of_rank]
     return [max(ts) for ts in zip(*per_rank, strict=True)]
 
@@ -329,8 +361,8 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     finals = {m: [by_m[str(m)]["best_ours"], by_m[str(m)]["best_torch"]]
               for m in micro_batches if "best_ours" in by_m[str(m)]}
     if finals:
-        plan = [(r, m, name) for r in range(repeats) for m in finals
-                for name in round_order(finals[m], r)]
+        plan = [(r, m, name, clock) for r in range(repeats) for m in finals
+                for clock in ("run", "step") for name in round_order(finals[m], r)]
         runs_of_rank = _spawn(spec, plan)
         for m in finals:
             by_m[str(m)]["head_to_head"] = head_to_head(runs_of_rank, spec, m, *finals[m])
@@ -356,7 +388,9 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     return result
 
 
-HEADLINE = ("ratio_vs_best_torch", "paired_ratios", "ratio_spread", "step_vs_compute_bound")
+HEADLINE = ("ratio_vs_best_torch", "paired_ratios", "ratio_spread", "step_vs_compute_bound",
+            "run_step_vs_compute_bound", "step_clock_ratio_vs_best_torch",
+            "step_clock_paired_ratios", "step_clock_ratio_spread")
 """Keys the head-to-head phase decides."""
 
 
@@ -369,29 +403,43 @@ def _spawn(spec: PipelineBenchSpec, plan: list) -> list[list[dict]]:
 
 def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int,
                  ours: str, theirs: str) -> dict:
-    """Our best against torch's best at ``m`` micro-batches, paired per round.
+    """Our best against torch's best at ``m`` micro-batches, paired per round, under both
+    clocks (module docstring).
 
     Returns:
-        ``step_ms_per_round`` of both, ``ratio_vs_best_torch`` (median of the per-round
-        samples/s ratios), ``paired_ratios``, ``ratio_spread`` and our
-        ``step_vs_compute_bound`` from these runs' traces; ``error`` if either failed.
+        Run clock (the headline): ``step_ms_per_round`` of both, ``ratio_vs_best_torch``
+        (median of the per-round samples/s ratios), ``paired_ratios``, ``ratio_spread``,
+        ``run_step_vs_compute_bound``. Step clock: the same keys prefixed ``step_clock_``,
+        and ``step_vs_compute_bound`` from these runs' traces, step by step. ``error`` if
+        a run failed.
     """
-    idx = {name: [i for i, r in enumerate(runs_of_rank[0])
-                  if r["micro_batches"] == m and r["system"] == name] for name in (ours, theirs)}
-    series = {name: [_step_series(runs_of_rank, i, spec.warmup) for i in ix]
-              for name, ix in idx.items()}
-    out: dict = {"systems": [ours, theirs], "rounds": len(idx[ours])}
-    if any(s is None for v in series.values() for s in v):
-        errors = [r[i].get("error") for ix in idx.values() for i in ix for r in runs_of_rank]
-        out["error"] = next((e for e in errors if e), "a run failed")
-        return out
-    meds = {name: [statistics.median(s) for s in v] for name, v in series.items()}
-    pr = paired(meds[theirs], meds[ours])  # samples/s ratio = inverse step-time ratio
-    out.update(step_ms_per_round={k: [round(1e3 * x, 3) for x in v] for k, v in meds.items()},
-               ratio_vs_best_torch=pr["ratio"], paired_ratios=pr["paired_ratios"],
-               ratio_spread=pr["ratio_spread"],
-               step_vs_compute_bound=_trace_figures(runs_of_rank[0], idx[ours],
-                                                    series[ours])["step_vs_compute_bound"])
+    out: dict = {"systems": [ours, theirs]}
+    for clock in ("run", "step"):
+        idx = {name: [i for i, r in enumerate(runs_of_rank[0])
+                      if r["micro_batches"] == m and r["system"] == name
+                      and r.get("clock", "step") == clock] for name in (ours, theirs)}
+        series = {name: [_step_series(runs_of_rank, i, spec.warmup) for i in ix]
+                  for name, ix in idx.items()}
+        if any(s is None for v in series.values() for s in v):
+            errors = [r[i].get("error") for ix in idx.values() for i in ix for r in runs_of_rank]
+            out["error"] = next((e for e in errors if e), "a run failed")
+            return out
+        meds = {name: [statistics.median(s) for s in v] for name, v in series.items()}
+        pr = paired(meds[theirs], meds[ours])  # samples/s ratio = inverse step-time ratio
+        pre = "" if clock == "run" else "step_clock_"
+        out.update({f"{pre}rounds": len(idx[ours]),
+                    f"{pre}step_ms_per_round": {k: [round(1e3 * x, 3) for x in v]
+                                                for k, v in meds.items()},
+                    f"{pre}ratio_vs_best_torch": pr["ratio"],
+                    f"{pre}paired_ratios": pr["paired_ratios"],
+                    f"{pre}ratio_spread": pr["ratio_spread"]})
+        if clock == "step":
+            out["step_vs_compute_bound"] = _trace_figures(
+                runs_of_rank[0], idx[ours], series[ours])["step_vs_compute_bound"]
+        else:  # each run's mean step over the median of its steps' bounds
+            out["run_step_vs_compute_bound"] = round(statistics.median(
+                t / statistics.median(b["bound_s"] for b in runs_of_rank[0][i]["trace"].values())
+                for t, i in zip(meds[ours], idx[ours], strict=True)), 4)
     return out
 
 

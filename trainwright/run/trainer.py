@@ -362,7 +362,11 @@ class Trainer:
 
         Args:
             on_step: called after every step with its number and this rank's stats
-                (None for a step the gradient exchange told this rank to skip).
+                (None for a step the gradient exchange told this rank to skip). Under ZB-V
+                with ``train.carry_weight_grads`` a rank may run a step's last weight passes
+                and its optimizer step at the start of the next one, so ``on_step`` sees
+                that rank's weights one update behind; everything after ``fit`` (and every
+                checkpoint and evaluation) sees them complete.
             start: the first step (default: 1, or the one after a resumed checkpoint; a
                 ring node that rejoined continues after the step its welcome brought).
 
