@@ -156,10 +156,14 @@ class ActivationStore:
         cap = Capture(input_keys=set(_tensor_storages(inputs)))
         peer = self.peer if segment is not None else None
 
+        # pack returns t.detach(), never t: a saved output of an op packed as itself holds its
+        # own grad_fn, a cycle through C++ autograd nodes that Python's GC cannot free. A
+        # split backward (B, then W over the weights only) never releases the nodes W does
+        # not reach, so each run leaked its graphs and this store (~150 MB per trainer).
         def pack(t: torch.Tensor):
             key = storage_key(t)
             if key in self.exclude:
-                return t
+                return t.detach()
             if peer is not None and key not in cap.input_keys:
                 handle = peer.pack(t, *segment)
                 if handle is not None:
@@ -169,7 +173,7 @@ class ActivationStore:
                 cap.swapped.append(s)
                 return s
             cap.saved[key] = t.untyped_storage().nbytes()
-            return t
+            return t.detach()
 
         def unpack(x):
             if isinstance(x, Swapped):
