@@ -61,3 +61,21 @@ def test_profiler_sees_every_layer():
     assert [c.layer for c in table] == [0, 1]
     assert all(c.forward_s > 0 and c.backward_s > 0 for c in table)
     assert table[0].param_bytes == (16 + 4) * 4 and table[0].output_bytes == 3 * 4 * 4
+
+
+def test_capture_leaves_no_cycle_through_autograd():
+    # exp saves its own output; packed as itself it would hold its grad_fn, a cycle through
+    # C++ autograd nodes that gc cannot free. A split backward (B, then W over the weights
+    # only) leaves such nodes unreleased: each ZB trainer leaked its graphs and its store.
+    import gc
+    import weakref
+
+    store = ActivationStore()
+    x = torch.randn(8, requires_grad=True)
+    with store.capture((x,)):
+        y = torch.exp(x * 2)
+    torch.autograd.grad(y.sum(), x, retain_graph=True)  # a B that keeps the graph for W
+    ref = weakref.ref(store)
+    del store, y
+    gc.collect()
+    assert ref() is None
