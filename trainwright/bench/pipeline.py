@@ -154,7 +154,7 @@ def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path,
     started, ended = {}, {}
 
     def on_step(step: int, stats) -> None:
-        if clock == "step" or step in (spec.warmup, spec.steps):
+        if clock == "step" or step == spec.steps:
             ended[step] = max(t + d for s, _, _, t, d in trainer.trace_events if s == step)
         if clock == "step" or step == spec.warmup:
             coll.barrier()

@@ -183,7 +183,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
     """``trainwright simulate``: the plan's figures (timeline PNG to ``args.png`` when given)."""
     from trainwright.plan.simulate import Links, StageCost, simulate
     from trainwright.schedule.actions import build_schedule
-    from trainwright.schedule.carry import steady_state
+    from trainwright.schedule.carry import simulated_lists
     from trainwright.schedule.peer import with_peer_swap
 
     path = Path(args.plan)
@@ -196,8 +196,8 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
         sched = with_peer_swap(build_schedule(plan["schedule"], plan["pp"],
                                               plan["micro_batches"],
                                               plan.get("virtual_stages", 1)), peers)
-        if plan["schedule"] == "zb-v" and plan.get("carry_weight_grads", True):
-            sched = steady_state(sched)  # as the planner simulated it
+        sched = simulated_lists(plan["schedule"], sched,  # as the planner simulated it
+                                plan.get("carry_weight_grads", True))
     except FileNotFoundError:
         raise ConfigError(f"no plan file {path}; write one with `trainwright plan --json`") \
             from None

@@ -59,7 +59,7 @@ from trainwright.schedule.actions import (
     max_waiting_w,
     stage_ranks,
 )
-from trainwright.schedule.carry import steady_state
+from trainwright.schedule.carry import simulated_lists
 from trainwright.schedule.occupancy import chunk_states
 from trainwright.schedule.peer import with_peer_swap
 
@@ -103,7 +103,7 @@ class PlanRequest:
     (:func:`~trainwright.schedule.actions.stage_ranks`); planned without peer swap."""
     carry_weight_grads: bool = True
     """``zb-v``: simulate the steady step, each rank's carried weight passes first
-    (``train.carry_weight_grads``, :func:`~trainwright.schedule.carry.steady_state`)."""
+    (``train.carry_weight_grads``, ``schedule.carry.steady_state``)."""
 
 
 @dataclass
@@ -351,8 +351,7 @@ def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0
     costs = stage_costs(req.layers, parts, placement, local, steps, syncs, ranks)
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     links = Links(local, xfer, min(req.topology.host_bandwidth), req.latency_s)
-    if req.schedule == "zb-v" and req.carry_weight_grads:
-        sched = steady_state(sched)
+    sched = simulated_lists(req.schedule, sched, req.carry_weight_grads)
     sim = simulate(with_peer_swap(sched, peers), costs, links)
     return placement, costs, peers, sim, xfer
 

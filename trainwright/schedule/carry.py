@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from trainwright.schedule.base import Action
 
-__all__ = ["carried", "steady_state"]
+__all__ = ["carried", "steady_state", "simulated_lists"]
 
 
 def carried(actions: list[Action]) -> int:
@@ -50,3 +50,10 @@ def steady_state(lists: list[list[Action]]) -> list[list[Action]]:
         n = carried(actions)
         out.append(actions[len(actions) - n:] + actions[:len(actions) - n] if n else actions)
     return out
+
+
+def simulated_lists(schedule: str, lists: list[list[Action]], carry: bool = True
+                    ) -> list[list[Action]]:
+    """The lists a simulator should replay for ``schedule``: the steady step where the
+    executor carries (ZB-V with ``train.carry_weight_grads``), else ``lists`` as built."""
+    return steady_state(lists) if schedule == "zb-v" and carry else lists
