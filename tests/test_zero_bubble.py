@@ -108,6 +108,21 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize(("steps", "profiled"), [(7, [3, 6]), (2, [2])])
+def test_profile_steps_are_every_nth_and_the_last_only_of_a_short_run(tiny, steps, profiled):
+    """Every ``run.profile_every``-th step runs unfused and writes a ``layers`` row; the last
+    step does too only when the run had no such step after its first."""
+    from trainwright.dist.topology import Topology
+    from trainwright.run.trainer import Trainer
+    cfg = tiny(**{"parallel.pp": 1, "train.steps": steps, "run.profile_every": 3})
+    trainer = Trainer(cfg, create_run_dir(cfg), mesh=Topology(pp=1, dp=1, rank=0))
+    fast: list[int] = []
+    trainer.fit(lambda step, _: fast.append(step) if trainer.stage.fast else None)
+    rows = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "layers"] == profiled
+    assert fast == [k for k in range(2, steps + 1) if k not in profiled]
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_first_stage_defers_its_backward_to_w(fast):
     """Nobody waits for the first stage's input gradients: its B does nothing and its W runs

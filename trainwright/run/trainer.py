@@ -438,11 +438,18 @@ class Trainer:
         """Whether this step may fuse consecutive ``keep`` layers, unmeasured: nothing
         needs per-layer figures (first and profile steps, memory limits, peer swap,
         rebalancing) and no policy change or migration is pending."""
-        cfg = self.cfg
-        return not (step == self.start or step % cfg.run.profile_every == 0
-                    or step == cfg.train.steps or self.budget.limit is not None
+        return not (step == self.start or self._profile_step(step)
+                    or self.budget.limit is not None
                     or self.peer_plan is not None or self.rebalancer is not None
                     or migration is not None)
+
+    def _profile_step(self, step: int) -> bool:
+        """Every ``run.profile_every``-th step measures and exchanges per-layer costs; so does
+        the last step of a run that had none after its first (a short run's report and
+        plan then read warm costs). A long run's last step stays fused: it is one of
+        its ordinary steps, not a profile step more."""
+        every, last = self.cfg.run.profile_every, self.cfg.train.steps
+        return step % every == 0 or (step == last and last // every * every < self.start)
 
     def _batch(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This replica's share of the step's global batch, on the device: the inputs on the
@@ -494,7 +501,7 @@ class Trainer:
         """At profile steps every stage learns every layer's costs; re-plan memory; at check
         steps the last stage decides whether to re-partition. Returns: a profile step."""
         cfg, rb = self.cfg, self.cfg.rebalance
-        profile_now = step % cfg.run.profile_every == 0 or step == cfg.train.steps
+        profile_now = self._profile_step(step)
         check_now = (self.rebalancer is not None and rb.enabled
                      and step % rb.check_every == 0 and step < cfg.train.steps)
         if profile_now or check_now:
