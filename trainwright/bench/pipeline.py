@@ -76,21 +76,25 @@ import torch
 import torch.distributed as dist
 
 from trainwright.bench import deepspeed_peer, peers
-from trainwright.bench.paired import host_info, paired, round_order
+from trainwright.bench.paired import host_info, round_order
+from trainwright.bench.pipeline_figures import (
+    DEEPSPEED,
+    HEADLINE,
+    head_to_head,
+    summarise,
+    trace_steps,
+)
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.config import Config, load_config
 from trainwright.dist import collective as coll
 from trainwright.observe.progress import RunProgress
 
-__all__ = ["OUR_SCHEDULES", "spec_config", "trace_steps", "run", "main"]
+__all__ = ["OUR_SCHEDULES", "spec_config", "systems", "run", "main"]
 
 log = logging.getLogger(__name__)
 
 OUR_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v", "zb-v:whole")
-BUSY = ("F", "B", "W")
-DEEPSPEED = "deepspeed_pipeline"
-"""DeepSpeed's pipeline engine, a system where DeepSpeed imports (:func:`systems`)."""
 
 
 def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") -> Config:
@@ -116,28 +120,6 @@ def spec_config(spec: PipelineBenchSpec, run_dir: Path, schedule: str = "1f1b") 
         f"run.trace_steps={spec.steps}",  # run.profile_every stays the default: 10
         f'run.dir="{run_dir.parent}"', f'run.name="{run_dir.name}"',
     ])
-
-
-def trace_steps(trace_path: Path, warmup: int) -> dict[int, dict]:
-    """Per step after ``warmup``: common span, idle per rank, bubble, compute bound (s)."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
-    by_step: dict[int, list] = {}
-    for e in events:
-        if e.get("ph") == "X" and e["args"]["step"] > warmup:
-            by_step.setdefault(e["args"]["step"], []).append(e)
-    out = {}
-    for step, evs in sorted(by_step.items()):
-        ranks = sorted({e["pid"] for e in evs})
-        begin = min(e["ts"] for e in evs)
-        span = (max(e["ts"] + e["dur"] for e in evs) - begin) / 1e6
-        busy = {r: sum(e["dur"] for e in evs if e["pid"] == r and e["args"]["kind"] in BUSY)
-                / 1e6 for r in ranks}
-        bound = max(sum(e["dur"] for e in evs if e["pid"] == r
-                        and e["args"]["kind"] in (*BUSY, "STEP")) for r in ranks) / 1e6
-        idle = [span - busy[r] for r in ranks]
-        out[step] = {"span_s": span, "idle_s": idle, "bound_s": bound,
-                     "bubble": sum(idle) / (len(ranks) * span)}
-    return out
 
 
 def _ours(rank: int, spec: PipelineBenchSpec, schedule: str, run_dir: Path,
@@ -250,93 +232,6 @@ def systems() -> list[str]:
             + ([DEEPSPEED] if deepspeed_peer.deepspeed_available() else []))
 
 
-def _step_series(runs_of_rank: list[list[dict]], i: int, warmup: int) -> list[float] | None:
-    """Timed step seconds of run ``i``, every system alike: the slowest rank's per step;
-    under the run clock one figure, the slowest rank's time for the steps after warm-up
-    over their number."""
-    if any("error" in r[i] for r in runs_of_rank):
-        return None
-    if runs_of_rank[0][i].get("clock") == "run":
-        return [max(r[i]["run_s"] for r in runs_of_rank) / runs_of_rank[0][i]["run_steps"]]
-    per_rank = [r[i]["step_times_s"][warmup:] for r in runs_of_rank]
-    return [max(ts) for ts in zip(*per_rank, strict=True)]
-
-
-def summarise(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int) -> dict:
-    """Rows and headline keys for one micro-batch count (see the module docstring)."""
-    idx = [i for i, r in enumerate(runs_of_rank[0]) if r["micro_batches"] == m]
-    rounds = sorted({runs_of_rank[0][i]["round"] for i in idx})
-    rows, per_round = {}, {}
-    for name in systems():
-        mine = [i for i in idx if runs_of_rank[0][i]["system"] == name]
-        errors = [r[i]["error"] for i in mine for r in runs_of_rank if "error" in r[i]]
-        series = [_step_series(runs_of_rank, i, spec.warmup) for i in mine]
-        if errors or not mine:
-            rows[name] = {"system": name, "error": errors[0] if errors else "not run"}
-            continue
-        meds = [statistics.median(s) for s in series]
-        per_round[name] = meds
-        losses = next(r[mine[-1]]["losses"] for r in runs_of_rank if r[mine[-1]].get("losses"))
-        row = {"system": name, "step_ms_median": round(1e3 * statistics.median(meds), 1),
-               # to the microsecond: the headline is recomputable from these rows
-               "step_ms_per_round": [round(1e3 * x, 3) for x in meds],
-               "samples_per_s": round(m * spec.micro_batch_size / statistics.median(meds), 2),
-               "losses_last_round": [round(v, 5) for v in losses]}
-        if name.startswith("trainwright_"):
-            row.update(_trace_figures(runs_of_rank[0], mine, series))
-            row["period_ms_median"] = round(1e3 * statistics.median(  # the former clock
-                statistics.median(runs_of_rank[0][i]["period_s"][spec.warmup:]) for i in mine), 1)
-        rows[name] = row
-    return _headline(rows, per_round, m, len(spec.split), rounds)
-
-
-def _trace_figures(rank0: list[dict], mine: list[int], series: list[list[float]]) -> dict:
-    """Bubble, idle per rank and step over compute bound of one of our systems."""
-    traces = [list(rank0[i]["trace"].values()) for i in mine]
-    bubbles = [t["bubble"] for tr in traces for t in tr]
-    idle = [statistics.fmean(t["idle_s"][r] for tr in traces for t in tr)
-            for r in range(len(traces[0][0]["idle_s"]))]
-    vs_bound = [s / t["bound_s"] for tr, ser in zip(traces, series, strict=True)
-                for t, s in zip(tr, ser, strict=False)]
-    return {"bubble_fraction": round(statistics.fmean(bubbles), 4),
-            "idle_s_per_rank": [round(x, 4) for x in idle],
-            "step_vs_compute_bound": round(statistics.median(vs_bound), 4)}
-
-
-def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict:
-    ours = {k: v for k, v in per_round.items() if k.startswith("trainwright_")}
-    theirs = {k: v for k, v in per_round.items() if k.startswith("torch_pipelining_")}
-    out = {"micro_batches": m, "rounds": len(rounds), "rows": list(rows.values()),
-           "bubble_bound_1f1b": round((p - 1) / (m + p - 1), 4)}
-    if not ours or not theirs:
-        return out
-    best_ours = min(ours, key=lambda k: statistics.median(ours[k]))
-    best_torch = min(theirs, key=lambda k: statistics.median(theirs[k]))
-    # samples/s ratio = inverse step-time ratio, per round
-    pr = paired(theirs[best_torch], ours[best_ours])
-    out.update(best_ours=best_ours, best_torch=best_torch,
-               screen_ratio_vs_best_torch=pr["ratio"], screen_paired_ratios=pr["paired_ratios"],
-               screen_ratio_spread=pr["ratio_spread"])
-    if DEEPSPEED in per_round:  # samples/s ratio, paired per round like the headline
-        ds = paired(per_round[DEEPSPEED], ours[best_ours])
-        out.update(ratio_vs_deepspeed=ds["ratio"], ratio_vs_deepspeed_paired=ds["paired_ratios"],
-                   ratio_vs_deepspeed_spread=ds["ratio_spread"])
-    elif DEEPSPEED in rows:
-        out["deepspeed_error"] = rows[DEEPSPEED]["error"]
-    one = rows.get("trainwright_1f1b", {})
-    zb = {k: rows[k]["bubble_fraction"] / one["bubble_fraction"]
-          for k in ("trainwright_zb-h1", "trainwright_zb-h2", "trainwright_zb-v")
-          if "bubble_fraction" in rows.get(k, {}) and one.get("bubble_fraction")}
-    if zb:
-        out["zb_bubble_vs_1f1b_per_schedule"] = {k: round(v, 4) for k, v in zb.items()}
-        out["zb_bubble_vs_1f1b"] = round(min(zb.values()), 4)
-    out["bubble_fraction"] = {k: r["bubble_fraction"] for k, r in rows.items()
-                              if "bubble_fraction" in r}
-    out["idle_s_per_rank"] = {k: r["idle_s_per_rank"] for k, r in rows.items()
-                              if "idle_s_per_rank" in r}
-    return out
-
-
 def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4),
         overhead: bool = True, screen_rounds: int | None = None) -> dict:
     """Screen every system, then pit our best schedule against torch's best, and compare.
@@ -359,7 +254,8 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     plan = [(r, m, name) for r in range(screen_rounds) for m in micro_batches
             for name in round_order(systems(), r)]
     runs_of_rank = _spawn(spec, plan)
-    by_m = {str(m): summarise(runs_of_rank, spec, m) for m in micro_batches}
+    by_m = {str(m): summarise(runs_of_rank, spec, m, systems())
+            for m in micro_batches}
     finals = {m: [by_m[str(m)]["best_ours"], by_m[str(m)]["best_torch"]]
               for m in micro_batches if "best_ours" in by_m[str(m)]}
     if finals:
@@ -390,59 +286,12 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     return result
 
 
-HEADLINE = ("ratio_vs_best_torch", "paired_ratios", "ratio_spread", "step_vs_compute_bound",
-            "run_step_vs_compute_bound", "step_clock_ratio_vs_best_torch",
-            "step_clock_paired_ratios", "step_clock_ratio_spread")
-"""Keys the head-to-head phase decides."""
-
 
 def _spawn(spec: PipelineBenchSpec, plan: list) -> list[list[dict]]:
     """Run ``plan`` in one pair of rank processes; every rank's list of runs."""
     results = peers.spawn_peer(bench_worker, spec, world_size=len(spec.split),
                                timeout_s=24 * 3600, worker_kwargs={"plan": plan})
     return [r["runs"] for r in results]
-
-
-def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int,
-                 ours: str, theirs: str) -> dict:
-    """Our best against torch's best at ``m`` micro-batches, paired per round, under both
-    clocks (module docstring).
-
-    Returns:
-        Run clock (the headline): ``step_ms_per_round`` of both, ``ratio_vs_best_torch``
-        (median of the per-round samples/s ratios), ``paired_ratios``, ``ratio_spread``,
-        ``run_step_vs_compute_bound``. Step clock: the same keys prefixed ``step_clock_``,
-        and ``step_vs_compute_bound`` from these runs' traces, step by step. ``error`` if
-        a run failed.
-    """
-    out: dict = {"systems": [ours, theirs]}
-    for clock in ("run", "step"):
-        idx = {name: [i for i, r in enumerate(runs_of_rank[0])
-                      if r["micro_batches"] == m and r["system"] == name
-                      and r.get("clock", "step") == clock] for name in (ours, theirs)}
-        series = {name: [_step_series(runs_of_rank, i, spec.warmup) for i in ix]
-                  for name, ix in idx.items()}
-        if any(s is None for v in series.values() for s in v):
-            errors = [r[i].get("error") for ix in idx.values() for i in ix for r in runs_of_rank]
-            out["error"] = next((e for e in errors if e), "a run failed")
-            return out
-        meds = {name: [statistics.median(s) for s in v] for name, v in series.items()}
-        pr = paired(meds[theirs], meds[ours])  # samples/s ratio = inverse step-time ratio
-        pre = "" if clock == "run" else "step_clock_"
-        out.update({f"{pre}rounds": len(idx[ours]),
-                    f"{pre}step_ms_per_round": {k: [round(1e3 * x, 3) for x in v]
-                                                for k, v in meds.items()},
-                    f"{pre}ratio_vs_best_torch": pr["ratio"],
-                    f"{pre}paired_ratios": pr["paired_ratios"],
-                    f"{pre}ratio_spread": pr["ratio_spread"]})
-        if clock == "step":
-            out["step_vs_compute_bound"] = _trace_figures(
-                runs_of_rank[0], idx[ours], series[ours])["step_vs_compute_bound"]
-        else:  # each run's mean step over the median of its steps' bounds
-            out["run_step_vs_compute_bound"] = round(statistics.median(
-                t / statistics.median(b["bound_s"] for b in runs_of_rank[0][i]["trace"].values())
-                for t, i in zip(meds[ours], idx[ours], strict=True)), 4)
-    return out
 
 
 def main(args: argparse.Namespace) -> dict:
