@@ -21,7 +21,8 @@ DEEPSPEED = "deepspeed_pipeline"
 
 HEADLINE = ("ratio_vs_best_torch", "paired_ratios", "ratio_spread", "step_vs_compute_bound",
             "run_step_vs_compute_bound", "step_clock_ratio_vs_best_torch",
-            "step_clock_paired_ratios", "step_clock_ratio_spread")
+            "step_clock_paired_ratios", "step_clock_ratio_spread", "ratio_vs_each_torch",
+            "step_clock_ratio_vs_each_torch")
 """Keys the head-to-head phase decides."""
 
 
@@ -113,6 +114,7 @@ def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict
     # samples/s ratio = inverse step-time ratio, per round
     pr = paired(theirs[best_torch], ours[best_ours])
     out.update(best_ours=best_ours, best_torch=best_torch,
+               torch_ranked=sorted(theirs, key=lambda k: statistics.median(theirs[k])),
                screen_ratio_vs_best_torch=pr["ratio"], screen_paired_ratios=pr["paired_ratios"],
                screen_ratio_spread=pr["ratio_spread"])
     if DEEPSPEED in per_round:  # samples/s ratio, paired per round like the headline
@@ -136,22 +138,27 @@ def _headline(rows: dict, per_round: dict, m: int, p: int, rounds: list) -> dict
 
 
 def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int,
-                 ours: str, theirs: str) -> dict:
-    """Our best against torch's best at ``m`` micro-batches, paired per round, under both
-    clocks (:mod:`trainwright.bench.pipeline`).
+                 ours: str, theirs: list[str]) -> dict:
+    """Our best against torch's best candidates (``theirs``: screening's two fastest) at
+    ``m`` micro-batches, paired per round, under both clocks
+    (:mod:`trainwright.bench.pipeline`). Under each clock torch's best is the candidate
+    our ratio is lowest against: screening ranks torch's schedules by the step clock, and
+    the run clock may rank them otherwise.
 
     Returns:
-        Run clock (the headline): ``step_ms_per_round`` of both, ``ratio_vs_best_torch``
-        (median of the per-round samples/s ratios), ``paired_ratios``, ``ratio_spread``,
-        ``run_step_vs_compute_bound``. Step clock: the same keys prefixed ``step_clock_``,
-        and ``step_vs_compute_bound`` from these runs' traces, step by step. ``error`` if
-        a run failed.
+        Run clock (the headline): ``step_ms_per_round`` of every system,
+        ``best_torch`` (the candidate chosen), ``ratio_vs_best_torch`` (median of the
+        per-round samples/s ratios against it), ``paired_ratios``, ``ratio_spread``,
+        ``ratio_vs_each_torch``, ``run_step_vs_compute_bound``. Step clock: the same keys
+        prefixed ``step_clock_``, and ``step_vs_compute_bound`` from these runs' traces,
+        step by step. ``error`` if a run failed.
     """
-    out: dict = {"systems": [ours, theirs]}
+    names = [ours, *theirs]
+    out: dict = {"systems": names}
     for clock in ("run", "step"):
         idx = {name: [i for i, r in enumerate(runs_of_rank[0])
                       if r["micro_batches"] == m and r["system"] == name
-                      and r.get("clock", "step") == clock] for name in (ours, theirs)}
+                      and r.get("clock", "step") == clock] for name in names}
         series = {name: [_step_series(runs_of_rank, i, spec.warmup) for i in ix]
                   for name, ix in idx.items()}
         if any(s is None for v in series.values() for s in v):
@@ -159,14 +166,18 @@ def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int
             out["error"] = next((e for e in errors if e), "a run failed")
             return out
         meds = {name: [statistics.median(s) for s in v] for name, v in series.items()}
-        pr = paired(meds[theirs], meds[ours])  # samples/s ratio = inverse step-time ratio
+        # samples/s ratio = inverse step-time ratio, per round, against each candidate
+        each = {t: paired(meds[t], meds[ours]) for t in theirs}
+        best = min(theirs, key=lambda t: each[t]["ratio"])
         pre = "" if clock == "run" else "step_clock_"
         out.update({f"{pre}rounds": len(idx[ours]),
                     f"{pre}step_ms_per_round": {k: [round(1e3 * x, 3) for x in v]
                                                 for k, v in meds.items()},
-                    f"{pre}ratio_vs_best_torch": pr["ratio"],
-                    f"{pre}paired_ratios": pr["paired_ratios"],
-                    f"{pre}ratio_spread": pr["ratio_spread"]})
+                    f"{pre}best_torch": best,
+                    f"{pre}ratio_vs_best_torch": each[best]["ratio"],
+                    f"{pre}paired_ratios": each[best]["paired_ratios"],
+                    f"{pre}ratio_spread": each[best]["ratio_spread"],
+                    f"{pre}ratio_vs_each_torch": {t: each[t]["ratio"] for t in theirs}})
         if clock == "step":
             out["step_vs_compute_bound"] = _trace_figures(
                 runs_of_rank[0], idx[ours], series[ours])["step_vs_compute_bound"]
