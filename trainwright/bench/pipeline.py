@@ -23,7 +23,7 @@ round, the systems in alternating order (ABBA, :mod:`trainwright.bench.paired`),
 drifting machine hits them alike; a system that fails is reported with its error:
 
 1. **screening**: every system, ``screen_rounds`` rounds. It gives the table, the bubbles,
-   ``ratio_vs_deepspeed``, and each side's best schedule (least median step time);
+   ``ratio_vs_deepspeed``, our best schedule and torch's two best (least median step time);
 2. **head-to-head**: only our best and torch's two best, ``repeats`` rounds, back to
    back, each round under both clocks (below). With a dozen systems a round takes
    minutes, and the machine's speed drifts over minutes; runs back to back are seconds
@@ -278,7 +278,8 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
         "benchmark": "pipeline",
         "question": "samples/s of our best schedule vs torch pipelining's best schedule on "
                     "the same work (best chosen in screening rounds of every system, then "
-                    "the two back to back in paired rounds); bubble over all ranks from the "
+                    "ours against torch's two best back to back in paired rounds, the headline "
+                    "against whichever of the two does better); bubble over all ranks from the "
                     "step's common start to its common end",
         "spec": spec.to_dict(), "screen_rounds": screen_rounds, "repeats": repeats,
         "micro_batches": list(micro_batches),
