@@ -255,11 +255,11 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     """
     t0 = time.perf_counter()
     screen_rounds = min(3, repeats) if screen_rounds is None else screen_rounds
+    names = systems()
     plan = [(r, m, name) for r in range(screen_rounds) for m in micro_batches
-            for name in round_order(systems(), r)]
+            for name in round_order(names, r)]
     runs_of_rank = _spawn(spec, plan)
-    by_m = {str(m): summarise(runs_of_rank, spec, m, systems())
-            for m in micro_batches}
+    by_m = {str(m): summarise(runs_of_rank, spec, m, names) for m in micro_batches}
     finals = {m: [by_m[str(m)]["best_ours"], *by_m[str(m)]["torch_ranked"][:2]]
               for m in micro_batches if "best_ours" in by_m[str(m)]}
     if finals:

@@ -1,7 +1,8 @@
 """From ``bench pipeline``'s runs to its figures: per step of our trace the common span,
 idle time, bubble and compute bound; per system the table row; per micro-batch count the
-screening's headline keys and the head-to-head of the two best. The definitions (clocks,
-span, bubble, bound) are in :mod:`trainwright.bench.pipeline`'s docstring."""
+screening's headline keys and the head-to-head of our best against torch's two best. The
+definitions (clocks, span, bubble, bound) are in :mod:`trainwright.bench.pipeline`'s
+docstring."""
 
 from __future__ import annotations
 
