@@ -54,6 +54,9 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
         assert h2h[f"{pre}ratio_vs_each_torch"] == pytest.approx(each, rel=2e-3)
         assert h2h[f"{pre}best_torch"] == min(each, key=each.get)
         assert res[f"{pre}ratio_vs_best_torch"] == pytest.approx(min(each.values()), rel=2e-3)
+        # ours ran first in round 0 and last in round 1 (alternating order)
+        assert h2h[f"{pre}order_effect"] == {"ours_first": h2h[f"{pre}paired_ratios"][0],
+                                             "ours_last": h2h[f"{pre}paired_ratios"][1]}
     assert res["best_torch"] == h2h["best_torch"]
     assert res["run_step_vs_compute_bound"] > 0
     assert len(res["paired_ratios"]) == 2 and "relative_half_range" in res["ratio_spread"]

@@ -5,6 +5,12 @@ import pytest
 from trainwright.bench import paired
 
 
+def test_balanced_rounds_are_even_so_each_system_runs_first_as_often_as_last():
+    assert [paired.balanced_rounds(n) for n in (1, 2, 5, 6)] == [2, 2, 6, 6]
+    firsts = [paired.round_order(["a", "b"], r)[0] for r in range(paired.balanced_rounds(5))]
+    assert firsts.count("a") == firsts.count("b")
+
+
 def test_round_order_alternates():
     assert paired.round_order(["a", "b"], 0) == ["a", "b"]
     assert paired.round_order(["a", "b"], 1) == ["b", "a"]

@@ -26,6 +26,12 @@ def round_order(systems: Sequence[str], round_index: int) -> list[str]:
     return names if round_index % 2 == 0 else names[::-1]
 
 
+def balanced_rounds(rounds: int) -> int:
+    """The least even number of rounds >= ``rounds``: under :func:`round_order` every system
+    then runs first in as many rounds as it runs last."""
+    return rounds + rounds % 2
+
+
 def spread(values: Sequence[float]) -> dict:
     """Min, max and the half-range relative to the median of ``values``."""
     med = statistics.median(values)

@@ -24,13 +24,17 @@ drifting machine hits them alike; a system that fails is reported with its error
 
 1. **screening**: every system, ``screen_rounds`` rounds. It gives the table, the bubbles,
    ``ratio_vs_deepspeed``, our best schedule and torch's two best (least median step time);
-2. **head-to-head**: only our best and torch's two best, ``repeats`` rounds, back to
-   back, each round under both clocks (below). With a dozen systems a round takes
-   minutes, and the machine's speed drifts over minutes; runs back to back are seconds
-   apart, so their ratio measures the systems, not the drift. Torch's two best enter
-   because screening ranks them by the step clock and their medians lie within a few per
-   cent: under each clock torch's best is the one our ratio is lowest against
-   (``best_torch``; screening's pick stays as ``screen_best_torch``).
+2. **head-to-head**: only our best and torch's two best, ``repeats`` rounds (rounded up
+   to an even number), back to back, each round under both clocks (below). With a dozen
+   systems a round takes minutes, and the machine's speed drifts over minutes; runs back
+   to back are seconds apart, so their ratio measures the systems, not the drift. Torch's
+   two best enter because screening ranks them by the step clock and their medians lie
+   within a few per cent: under each clock torch's best is the one our ratio is lowest against
+   (``best_torch``; screening's pick stays as ``screen_best_torch``). The number of
+   rounds is even so that every system runs first in as many rounds as it runs last: with
+   an odd number, alternating order puts one system first once more often, and a
+   position effect (the first run of a round measured up to 3 % slower here) tilts the
+   median. ``order_effect`` gives the median ratio of each half apart.
    ``ratio_vs_best_torch`` (run clock, median of the per-round samples/s ratios, spread
    stated), ``step_clock_ratio_vs_best_torch`` and ``step_vs_compute_bound`` (step clock)
    come from this phase; the screening's own paired ratio stays as
@@ -80,7 +84,7 @@ import torch
 import torch.distributed as dist
 
 from trainwright.bench import deepspeed_peer, peers
-from trainwright.bench.paired import host_info, round_order
+from trainwright.bench.paired import balanced_rounds, host_info, round_order
 from trainwright.bench.pipeline_figures import (
     DEEPSPEED,
     HEADLINE,
@@ -236,15 +240,16 @@ def systems() -> list[str]:
             + ([DEEPSPEED] if deepspeed_peer.deepspeed_available() else []))
 
 
-def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4),
+def run(spec: PipelineBenchSpec, repeats: int = 6, micro_batches: tuple = (8, 4),
         overhead: bool = True, screen_rounds: int | None = None) -> dict:
     """Screen every system, then pit our best schedule against torch's best, and compare.
 
     Phase 1 (screening) runs every system ``screen_rounds`` (default ``min(3, repeats)``)
     rounds at each micro-batch
     count: the table, the bubbles, our best schedule and torch's two best. Phase 2
-    (head-to-head) runs only those three, ``repeats`` rounds, back to back in alternating
-    order, so each paired ratio compares runs seconds apart rather than minutes apart on a
+    (head-to-head) runs only those three, ``repeats`` rounds (an odd number is rounded up:
+    each system then runs first as often as last), back to back in alternating order, so
+    each paired ratio compares runs seconds apart rather than minutes apart on a
     machine whose speed drifts: ``ratio_vs_best_torch`` and ``step_vs_compute_bound`` come
     from it.
 
@@ -255,6 +260,7 @@ def run(spec: PipelineBenchSpec, repeats: int = 5, micro_batches: tuple = (8, 4)
     """
     t0 = time.perf_counter()
     screen_rounds = min(3, repeats) if screen_rounds is None else screen_rounds
+    repeats = balanced_rounds(repeats)
     names = systems()
     plan = [(r, m, name) for r in range(screen_rounds) for m in micro_batches
             for name in round_order(names, r)]
@@ -310,4 +316,4 @@ def main(args: argparse.Namespace) -> dict:
         spec.steps = args.steps
     spec = dataclasses.replace(spec, **spec_overrides("pipeline", spec,
                                                       getattr(args, "spec", None)))
-    return run(spec, repeats=args.repeats)
+    return run(spec, repeats=args.repeats or 6)

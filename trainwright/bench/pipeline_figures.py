@@ -150,9 +150,9 @@ def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int
         Run clock (the headline): ``step_ms_per_round`` of every system,
         ``best_torch`` (the candidate chosen), ``ratio_vs_best_torch`` (median of the
         per-round samples/s ratios against it), ``paired_ratios``, ``ratio_spread``,
-        ``ratio_vs_each_torch``, ``run_step_vs_compute_bound``. Step clock: the same keys
-        prefixed ``step_clock_``, and ``step_vs_compute_bound`` from these runs' traces,
-        step by step. ``error`` if a run failed.
+        ``ratio_vs_each_torch``, ``order_effect``, ``run_step_vs_compute_bound``. Step
+        clock: the same keys prefixed ``step_clock_``, and ``step_vs_compute_bound`` from
+        these runs' traces, step by step. ``error`` if a run failed.
     """
     names = [ours, *theirs]
     out: dict = {"systems": names}
@@ -178,7 +178,8 @@ def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int
                     f"{pre}ratio_vs_best_torch": each[best]["ratio"],
                     f"{pre}paired_ratios": each[best]["paired_ratios"],
                     f"{pre}ratio_spread": each[best]["ratio_spread"],
-                    f"{pre}ratio_vs_each_torch": {t: each[t]["ratio"] for t in theirs}})
+                    f"{pre}ratio_vs_each_torch": {t: each[t]["ratio"] for t in theirs},
+                    f"{pre}order_effect": _order_effect(each[best]["paired_ratios"])})
         if clock == "step":
             out["step_vs_compute_bound"] = _trace_figures(
                 runs_of_rank[0], idx[ours], series[ours])["step_vs_compute_bound"]
@@ -187,3 +188,12 @@ def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int
                 t / statistics.median(b["bound_s"] for b in runs_of_rank[0][i]["trace"].values())
                 for t, i in zip(meds[ours], idx[ours], strict=True)), 4)
     return out
+
+
+def _order_effect(ratios: list[float]) -> dict:
+    """Median paired ratio over the rounds in which ours ran first (even rounds, see
+    :func:`~trainwright.bench.paired.round_order`) and over those in which it ran last: a
+    gap between them is a position effect, which only an even number of rounds cancels."""
+    first, last = ratios[0::2], ratios[1::2]
+    return {"ours_first": round(statistics.median(first), 4) if first else None,
+            "ours_last": round(statistics.median(last), 4) if last else None}

@@ -310,4 +310,4 @@ def main(args: argparse.Namespace) -> dict:
     spec = RebalanceBenchSpec(stages=args.stages or 2)
     if args.steps:
         spec.steps = args.steps
-    return run(spec, repeats=args.repeats)
+    return run(spec, repeats=args.repeats or 3)

@@ -240,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     ben = sub.add_parser("bench", help="run a side-by-side benchmark, e.g. `bench pipeline`")
     ben.add_argument("name")
     ben.add_argument("--json", metavar="PATH", help="write the results as JSON here")
-    ben.add_argument("--repeats", type=int, default=3, help="interleaved runs per system")
+    ben.add_argument("--repeats", type=int, default=None,
+                     help="paired rounds per system (default: the benchmark's own, e.g. "
+                          "pipeline 6, rebalance 3)")
     ben.add_argument("--steps", type=int, default=None, help="steps per run (default: spec)")
     ben.add_argument("--stages", type=int, default=None,
                      help="pipeline stages, where the benchmark has them (default: spec)")
