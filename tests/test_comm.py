@@ -191,3 +191,23 @@ def test_watchdog_ignores_finished_ranks_and_reports_failures():
     assert seen and seen[0][0] == 2 and "bad shape" in seen[0][1]
     dogs[0].stop()
     del server
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_names_a_rank_that_dies_before_its_first_period():
+    """A rank killed within its first heartbeat period (a fast set-up, an early fault step)
+    has still beaten once, so the others declare it lost instead of waiting forever."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    client = lambda: dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # noqa: E731
+    seen: list = []
+    found = threading.Event()
+    watcher = Watchdog(client, 0, 2, 2.5, lambda r, why: (seen.append((r, why)), found.set()))
+    doomed = Watchdog(client, 1, 2, 2.5, lambda r, why: None).start()  # period: 0.5 s
+    watcher.start()
+    time.sleep(0.2)
+    doomed._stop.set()  # silent from now on, without saying it is done
+    assert found.wait(8), "rank 1 died before its first period and was never declared lost"
+    assert seen[0][0] == 1 and "no heartbeat" in seen[0][1]
+    watcher.stop()
+    del server

@@ -46,15 +46,15 @@ drifting machine hits them alike; a system that fails is reported with its error
   step, then each rank's time from leaving it to the end of its step (our ``STEP``
   action, torch's ``optimizer.step``), the slowest rank per step. Data reading and loss
   logging lie outside it for torch; for ours the batch read and the trainer's per-step
-  set-up lie inside, the metrics gather and row outside. A barrier per step stops a rank
-  from starting its next step while another still finishes this one, which a training
-  loop without one does: under torch's ZB-V, rank 0 starts forwarding the next step while
+  set-up lie inside, sending the step's metrics to rank 0 outside. A barrier per step
+  stops a rank from starting its next step while another still finishes this one, which a
+  training loop without one does: under torch's ZB-V, rank 0 starts forwarding the next step while
   rank 1 still runs its last weight passes. Our ZB-V carries those passes into the next
   step (``train.carry_weight_grads``), so this clock would credit us with an overlap it
   denies torch;
 * **run clock** (the headline): one barrier after the warm-up steps, then the remaining
   steps back to back as a training loop runs them (torch: data, ``step``, loss logging,
-  ``optimizer.step``; ours: ``Trainer.fit``, its per-step metrics gather included), each
+  ``optimizer.step``; ours: ``Trainer.fit``, its per-step metrics included), each
   rank timed from leaving the barrier to the end of its last step; the slowest rank's
   time over the number of steps. The CLI runs 1 warm-up and 10 timed steps, so our timed
   window holds one unfused profile step (step 10, at the default ``run.profile_every``),

@@ -103,6 +103,19 @@ _CLOSED = ("Connection closed by peer", "Connection reset by peer")
 """gloo's words for a peer whose process has gone (its sockets closed)."""
 
 
+def _let_transport_run() -> None:
+    """Give this core to the transport thread that a just-posted send or receive woke.
+
+    [Note: yield after posting] The backend's worker thread wakes on the core of the thread
+    that posted the work; when that thread goes straight back to computing, the worker
+    waits for the next scheduler tick (4 ms here) before it moves the bytes or tells the
+    peer its receive is ready, while the peer may sit idle waiting for them. Measured here,
+    512 kB from a computing sender to a waiting receiver: 1.5 ms median, 4.7 ms p90
+    without a yield; 0.36 / 0.75 ms with one, which costs the sender about 0.07 ms.
+    """
+    os.sched_yield()
+
+
 class P2P:
     """Send and receive tensor lists between pipeline neighbours.
 
@@ -160,6 +173,7 @@ class P2P:
         works = [coll.isend(t, dst=peer, group=self.group, tag=tag)
                  for t in (header, *stale, *payload)]
         self._pending.extend((w, [header, *stale, *payload]) for w in works)
+        _let_transport_run()
         if len(self._pending) > 64:
             self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
 
@@ -217,6 +231,7 @@ class P2P:
         if more:
             self._early[(peer, tag)] = (*self._post_header(peer, tag),
                                         self._post_payload(peer, tag, shapes))
+            _let_transport_run()
         return out
 
     def _post_header(self, peer: int, tag: int) -> tuple[object, torch.Tensor]:
@@ -318,7 +333,12 @@ class Watchdog:
             return
         peers = [r for r in range(self.world) if r != self.rank]
         seen = {r: (-1, time.monotonic()) for r in peers}
-        while not self._stop.wait(period):
+        # the first heartbeat goes out at once: a rank that dies within its first period
+        # would otherwise never have beaten, and ``beat > 0`` (a rank not started yet is
+        # not declared lost) would spare it forever
+        first = True
+        while first or not self._stop.wait(period):
+            first = False
             try:
                 store.add(f"tw/hb/{self.rank}", 1)
                 beats = [store.add(f"tw/hb/{r}", 0) for r in peers]

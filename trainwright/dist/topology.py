@@ -30,15 +30,18 @@ class Topology:
     ctrl_group: object = field(default=None, repr=False)
     """A second group over this rank's pipeline for control traffic (re-partition plans,
     layer migration), so its messages never queue behind activations on the data group."""
+    stats_group: object = field(default=None, repr=False)
+    """A gloo group of every rank: per-step records travel to rank 0 on it
+    (:class:`~trainwright.dist.mailbox.Mailbox`), whatever backend carries the tensors."""
 
     def destroy(self) -> None:
         """Destroy this rank's groups. A process that builds many trainers in turn (a
         benchmark, a test session) would otherwise keep every one's connections and threads."""
-        groups = {id(g): g for g in (self.pp_group, self.ctrl_group, self.dp_group)
-                  if g is not None}
+        groups = {id(g): g for g in (self.pp_group, self.ctrl_group, self.dp_group,
+                                     self.stats_group) if g is not None}
         for g in groups.values():
             dist.destroy_process_group(g)
-        self.pp_group = self.ctrl_group = self.dp_group = None
+        self.pp_group = self.ctrl_group = self.dp_group = self.stats_group = None
 
     @property
     def world_size(self) -> int:
@@ -76,7 +79,7 @@ class Topology:
             dp: data-parallel replicas.
 
         Returns:
-            This rank's topology with its two groups.
+            This rank's topology with its groups.
 
         Raises:
             ValueError: the job's world size is not ``pp * dp``.
@@ -95,4 +98,6 @@ class Topology:
             g = dist.new_group([d * pp + s for d in range(dp)])
             if s == topo.stage:
                 topo.dp_group = g
+        if world > 1:
+            topo.stats_group = dist.new_group(list(range(world)), backend="gloo")
         return topo

@@ -14,6 +14,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["MetricsWriter", "RunRecorder", "step_record", "write_trace", "setup_logging",
@@ -157,19 +158,23 @@ class RunRecorder:
         self.loss: float | None = None
         self.eval_loss: float | None = None
         self._t0 = time.perf_counter()
+        self._deferred: Callable[[], None] | None = None
 
     def write(self, kind: str, **row) -> None:
         """One more row of ``kind`` (e.g. ``model_edit``) in ``metrics.jsonl``."""
+        self.settle()
         self.writer.write(kind, **row)
 
     def step(self, step: int, stats: list, layer_costs: list[dict] | None,
-             stage_of: list[int] | None = None) -> None:
+             stage_of: list[int] | None = None, at: float | None = None) -> None:
         """Record one step from every rank's stats (and the pipeline's layer costs, labelled
-        by ``stage_of``, the stage of each layer now: a migration may have changed it)."""
+        by ``stage_of``, the stage of each layer now: a migration may have changed it);
+        ``at``: when the step ended (default: now)."""
+        self.settle()
         if stage_of is not None:
             self.stage_of = stage_of
         row = step_record(stats, self.batch_size)
-        row["time"] = time.time()
+        row["time"] = time.time() if at is None else at
         self.loss = row["loss"]
         self.writer.write("step", **row)
         for st in stats:
@@ -188,9 +193,25 @@ class RunRecorder:
         if self.progress is not None:
             self.progress.update(step, self.loss, row["samples_per_s"])
 
+    def step_later(self, step: int, own, others: Callable[[], list],
+                   layer_costs: list[dict] | None, stage_of: list[int]) -> None:
+        """Record a step whose other ranks' stats are still on their way: its row is written
+        from ``[own, *others()]`` just before the next row of any kind (so rows stay in
+        order, and ``others`` is called when they have long arrived), or by :meth:`settle`."""
+        self.settle()
+        at = time.time()
+        self._deferred = lambda: self.step(step, [own, *others()], layer_costs, stage_of, at)
+
+    def settle(self) -> None:
+        """Write the step row :meth:`step_later` left pending, if any."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred()
+
     def eval(self, row: dict) -> None:
         """Record an evaluation (``step``, ``loss``, ``perplexity``...): an ``eval`` row, and
         the progress bar shows it."""
+        self.settle()
         self.eval_loss = row["loss"]
         self.writer.write("eval", **row)
         if self.progress is not None:
@@ -198,6 +219,7 @@ class RunRecorder:
 
     def finish(self, events: dict[int, list], names: dict[int, str], report: bool) -> None:
         """Close the progress bar, write trace.json, the ``end`` row and the report."""
+        self.settle()
         if self.progress is not None:
             self.progress.close()
         write_trace(self.run_dir / "trace.json", events, names)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from trainwright.config import Config
 from trainwright.dist import collective as coll
 from trainwright.dist.comm import P2P, Watchdog
+from trainwright.dist.mailbox import Mailbox
 from trainwright.dist.topology import Topology
 from trainwright.errors import PeerLost
 from trainwright.model.build import (
@@ -322,6 +323,9 @@ class Trainer:
         self.pipeline_costs: list[dict] = []
         """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
         self.recorder = None
+        self.mailbox = None if topo.stats_group is None else Mailbox(
+            topo.stats_group, topo.rank, topo.world_size)
+        """Carries every rank's per-step stats to rank 0 without a collective per step."""
         if topo.rank != 0 or not self.outputs:
             return
         meta = dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp, dp=topo.dp,
@@ -516,15 +520,32 @@ class Trainer:
 
     def _record(self, step: int, stats: StepStats, costs_fresh: bool) -> None:
         """Every rank's stats to rank 0, which writes the metrics row (with the pipeline's
-        per-layer costs at profile steps)."""
-        gathered = self._gather(stats)
+        per-layer costs at profile steps). Through the mailbox the ranks do not wait for each
+        other: rank 0 writes the row when its next row is due (:meth:`RunRecorder.step_later`),
+        from the other ranks' stats sent a step earlier."""
+        costs = self.pipeline_costs if costs_fresh else None
+        if self.mailbox is None:
+            gathered = self._gather(stats)
+            if self.recorder is not None:
+                self.recorder.step(step, gathered, costs, self.stage_of)
+            return
+        self.mailbox.post(stats, more=True)
+        if self.topo.rank != 0:
+            return
+        mailbox, world = self.mailbox, self.topo.world_size
+        others = lambda: [mailbox.take(r) for r in range(1, world)]  # noqa: E731
         if self.recorder is not None:
-            self.recorder.step(step, gathered,
-                               self.pipeline_costs if costs_fresh else None,
-                               self.stage_of)
+            self.recorder.step_later(step, stats, others, costs, list(self.stage_of))
+        else:
+            others()
 
     def finish(self) -> float | None:
         """Gather the trace and write the report (rank 0); every rank waits for the end."""
+        if self.recorder is not None:
+            self.recorder.settle()
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
         all_events = self._gather(self.trace_events)
         if self.recorder is not None:
             self.recorder.finish(dict(enumerate(all_events)),

@@ -1,0 +1,58 @@
+"""Per-step records reach rank 0 in order, without the ranks waiting for each other."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from trainwright.dist.mailbox import SLOT_BYTES, Mailbox
+from trainwright.dist.testing import run_workers
+
+
+def _records(rank, world):
+    box = Mailbox(dist.new_group(backend="gloo"), rank, world)
+    big = "x" * (2 * SLOT_BYTES)  # over one slot: travels as a second message
+    for step in range(1, 7):
+        record = {"rank": rank, "step": step, "blob": big if step == 3 else ""}
+        if rank == 2 and step == 2:
+            time.sleep(0.5)  # a slow rank: rank 0 waits only for what it reads now
+        box.post(record, more=True)
+        if rank == 0 and step > 1:  # rank 0 reads the others' previous record
+            got = [box.take(src) for src in range(1, world)]
+            assert [(g["rank"], g["step"]) for g in got] == [(r, step - 1) for r in (1, 2)]
+            assert all(len(g["blob"]) == (2 * SLOT_BYTES if step - 1 == 3 else 0) for g in got)
+    if rank == 0:
+        assert [box.take(src)["step"] for src in (1, 2)] == [6, 6]
+    box.close()  # the others end their streams; rank 0 reads the empty last records
+    dist.barrier()
+
+
+def _sender_runs_ahead(rank, world):
+    """Rank 1 posts four records before rank 0 reads any: its sends stay in flight and it
+    does not block on rank 0."""
+    box = Mailbox(dist.new_group(backend="gloo"), rank, world)
+    if rank == 1:
+        t0 = time.monotonic()
+        for step in range(4):
+            box.post(step, more=True)
+        assert time.monotonic() - t0 < 1.0
+        dist.barrier()
+    else:
+        dist.barrier()  # rank 1 has posted all four
+        assert [box.take(1) for _ in range(4)] == [0, 1, 2, 3]
+    box.close()
+
+
+def _no_records(rank, world):
+    box = Mailbox(dist.new_group(backend="gloo"), rank, world)
+    box.close()  # rank 0 posted a receive per rank at the start: close must still end
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_mailbox_delivers_records_in_order_big_ones_included():
+    run_workers(_records, 3, timeout_s=60)
+    run_workers(_sender_runs_ahead, 2, timeout_s=60)
+    run_workers(_no_records, 2, timeout_s=60)
