@@ -34,7 +34,10 @@ drifting machine hits them alike; a system that fails is reported with its error
    rounds is even so that every system runs first in as many rounds as it runs last: with
    an odd number, alternating order puts one system first once more often, and a
    position effect (the first run of a round measured up to 3 % slower here) tilts the
-   median. ``order_effect`` gives the median ratio of each half apart.
+   median. ``order_effect`` gives the median ratio of each half apart. A warm-up round
+   (every finalist once, run clock) opens the phase and is discarded: the phase runs in
+   fresh processes, and their first run pays one-time costs (our first run there took
+   1082 ms per step against 954-983 ms in the later rounds, commit 59dbf19).
    ``ratio_vs_best_torch`` (run clock, median of the per-round samples/s ratios, spread
    stated), ``step_clock_ratio_vs_best_torch`` and ``step_vs_compute_bound`` (step clock)
    come from this phase; the screening's own paired ratio stays as
@@ -269,8 +272,10 @@ def run(spec: PipelineBenchSpec, repeats: int = 6, micro_batches: tuple = (8, 4)
     finals = {m: [by_m[str(m)]["best_ours"], *by_m[str(m)]["torch_ranked"][:2]]
               for m in micro_batches if "best_ours" in by_m[str(m)]}
     if finals:
-        plan = [(r, m, name, clock) for r in range(repeats) for m in finals
-                for clock in ("run", "step") for name in round_order(finals[m], r)]
+        # round -1 warms the fresh processes up and is discarded (_WARMUP_ROUND)
+        plan = [(r, m, name, clock) for r in range(-1, repeats) for m in finals
+                for clock in (("run",) if r < 0 else ("run", "step"))
+                for name in round_order(finals[m], r)]
         runs_of_rank = _spawn(spec, plan)
         for m in finals:
             h2h = head_to_head(runs_of_rank, spec, m, finals[m][0], finals[m][1:])

@@ -159,7 +159,8 @@ def head_to_head(runs_of_rank: list[list[dict]], spec: PipelineBenchSpec, m: int
     for clock in ("run", "step"):
         idx = {name: [i for i, r in enumerate(runs_of_rank[0])
                       if r["micro_batches"] == m and r["system"] == name
-                      and r.get("clock", "step") == clock] for name in names}
+                      and r.get("clock", "step") == clock and r["round"] >= 0]
+               for name in names}  # round -1: the discarded warm-up
         series = {name: [_step_series(runs_of_rank, i, spec.warmup) for i in ix]
                   for name, ix in idx.items()}
         if any(s is None for v in series.values() for s in v):

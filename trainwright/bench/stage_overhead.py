@@ -10,10 +10,12 @@ The workload's whole model runs in one process, one thread, on the same micro-ba
 * ``ours_measured``: the same stage on a measured step (first and profile steps, or every
   step under a memory limit: one segment per layer, saved bytes counted by pack hooks).
 
-Rounds alternate the order (ABBA); the headline is the median of the per-round paired
-ratios ``ours_fast / plain`` of step times. Sixteen rounds by default: a round's ratio
-drifts by about +-2.5 % on a 2-core machine, eight rounds' median still moved by about
-1 % between runs, and the target is 0.5 %.
+Within a round the systems take turns step by step, in alternating (ABBA) order, so a
+drift of the machine's speed hits them alike; the headline is the median of the
+per-round paired ratios ``ours_fast / plain`` of their median step times. Sixteen rounds
+by default: with each system's steps in one block per round, a round's ratio drifted by
+about +-2.5 % on a 2-core machine, eight rounds' median still moved by about 1 % between
+runs, and the target is 0.5 %.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def _steppers(spec: PipelineBenchSpec) -> tuple[dict, list]:
 
 
 def measure(spec: PipelineBenchSpec, rounds: int = 16, steps: int = 6, warmup: int = 1) -> dict:
-    """Time one step of each system ``steps`` times per round, ``rounds`` rounds (ABBA).
+    """Time ``steps`` steps of each system per round, taking turns step by step (ABBA),
+    ``rounds`` rounds, after ``warmup`` untimed steps of each per round.
 
     Returns:
         ``rows`` (per system: per-round median step seconds), ``ratio`` (median of the
@@ -79,21 +82,29 @@ def measure(spec: PipelineBenchSpec, rounds: int = 16, steps: int = 6, warmup: i
     data = spec.data()
     per_round: dict[str, list[float]] = {s: [] for s in SYSTEMS}
     step_no = 0
+
+    def one_step(name: str) -> float:
+        nonlocal step_no
+        step_no += 1
+        x, y = data.batch(step_no, spec.batch_size)
+        xs, ys = split_microbatches(x, spec.micro_batches), \
+            split_microbatches(y, spec.micro_batches)
+        for p in params:
+            p.grad = None
+        t0 = time.perf_counter()
+        steppers[name](xs, ys)
+        return time.perf_counter() - t0
+
     for r in range(rounds):
         for name in round_order(SYSTEMS, r):
-            times = []
-            for i in range(warmup + steps):
-                step_no += 1
-                x, y = data.batch(step_no, spec.batch_size)
-                xs, ys = split_microbatches(x, spec.micro_batches), \
-                    split_microbatches(y, spec.micro_batches)
-                for p in params:
-                    p.grad = None
-                t0 = time.perf_counter()
-                steppers[name](xs, ys)
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            per_round[name].append(statistics.median(times))
+            for _ in range(warmup):
+                one_step(name)
+        times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+        for i in range(steps):  # the systems take turns step by step: drift hits them alike
+            for name in round_order(SYSTEMS, r + i):
+                times[name].append(one_step(name))
+        for name in SYSTEMS:
+            per_round[name].append(statistics.median(times[name]))
     fast = paired(per_round["ours_fast"], per_round["plain"])
     measured = paired(per_round["ours_measured"], per_round["plain"])
     return {"question": "one stage's forward + backward per step: our per-layer segments "
