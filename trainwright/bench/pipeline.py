@@ -32,12 +32,13 @@ drifting machine hits them alike; a system that fails is reported with its error
    within a few per cent: under each clock torch's best is the one our ratio is lowest against
    (``best_torch``; screening's pick stays as ``screen_best_torch``). The number of
    rounds is even so that every system runs first in as many rounds as it runs last: with
-   an odd number, alternating order puts one system first once more often, and a
-   position effect (the first run of a round measured up to 3 % slower here) tilts the
-   median. ``order_effect`` gives the median ratio of each half apart. A warm-up round
-   (every finalist once, run clock) opens the phase and is discarded: the phase runs in
-   fresh processes, and their first run pays one-time costs (our first run there took
-   1082 ms per step against 954-983 ms in the later rounds, commit 59dbf19).
+   an odd number, alternating order puts one system first once more often, and any
+   position effect tilts the median (in three runs ours-first rounds gave 0.975-0.98 and
+   ours-last rounds 1.01-1.03 at m = 8; later runs showed no consistent direction).
+   ``order_effect`` gives the median ratio of each half apart. A warm-up round (every
+   finalist once, run clock) opens the phase and is discarded: the phase runs in fresh
+   processes, and their first run pays one-time costs (our first run there took 1082 ms
+   per step against 954-983 ms in the later rounds, commit 59dbf19).
    ``ratio_vs_best_torch`` (run clock, median of the per-round samples/s ratios, spread
    stated), ``step_clock_ratio_vs_best_torch`` and ``step_vs_compute_bound`` (step clock)
    come from this phase; the screening's own paired ratio stays as
@@ -272,7 +273,7 @@ def run(spec: PipelineBenchSpec, repeats: int = 6, micro_batches: tuple = (8, 4)
     finals = {m: [by_m[str(m)]["best_ours"], *by_m[str(m)]["torch_ranked"][:2]]
               for m in micro_batches if "best_ours" in by_m[str(m)]}
     if finals:
-        # round -1 warms the fresh processes up and is discarded (_WARMUP_ROUND)
+        # round -1 warms the fresh processes up and is discarded (module docstring)
         plan = [(r, m, name, clock) for r in range(-1, repeats) for m in finals
                 for clock in (("run",) if r < 0 else ("run", "step"))
                 for name in round_order(finals[m], r)]
