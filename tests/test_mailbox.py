@@ -18,7 +18,7 @@ def _records(rank, world):
         record = {"rank": rank, "step": step, "blob": big if step == 3 else ""}
         if rank == 2 and step == 2:
             time.sleep(0.5)  # a slow rank: rank 0 waits only for what it reads now
-        box.post(record, more=True)
+        box.post(record)
         if rank == 0 and step > 1:  # rank 0 reads the others' previous record
             got = [box.take(src) for src in range(1, world)]
             assert [(g["rank"], g["step"]) for g in got] == [(r, step - 1) for r in (1, 2)]
@@ -36,7 +36,7 @@ def _sender_runs_ahead(rank, world):
     if rank == 1:
         t0 = time.monotonic()
         for step in range(4):
-            box.post(step, more=True)
+            box.post(step)
         assert time.monotonic() - t0 < 1.0
         dist.barrier()
     else:

@@ -10,8 +10,8 @@ So every other rank sends its record with a non-blocking send into a receive tha
 posted ahead, and rank 0 reads it one record later (:meth:`Mailbox.take`), when it has
 long arrived. A record travels in one fixed-size slot (a length, then the pickled object);
 a larger one sends the slot (holding only its length) and then the whole payload, which
-rank 0 receives blocking. Each message says whether another follows, so rank 0 posts a
-receive only where one will come, and nothing is left posted at the end.
+rank 0 receives blocking. Rank 0 keeps one receive posted per rank until that rank's
+:meth:`Mailbox.close` sends its end mark, so nothing is left posted at the end.
 """
 
 from __future__ import annotations
@@ -46,21 +46,19 @@ class Mailbox:
     def __init__(self, group, rank: int, world_size: int):
         self.group, self.rank, self.world = group, rank, world_size
         self._sends: deque = deque()
-        self._more = True
-        """Rank 0 may still expect a record of this rank (it posts a receive for each rank
-        at the start): :meth:`close` then sends an empty last one."""
         self._posted: dict[int, tuple[object, torch.Tensor]] = {}
         """Rank 0: source rank -> the receive posted for its next record."""
         if rank == 0:
             for src in range(1, world_size):
                 self._post(src)
 
-    def post(self, record, more: bool) -> None:
-        """Send this rank's ``record`` to rank 0 without waiting (rank 0 keeps its own);
-        ``more``: another record follows from this rank."""
-        if self.rank == 0:
-            return
-        data = pickle.dumps((record, more), protocol=pickle.HIGHEST_PROTOCOL)
+    def post(self, record) -> None:
+        """Send this rank's ``record`` to rank 0 without waiting (rank 0 keeps its own)."""
+        if self.rank != 0:
+            self._send(record, end=False)
+
+    def _send(self, record, end: bool) -> None:
+        data = pickle.dumps((record, end), protocol=pickle.HIGHEST_PROTOCOL)
         slot = torch.zeros(SLOT_BYTES, dtype=torch.uint8)
         slot[:8].view(torch.int64)[0] = len(data)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -73,12 +71,11 @@ class Mailbox:
             self._sends.append((coll.isend(t, dst=0, group=self.group, tag=TAG), t))
         while len(self._sends) > IN_FLIGHT:
             self._sends.popleft()[0].wait()
-        self._more = more
 
     def take(self, src: int):
         """Rank 0: the next record of rank ``src`` (waits only if it has not come yet)."""
-        if src not in self._posted:  # its last record said none follows; one came anyway
-            self._post(src)
+        if src not in self._posted:
+            raise RuntimeError(f"rank {src} closed its mailbox stream; no record follows")
         work, slot = self._posted.pop(src)
         work.wait()
         n = int(slot[:8].view(torch.int64)[0])
@@ -88,21 +85,20 @@ class Mailbox:
             payload = torch.empty(n, dtype=torch.uint8)
             coll.recv(payload, src, group=self.group, tag=TAG)
             data = payload.numpy().tobytes()
-        record, more = pickle.loads(data)
-        if more:
+        record, end = pickle.loads(data)
+        if not end:
             self._post(src)
         return record
 
     def close(self) -> None:
-        """Every rank: end the stream (a last empty record if the last one promised more;
-        rank 0 reads those) and wait until every send has been received."""
+        """Every rank: end the stream (an end mark, which rank 0 reads after any record it
+        has not taken) and wait until every send has been received."""
         if self.rank == 0:
             for src in list(self._posted):
                 while src in self._posted:
                     self.take(src)
             return
-        if self._more:
-            self.post(None, more=False)
+        self._send(None, end=True)
         while self._sends:
             self._sends.popleft()[0].wait()
 

@@ -529,7 +529,7 @@ class Trainer:
             if self.recorder is not None:
                 self.recorder.step(step, gathered, costs, self.stage_of)
             return
-        self.mailbox.post(stats, more=True)
+        self.mailbox.post(stats)
         if self.topo.rank != 0:
             return
         mailbox, world = self.mailbox, self.topo.world_size
