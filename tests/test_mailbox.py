@@ -56,3 +56,37 @@ def test_mailbox_delivers_records_in_order_big_ones_included():
     run_workers(_records, 3, timeout_s=60)
     run_workers(_sender_runs_ahead, 2, timeout_s=60)
     run_workers(_no_records, 2, timeout_s=60)
+
+
+def _train_without_cost_gathers(rank, world, cfg, run_dir):
+    from pathlib import Path
+
+    from trainwright.run.trainer import Trainer
+    from trainwright.run.worker import train
+
+    def refuse(self, obj):
+        raise AssertionError("a profile step with nothing to re-partition gathered costs")
+
+    Trainer._all_gather_pipeline = refuse
+    train(cfg, Path(run_dir))
+
+
+@pytest.mark.timeout(180)
+def test_profile_step_costs_ride_with_the_stats(tiny):
+    """At a profile step with no re-partition check due, every stage's per-layer costs reach
+    rank 0's ``layers`` row with its stats, without a collective lining the ranks up."""
+    import json
+
+    from trainwright.run.launch import create_run_dir
+    cfg = tiny(**{"parallel.pp": 2, "parallel.dp": 2, "train.steps": 4,
+                  "run.profile_every": 2, "train.micro_batches": 2})
+    run_dir = create_run_dir(cfg)
+    run_workers(_train_without_cost_gathers, 4, cfg, str(run_dir), timeout_s=150)
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    layers = {r["step"]: r["layers"] for r in rows if r["kind"] == "layers"}
+    assert sorted(layers) == [2, 4]
+    n_layers = 2 + cfg.model.n_blocks  # embedding, blocks, head
+    for got in layers.values():
+        assert [c["layer"] for c in got] == list(range(n_layers))
+        assert {c["stage"] for c in got} == {0, 1}
+        assert all(c["forward_s"] > 0 for c in got)

@@ -46,7 +46,7 @@ def _skip_layers() -> list[nn.Module]:
 
 
 def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool = False,
-           first: bool = False):
+           first: bool = False, measured: int | None = None):
     # first=False: integer inputs need no gradient either way, and a first stage would defer
     # its whole backward to W (tested on its own below), never splitting it
     store = ActivationStore()
@@ -54,7 +54,7 @@ def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool =
     stage = Stage(slots, store, LayerProfiler(), is_first=first, loss_fn=loss,
                   loss_scale=1 / len(inputs))
     store.set_policies({i: policy for i in range(len(layers))})
-    stage.fast = fast
+    stage.fast, stage.measured_mb = fast, measured
     for mb, (x, y) in enumerate(zip(inputs, targets, strict=True)):
         stage.forward(mb, (x,), y)
     held = len(store.held())
@@ -65,6 +65,9 @@ def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool =
     for mb in range(len(inputs)):
         stage.backward_weight(mb)
     assert store.held() == [] and store.bytes == 0
+    stage.profiler.end_step()
+    measured_layers = sorted(c.layer for c in stage.profiler.table() if c.forward_s > 0)
+    assert measured_layers == ([] if fast and measured is None else list(range(len(layers))))
     return [p.grad.clone() for p in stage.parameters()], held
 
 
@@ -98,6 +101,12 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
         for a, b in zip(base, fused, strict=True):
             torch.testing.assert_close(a, b)
         assert (held, fused_held) == (4 * 2, 1 * 2)  # 4 layers, one segment per micro-batch
+        # a profile step: micro-batch 1 runs layer by layer, measured; micro-batch 0 fused
+        sampled, sampled_held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=split,
+                                       fast=True, measured=1)
+        for a, b in zip(base, sampled, strict=True):
+            torch.testing.assert_close(a, b)
+        assert sampled_held == 1 + 4
     # a swap layer in the middle splits the fused run in two
     store = ActivationStore()
     stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())], store,
@@ -110,17 +119,19 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("steps", "profiled"), [(7, [3, 6]), (2, [2])])
 def test_profile_steps_are_every_nth_and_the_last_only_of_a_short_run(tiny, steps, profiled):
-    """Every ``run.profile_every``-th step runs unfused and writes a ``layers`` row; the last
-    step does too only when the run had no such step after its first."""
+    """Every ``run.profile_every``-th step runs its first micro-batch unfused and writes a
+    ``layers`` row; the last step does too only when the run had no such step after its
+    first. Every other step after the first fuses every micro-batch."""
     from trainwright.dist.topology import Topology
     from trainwright.run.trainer import Trainer
     cfg = tiny(**{"parallel.pp": 1, "train.steps": steps, "run.profile_every": 3})
     trainer = Trainer(cfg, create_run_dir(cfg), mesh=Topology(pp=1, dp=1, rank=0))
-    fast: list[int] = []
-    trainer.fit(lambda step, _: fast.append(step) if trainer.stage.fast else None)
+    seen: list[tuple] = []
+    trainer.fit(lambda step, _: seen.append((step, trainer.stage.fast,
+                                             trainer.stage.measured_mb)))
     rows = [json.loads(x) for x in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "layers"] == profiled
-    assert fast == [k for k in range(2, steps + 1) if k not in profiled]
+    assert seen == [(k, k > 1, 0 if k in profiled else None) for k in range(1, steps + 1)]
 
 
 @pytest.mark.parametrize("fast", [False, True])

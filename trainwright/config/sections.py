@@ -434,8 +434,9 @@ class RunConfig(Section):
     checkpoint_every: Annotated[NonNegativeInt, Allowed("must be >= 0 (0 = only at the end)")] = 50
     """Write a checkpoint every N steps (0 = only at the end)."""
     profile_every: PositiveInt = 10
-    """Every N-th step runs unfused, measures each layer and writes the per-layer profile to
-    the metrics (a run with no such step after its first also profiles its last)."""
+    """Every N-th step runs its first micro-batch unfused, measures each layer on it and
+    writes the per-layer profile to the metrics (a run with no such step after its first
+    also profiles its last)."""
     trace_steps: NonNegativeInt = 20
     """Record the actions of the first N steps in trace.json (0 = none)."""
     progress: bool = True

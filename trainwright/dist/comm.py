@@ -61,8 +61,8 @@ def pack_header(kind: str, mb: int, tensors: Sequence[torch.Tensor | None],
     ``POSTED_STALE``)."""
     if len(tensors) > MAX_TENSORS:
         raise CommError(f"{len(tensors)} tensors in one transfer; at most {MAX_TENSORS} supported")
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[:5] = torch.tensor([MAGIC, KIND_CODES[kind], mb, len(tensors), ahead])
+    h = [0] * HEADER_LEN  # built as a list: one tensor at the end, not one per field
+    h[:5] = [MAGIC, KIND_CODES[kind], mb, len(tensors), ahead]
     for i, t in enumerate(tensors):
         o = 5 + i * PER_TENSOR
         if t is None:
@@ -72,8 +72,8 @@ def pack_header(kind: str, mb: int, tensors: Sequence[torch.Tensor | None],
             raise CommError(f"cannot send a {t.dim()}-d {t.dtype} tensor between stages "
                             f"(at most {MAX_DIMS} dims, dtypes {DTYPES})")
         h[o], h[o + 1], h[o + 2] = DTYPES.index(t.dtype), int(t.requires_grad), t.dim()
-        h[o + 3 : o + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
+        h[o + 3 : o + 3 + t.dim()] = t.shape
+    return torch.tensor(h, dtype=torch.int64)
 
 
 def unpack_header(h: torch.Tensor) -> tuple[int, int, list[tuple | None], int]:

@@ -45,6 +45,14 @@ class MetricsWriter:
         self._f.close()
 
 
+def riding_costs(stats: list) -> list[dict] | None:
+    """The first pipeline's per-layer costs, in stage order, from the tables its stages
+    sent with their stats (``StepStats.layer_costs``); None when no stage sent one."""
+    tables = sorted((s.stage, s.layer_costs) for s in stats
+                    if getattr(s, "layer_costs", None) is not None and s.replica == 0)
+    return [c for _, table in tables for c in table] if tables else None
+
+
 def step_record(stats: list, samples: int) -> dict:
     """Merge every rank's stats of one step into a metrics row.
 
@@ -186,6 +194,8 @@ class RunRecorder:
         moved = [st.migration for st in stats if st.migration is not None]
         if moved:
             self.writer.write("repartition", **repartition_record(step, moved, row))
+        if layer_costs is None:
+            layer_costs = riding_costs(stats)
         if layer_costs is not None:
             rows = [{**c, "stage": self.stage_of[c["layer"]]} for c in layer_costs
                     if c["layer"] < len(self.stage_of)]

@@ -111,7 +111,8 @@ class InterleavedRuntime:
         self._carried = []
         view.store.reset_peaks()
         for st in self.chunks.values():  # the trainer and update step set these on the view
-            st.fast, st.autocast, st.loss_gradient = view.fast, view.autocast, view.loss_gradient
+            st.fast, st.measured_mb = view.fast, view.measured_mb
+            st.autocast, st.loss_gradient = view.autocast, view.loss_gradient
         self._io = {"in": inputs, "tg": targets, "recv": {}, "out": {}, "gin": {},
                     "gout": {}, "loss": []}
         cut = len(self.actions) - (self.carry if carry else 0)

@@ -51,6 +51,9 @@ class StepStats:
     """A re-partition decided on this (last) stage after the step."""
     update: dict = field(default_factory=dict)
     """The optimizer step's figures (``lr``, ``grad_norm``, ``loss_scale``, ``skipped``)."""
+    layer_costs: list[dict] | None = None
+    """This stage's per-layer cost table, at a profile step whose costs travel to rank 0
+    with the stats rather than through a collective (``Trainer._profile_and_check``)."""
 
     @property
     def idle_s(self) -> float:

@@ -73,6 +73,9 @@ class Stage:
         self.fast = False
         """Fuse consecutive ``keep`` layers into one segment, unmeasured (set per step when
         no plan needs per-layer figures and no policy change or migration is pending)."""
+        self.measured_mb: int | None = None
+        """On a fast step, the micro-batch that still runs layer by layer, measured: a
+        profile step's sample of every layer's costs (the others stay fused)."""
         self._weight_work: dict[int, list] = {}
         """Micro-batch -> segments whose weight gradients (W) are still to compute."""
         self._deferred: dict[int, tuple | None] = {}
@@ -143,13 +146,14 @@ class Stage:
             out = (self.loss_fn(logits, target) * self.loss_scale,)
         return out
 
-    def _runs(self) -> list[list[int]]:
-        """Positions of the slots, grouped into the segments a forward makes: one per
-        layer, or on a fast step (:attr:`fast`) runs of consecutive ``keep`` layers."""
+    def _runs(self, mb: int | None = None) -> list[list[int]]:
+        """Positions of the slots, grouped into the segments a forward of micro-batch ``mb``
+        makes: one per layer, or on a fast step (:attr:`fast`, ``mb`` not
+        :attr:`measured_mb`) runs of consecutive ``keep`` layers."""
         runs: list[list[int]] = []
-        fusable_prev = False
+        fusable_prev, fast = False, self.fast and (mb is None or mb != self.measured_mb)
         for i, slot in enumerate(self.slots):
-            fusable = (self.fast and self.store.policy(slot.index) == "keep"
+            fusable = (fast and self.store.policy(slot.index) == "keep"
                        and slot.index not in self.record_rng)
             if fusable and fusable_prev:
                 runs[-1].append(i)
@@ -180,7 +184,7 @@ class Stage:
         """
         x = as_tuple(inputs)
         last = len(self.slots) - 1
-        for run in self._runs():
+        for run in self._runs(mb):
             i = run[0]
             inp = _detach(x, grad=not (self.is_first and i == 0))
             if len(run) > 1:

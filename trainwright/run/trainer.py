@@ -400,6 +400,8 @@ class Trainer:
         migration = self._migration_for(step)
         x, y = self._batch(step)
         self.stage.fast = self._fast_step(step, migration)
+        # a profile step samples every layer's costs on one micro-batch; the rest stay fused
+        self.stage.measured_mb = 0 if self.stage.fast and self._profile_step(step) else None
         # a gradient sync may have moved the weights (hierarchical: into its flat buffer)
         self.store.follow_params([slot.module for slot in self.stage.slots])
         m, first = self.cfg.train.micro_batches, self.topo.stage == 0
@@ -426,23 +428,25 @@ class Trainer:
     def _carry(self, step: int) -> dict:
         """``carry=True`` when this step may leave its last weight passes and optimizer step
         to the next (``train.carry_weight_grads``, :mod:`trainwright.schedule.carry`):
-        inside :meth:`fit`, a fused step before the last, dense sync, no tied weights (their
-        ``SYNC`` sums over stages), an update that needs no other pipeline rank, no
-        checkpoint or evaluation after it."""
+        inside :meth:`fit`, a fused step before the last and not a profile step (its costs
+        go out at its end), dense sync, no tied weights (their ``SYNC`` sums over stages),
+        an update that needs no other pipeline rank, no checkpoint or evaluation after it."""
         if not isinstance(self.runtime, InterleavedRuntime):
             return {}
         cfg, ckpt, ev = self.cfg, self.cfg.run.checkpoint_every, self.cfg.eval.every
         return {"carry": bool(
             self._fitting and cfg.train.carry_weight_grads
-            and self.stage.fast and step < cfg.train.steps and cfg.sync.strategy == "dense"
+            and self.stage.fast and self.stage.measured_mb is None
+            and step < cfg.train.steps and cfg.sync.strategy == "dense"
             and not self.ties and getattr(self.update, "local", False)
             and not (self.outputs and ckpt and step % ckpt == 0) and not (ev and step % ev == 0))}
 
     def _fast_step(self, step: int, migration: Migration | None) -> bool:
-        """Whether this step may fuse consecutive ``keep`` layers, unmeasured: nothing
-        needs per-layer figures (first and profile steps, memory limits, peer swap,
-        rebalancing) and no policy change or migration is pending."""
-        return not (step == self.start or self._profile_step(step)
+        """Whether this step may fuse consecutive ``keep`` layers: nothing needs every
+        micro-batch's per-layer figures (the first step, memory limits, peer swap,
+        rebalancing) and no policy change or migration is pending. A profile step fuses
+        too, but for one micro-batch (:attr:`Stage.measured_mb`)."""
+        return not (step == self.start
                     or self.budget.limit is not None
                     or self.peer_plan is not None or self.rebalancer is not None
                     or migration is not None)
@@ -502,15 +506,21 @@ class Trainer:
                 stats.memory_plan = self._plan_record()
 
     def _profile_and_check(self, step: int, stats: StepStats) -> bool:
-        """At profile steps every stage learns every layer's costs; re-plan memory; at check
-        steps the last stage decides whether to re-partition. Returns: a profile step."""
+        """At check steps every stage learns every layer's costs and the last stage decides
+        whether to re-partition; at profile steps the metrics row gets them and memory is
+        re-planned. Returns: a profile step whose costs :meth:`_record` should write."""
         cfg, rb = self.cfg, self.cfg.rebalance
         profile_now = self._profile_step(step)
         check_now = (self.rebalancer is not None and rb.enabled
                      and step % rb.check_every == 0 and step < cfg.train.steps)
-        if profile_now or check_now:
-            tables = self._all_gather_pipeline([c.to_dict() for c in self.profiler.table()])
+        table = [c.to_dict() for c in self.profiler.table()] if profile_now or check_now else None
+        if check_now or (profile_now and self.mailbox is None):
+            tables = self._all_gather_pipeline(table)
             self.pipeline_costs = [c for table in tables for c in table]
+        elif profile_now and self.topo.replica == 0:
+            # only rank 0's row needs them: they ride with the stats through the mailbox,
+            # and no collective lines the ranks up (one cost 19 ms per profile step here)
+            stats.layer_costs = table
         if profile_now and self.budget.replan(why=f"after step {step}",
                                               only_if_over=True) is not None:
             stats.memory_plan = self._plan_record()
@@ -523,7 +533,7 @@ class Trainer:
         per-layer costs at profile steps). Through the mailbox the ranks do not wait for each
         other: rank 0 writes the row when its next row is due (:meth:`RunRecorder.step_later`),
         from the other ranks' stats sent a step earlier."""
-        costs = self.pipeline_costs if costs_fresh else None
+        costs = self.pipeline_costs if costs_fresh and stats.layer_costs is None else None
         if self.mailbox is None:
             gathered = self._gather(stats)
             if self.recorder is not None:
