@@ -61,8 +61,8 @@ drifting machine hits them alike; a system that fails is reported with its error
   ``optimizer.step``; ours: ``Trainer.fit``, its per-step metrics included), each
   rank timed from leaving the barrier to the end of its last step; the slowest rank's
   time over the number of steps. The CLI runs 1 warm-up and 10 timed steps, so our timed
-  window holds one unfused profile step (step 10, at the default ``run.profile_every``),
-  the share a long run pays.
+  window holds one profile step (step 10, at the default ``run.profile_every``; its first
+  micro-batch runs unfused and measured), the share a long run pays.
 
 Our former clock, rank 0's time between consecutive metrics rows (everything included, no
 barrier), stays in each of our screening rows as ``period_ms_median``.
