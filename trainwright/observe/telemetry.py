@@ -49,7 +49,7 @@ def riding_costs(stats: list) -> list[dict] | None:
     """The first pipeline's per-layer costs, in stage order, from the tables its stages
     sent with their stats (``StepStats.layer_costs``); None when no stage sent one."""
     tables = sorted((s.stage, s.layer_costs) for s in stats
-                    if getattr(s, "layer_costs", None) is not None and s.replica == 0)
+                    if s.layer_costs is not None and s.replica == 0)
     return [c for _, table in tables for c in table] if tables else None
 
 
