@@ -46,7 +46,7 @@ def _skip_layers() -> list[nn.Module]:
 
 
 def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool = False,
-           first: bool = False, measured: int | None = None):
+           first: bool = False, measured: int | None = None, defer: bool = False):
     # first=False: integer inputs need no gradient either way, and a first stage would defer
     # its whole backward to W (tested on its own below), never splitting it
     store = ActivationStore()
@@ -54,7 +54,7 @@ def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool =
     stage = Stage(slots, store, LayerProfiler(), is_first=first, loss_fn=loss,
                   loss_scale=1 / len(inputs))
     store.set_policies({i: policy for i in range(len(layers))})
-    stage.fast, stage.measured_mb = fast, measured
+    stage.fast, stage.measured_mb, stage.defer_weights = fast, measured, defer
     for mb, (x, y) in enumerate(zip(inputs, targets, strict=True)):
         stage.forward(mb, (x,), y)
     held = len(store.held())
@@ -85,9 +85,12 @@ def test_split_backward_equals_unsplit_for_every_layer_kind(policy):
     ]
     for build, xs, ys, loss in cases:
         plain, _ = _grads(build(), xs, ys, loss, policy, split=False)
-        split, _ = _grads(build(), xs, ys, loss, policy, split=True)
-        for a, b in zip(plain, split, strict=True):
-            torch.testing.assert_close(a, b)
+        # through autograd alone, and with linear layers deferred (their weight side stashed
+        # by B, or returned at once by an unsplit backward)
+        for split, defer in [(True, False), (True, True), (False, True)]:
+            got, _ = _grads(build(), xs, ys, loss, policy, split=split, defer=defer)
+            for a, b in zip(plain, got, strict=True):
+                torch.testing.assert_close(a, b)
 
 
 @pytest.mark.timeout(180)
@@ -97,13 +100,14 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
     ce = lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
     base, held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=False)
     for split in (False, True):
-        fused, fused_held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=split, fast=True)
+        fused, fused_held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=split, fast=True,
+                                   defer=split)
         for a, b in zip(base, fused, strict=True):
             torch.testing.assert_close(a, b)
         assert (held, fused_held) == (4 * 2, 1 * 2)  # 4 layers, one segment per micro-batch
         # a profile step: micro-batch 1 runs layer by layer, measured; micro-batch 0 fused
         sampled, sampled_held = _grads(_gpt_layers(), xs, ys, ce, "keep", split=split,
-                                       fast=True, measured=1)
+                                       fast=True, measured=1, defer=split)
         for a, b in zip(base, sampled, strict=True):
             torch.testing.assert_close(a, b)
         assert sampled_held == 1 + 4

@@ -6,14 +6,19 @@ pipeline bench's layers (one process, one thread, same micro-batch, rounds in al
 order):
 
 * ``fused``: ``torch.autograd.backward`` over the segment (what 1F1B runs);
-* ``ours``: :func:`trainwright.pipeline.split_backward.backward_input` then
-  :func:`~trainwright.pipeline.split_backward.backward_weight`;
+* ``autograd``: :func:`trainwright.pipeline.split_backward.backward_input` then
+  :func:`~trainwright.pipeline.split_backward.backward_weight` through autograd alone (what
+  our stages run under autocast);
+* ``deferred``: the same with the forward under
+  :func:`~trainwright.pipeline.deferred_linear.defer_linears` (what our stages run
+  otherwise: linear layers' W from the ``(x, dy)`` B stashed);
 * ``torch``: torch pipelining's ``stage_backward_input`` then ``stage_backward_weight``
   (what its zero-bubble schedules run).
 
 Usage: ``python tools/split_backward_cost.py [--d-model 256] [--context 128] [--rounds 8]``.
 It prints one line per segment (the last stage's 4 blocks + head + loss, and the first
-stage's 4 blocks) with the medians in ms and ``split / fused``.
+stage's 4 blocks) with the medians in ms of the backward and of forward + backward (the
+deferral's forward costs a little more), and ``split / fused`` for both.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from trainwright.bench.paired import round_order
 from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.pipeline.deferred_linear import WeightStash, defer_linears
 from trainwright.pipeline.split_backward import backward_input, backward_weight
+
+SYSTEMS = ("fused", "autograd", "deferred", "torch")
 
 
 def _segment(spec: PipelineBenchSpec, last: bool):
@@ -41,9 +49,13 @@ def _segment(spec: PipelineBenchSpec, last: bool):
         x0 = nn.Sequential(*layers[:5 if last else 1])(ids)
     grad = None if last else torch.randn_like(seg(x0))
 
-    def forward():
+    def forward(stash=None):
         x = x0.clone().requires_grad_(True)
-        out = seg(x)
+        if stash is None:
+            out = seg(x)
+        else:
+            with defer_linears(seg, stash):
+                out = seg(x)
         if last:
             out = F.cross_entropy(out.flatten(0, 1), targets.flatten())
         return x, out
@@ -51,15 +63,19 @@ def _segment(spec: PipelineBenchSpec, last: bool):
     return seg, grad, forward
 
 
-def _time(system: str, seg: nn.Module, grad, forward) -> float:
+def _time(system: str, seg: nn.Module, grad, forward) -> tuple[float, float]:
+    """Seconds of the forward and of the backward."""
     params = list(seg.parameters())
-    x, out = forward()
+    stash = WeightStash() if system == "deferred" else None
+    t0 = time.perf_counter()
+    x, out = forward(stash)
+    t_fwd = time.perf_counter() - t0
     grads = None if grad is None else (grad,)
     t0 = time.perf_counter()
     if system == "fused":
         torch.autograd.backward([out], None if grad is None else [grad])
-    elif system == "ours":
-        _, work = backward_input((out,), grads, (x,), params)
+    elif system in ("autograd", "deferred"):
+        _, work = backward_input((out,), grads, (x,), params, stash)
         del out
         backward_weight(work)
     else:
@@ -69,7 +85,7 @@ def _time(system: str, seg: nn.Module, grad, forward) -> float:
         stage_backward_weight(iter(params), groups)
     dt = time.perf_counter() - t0
     seg.zero_grad(set_to_none=True)
-    return dt
+    return t_fwd, dt
 
 
 def main() -> None:
@@ -85,17 +101,19 @@ def main() -> None:
           f"rounds={args.rounds} torch={torch.__version__}")
     for last in (True, False):
         seg, grad, forward = _segment(spec, last)
-        times: dict[str, list[float]] = {s: [] for s in ("fused", "ours", "torch")}
+        times: dict[str, list] = {s: [] for s in SYSTEMS}
         for r in range(args.rounds + 1):
             for system in round_order(list(times), r):
-                dt = _time(system, seg, grad, forward)
+                got = _time(system, seg, grad, forward)
                 if r:  # round 0 warms up
-                    times[system].append(dt)
-        med = {s: 1e3 * statistics.median(v) for s, v in times.items()}
+                    times[system].append(got)
+        bwd = {s: 1e3 * statistics.median(b for _, b in v) for s, v in times.items()}
+        both = {s: 1e3 * statistics.median(f + b for f, b in v) for s, v in times.items()}
         name = "last stage (4 blocks + head + loss)" if last else "first stage's 4 blocks"
-        print(f"{name}: fused {med['fused']:.1f} ms, ours B+W {med['ours']:.1f} ms "
-              f"({med['ours'] / med['fused']:.3f}x), torch B+W {med['torch']:.1f} ms "
-              f"({med['torch'] / med['fused']:.3f}x)")
+        print(f"{name}: backward fused {bwd['fused']:.1f} ms; B+W " + ", ".join(
+            f"{s} {bwd[s]:.1f} ms ({bwd[s] / bwd['fused']:.3f}x)" for s in SYSTEMS[1:]))
+        print(f"{' ' * len(name)}  forward + backward fused {both['fused']:.1f} ms; " + ", ".join(
+            f"{s} {both[s]:.1f} ms ({both[s] / both['fused']:.3f}x)" for s in SYSTEMS[1:]))
 
 
 if __name__ == "__main__":

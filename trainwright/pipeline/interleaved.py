@@ -79,6 +79,8 @@ class InterleavedRuntime:
         self.stage_index, self.fault = rank, fault
         self.last = max(a.stage for a in actions if a.kind == "F")
         self.split = any(a.kind == "W" for a in actions)  # ZB-V: B then W
+        for chunk in self.chunks.values():
+            chunk.defer_weights = self.split and not chunk.is_first
         self.here = {a.stage for a in actions}
         """Virtual stages of this rank: a hand-over between two of them stays local."""
         self._local: dict[tuple, tuple] = {}

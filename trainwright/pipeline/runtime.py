@@ -90,6 +90,7 @@ class PipelineRuntime:
         self.stage_index = actions[0].stage
         self.split = any(a.kind == "W" for a in actions)
         """Zero-bubble schedule: ``B`` computes input gradients only, ``W`` the weights'."""
+        stage.defer_weights = self.split and not stage.is_first
         self._measured_peak = 0
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,

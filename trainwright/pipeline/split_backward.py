@@ -19,6 +19,14 @@ serves both passes:
 Segments whose inputs need no gradient (token ids) do all their work in W; segments
 without parameters do all of it in B. Saved tensors of swapped or recomputed layers live
 until W, because the retained graph holds them.
+
+Linear layers run under :func:`~trainwright.pipeline.deferred_linear.defer_linears` skip
+this: their nodes stash what W needs in a
+:class:`~trainwright.pipeline.deferred_linear.WeightStash`, and B asks autograd for their
+weights too, so every such node runs in B even where its input does not hang from the
+segment's inputs (the answer is None but for other uses of the weight, which count). When
+the other parameters are small (a GPT block's layer norms), B computes their gradients as
+well and frees the graph; otherwise they keep the boundary-node W above.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge
+
+from trainwright.pipeline.deferred_linear import WeightStash
 
 __all__ = ["WeightWork", "backward_input", "backward_weight"]
 
@@ -41,6 +51,12 @@ class WeightWork:
     """``(edges, grads, params, clamps)`` per group: ``GradientEdge`` roots, the gradient
     entering each, the parameters reached from them, and ``(node, kept grad_outputs)``
     pre-hooks for boundary nodes (only when the group has several)."""
+    stash: WeightStash | None = None
+    """Deferred linear layers whose weight gradients W adds from what B stashed."""
+
+_DIRECT_SHARE = 0.1
+"""B computes the other parameters' gradients itself when they hold at most this share of
+the deferred weights' elements (freeing the graph); above it they keep a boundary-node W."""
 
 
 def _node(t: torch.Tensor):
@@ -92,8 +108,32 @@ def _pairs(outputs: tuple, grads: tuple | None) -> tuple[list, list]:
     return outs, gs
 
 
+@torch.no_grad()
+def _accumulate(params: list, grads, shared=()) -> None:
+    """Add ``grads`` into the parameters' ``.grad``.
+
+    A first gradient is taken as it is, like autograd's accumulator does, unless a later
+    in-place add could not or must not write into it: an expanded view (``p.sum()``'s), or
+    a view of another tensor, or a tensor that is also a gradient handed in or out
+    (``shared``: ``x + p`` gives ``x`` and ``p`` the same one) or another parameter's.
+    Those are copied."""
+    taken = {t.untyped_storage().data_ptr() for t in shared if isinstance(t, torch.Tensor)}
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            continue
+        if p.grad is None:
+            ptr = g.untyped_storage().data_ptr()
+            dense = g.is_contiguous() or (g.dim() == 2 and g.t().is_contiguous())
+            steal = dense and ptr not in taken
+            p.grad = g if steal else g.clone(memory_format=torch.contiguous_format)
+            taken.add(ptr)
+        else:
+            p.grad += g
+
+
 def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
-                   params: list[torch.Tensor]) -> tuple[tuple, WeightWork]:
+                   params: list[torch.Tensor], stash: WeightStash | None = None,
+                   ) -> tuple[tuple, WeightWork]:
     """B: gradients of ``inputs`` (set as their ``.grad`` too), and the work left for W.
 
     Args:
@@ -101,6 +141,7 @@ def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
         grads: gradients of ``outputs`` (None entries: no gradient; None: start from the loss).
         inputs: the segment's detached inputs.
         params: the segment's parameters.
+        stash: the segment's deferred linear layers, if it ran under ``defer_linears``.
     """
     params = [p for p in params if p.requires_grad]
     outs, gs = _pairs(outputs, grads)
@@ -112,15 +153,29 @@ def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
         edges = [GradientEdge(_node(o), o.output_nr) for o in outs]
         work.groups = [(edges, gs, params, [])]
         return tuple(None for _ in inputs), work
-    groups, roots_only = _groups(outs, want, params)
+    force: list[torch.Tensor] = []
+    if stash is not None and stash.weights:
+        work.stash, stash.defer = stash, True
+        force = list(stash.weights.values())
+        params = [p for p in params if id(p) not in stash.weights]
+        if sum(p.numel() for p in params) <= _DIRECT_SHARE * sum(p.numel() for p in force):
+            extra = params + force
+            got = torch.autograd.grad(outs, want + extra, gs, allow_unused=True)
+            _accumulate(extra, got[len(want):], shared=[*got[:len(want)], *gs])
+            work.params = force
+            return _input_grads(inputs, got), work
+        work.params = params + force
+    groups, roots_only = _groups(outs, want + force, params)
     nodes = list({n: None for g_nodes, _ in groups for n in g_nodes})
     kept: dict = {}
     handles = [n.register_prehook(lambda g, n=n: kept.__setitem__(n, g)) for n in nodes]
     try:
-        got = torch.autograd.grad(outs, want, gs, retain_graph=bool(params), allow_unused=True)
+        got = torch.autograd.grad(outs, want + force, gs, retain_graph=bool(params),
+                                  allow_unused=True)
     finally:
         for h in handles:
             h.remove()
+    _accumulate(force, got[len(want):], shared=[*got[:len(want)], *gs])
     for g_nodes, g_params in groups:
         edges, grads = [], []
         for node in g_nodes:
@@ -134,13 +189,19 @@ def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
         if _node(o) in roots_only:
             work.groups.append(([GradientEdge(_node(o), o.output_nr)], [g],
                                 roots_only[_node(o)], []))
+    return _input_grads(inputs, got), work
+
+
+def _input_grads(inputs: tuple, got: tuple) -> tuple:
+    """``got`` (gradients of the inputs needing one, first) aligned with ``inputs``, and set
+    as their ``.grad``."""
     it = iter(got)
     result = tuple(next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None
                    for t in inputs)
     for t, g in zip(inputs, result, strict=True):
         if g is not None:
             t.grad = g
-    return result, work
+    return result
 
 
 def _groups(outs: list, want: list, params: list) -> tuple[list, dict]:
@@ -167,6 +228,9 @@ def _groups(outs: list, want: list, params: list) -> tuple[list, dict]:
 
 def backward_weight(work: WeightWork) -> None:
     """W: accumulate the parameters' gradients from what :func:`backward_input` left."""
+    if work.stash is not None:
+        work.stash.flush()
+        work.stash = None
     for edges, grads, params, clamps in work.groups:
         if not edges or not params:
             continue
@@ -177,11 +241,5 @@ def backward_weight(work: WeightWork) -> None:
         finally:
             for h in handles:
                 h.remove()
-        for p, g in zip(params, got, strict=True):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+        _accumulate(params, got, shared=grads)
     work.groups = []

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.pipeline.deferred_linear import WeightStash, defer_linears
 from trainwright.pipeline.split_backward import backward_input, backward_weight
 from trainwright.pipeline.store import ActivationStore, Segment, as_tuple
 
@@ -76,6 +77,10 @@ class Stage:
         self.measured_mb: int | None = None
         """On a fast step, the micro-batch that still runs layer by layer, measured: a
         profile step's sample of every layer's costs (the others stay fused)."""
+        self.defer_weights = False
+        """Run linear layers so that a split backward stashes their weight side for W
+        (:mod:`~trainwright.pipeline.deferred_linear`); set by runtimes whose schedule has
+        W actions, on stages whose B matters (not the first)."""
         self._weight_work: dict[int, list] = {}
         """Micro-batch -> segments whose weight gradients (W) are still to compute."""
         self._deferred: dict[int, tuple | None] = {}
@@ -137,9 +142,14 @@ class Stage:
         """All parameters of the stage's layers, in layer order."""
         return [p for s in self.slots for p in s.module.parameters()]
 
+    def _stash(self) -> WeightStash | None:
+        """A new segment's stash for deferred linear layers, or None when not deferring."""
+        return WeightStash() if self.defer_weights and self.autocast is None else None
+
     def _run(self, slot: LayerSlot, inp: tuple, is_last_layer: bool,
-             target: torch.Tensor | None) -> tuple:
-        with self.autocast() if self.autocast is not None else nullcontext():
+             target: torch.Tensor | None, stash: WeightStash | None = None) -> tuple:
+        with self.autocast() if self.autocast is not None else nullcontext(), \
+                defer_linears(slot.module, stash) if stash is not None else nullcontext():
             out = as_tuple(slot.module(inp[0] if len(inp) == 1 else inp))
         if is_last_layer and self.loss_fn is not None:
             logits = out[0].float() if self.autocast is not None else out[0]
@@ -188,10 +198,10 @@ class Stage:
             i = run[0]
             inp = _detach(x, grad=not (self.is_first and i == 0))
             if len(run) > 1:
-                x = inp
+                x, stash = inp, self._stash()
                 for j in run:
-                    x = self._run(self.slots[j], x, j == last, target)
-                self.store.put(Segment(self.slots[i].index, mb, inp, x,
+                    x = self._run(self.slots[j], x, j == last, target, stash)
+                self.store.put(Segment(self.slots[i].index, mb, inp, x, stash=stash,
                                        span=tuple(self.slots[j].index for j in run)))
                 continue
             x = self._forward_layer(self.slots[i], mb, inp, i == last, target)
@@ -213,13 +223,14 @@ class Stage:
             self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
         else:
             rng = _rng_state(inp) if slot.index in self.record_rng else None
+            stash = self._stash()
             with self.store.capture(inp, swap=policy == "swap",
                                     segment=(slot.index, mb)) as cap:
                 t0 = time.perf_counter()
-                out = self._run(slot, inp, is_last, target)
+                out = self._run(slot, inp, is_last, target, stash)
                 dt = time.perf_counter() - t0
             seg = Segment(slot.index, mb, inp, out, storages=cap.saved, policy=policy,
-                          swapped=cap.swapped, rng_state=rng)
+                          swapped=cap.swapped, rng_state=rng, stash=stash)
             self.profiler.forward(slot.index, dt, cap.activation_bytes, in_bytes,
                                   _nbytes(out))
         self.store.put(seg)
@@ -263,9 +274,11 @@ class Stage:
         slot = known[seg.layer]
         outputs, transient = seg.outputs, sum(s.nbytes for s in seg.swapped)
         if seg.policy == "recompute":
+            seg.stash = self._stash()
             with _rng_restored(seg.inputs, seg.rng_state), \
                     self.store.capture(seg.inputs) as cap:
-                outputs = self._run(slot, seg.inputs, seg.layer == loss_layer, seg.target)
+                outputs = self._run(slot, seg.inputs, seg.layer == loss_layer, seg.target,
+                                    seg.stash)
             transient = cap.activation_bytes
             self.profiler.saved(slot.index, transient)
         holds_loss = loss_layer is not None and loss_layer in (seg.span or (seg.layer,))
@@ -276,7 +289,7 @@ class Stage:
             params = [p for index in (seg.span or (seg.layer,))
                       for p in known[index].module.parameters()]
             self.store.add_bytes(transient)  # brought back or rebuilt: held until W
-            got, work = backward_input(outputs, grads, seg.inputs, params)
+            got, work = backward_input(outputs, grads, seg.inputs, params, seg.stash)
             seg.outputs = None  # the boundary nodes keep what W needs, nothing more
             self._weight_work.setdefault(seg.mb, []).append(
                 (seg, work, transient, time.perf_counter() - t0))

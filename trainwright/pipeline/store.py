@@ -89,6 +89,9 @@ class Segment:
     span: tuple = ()
     """Layers run as this one segment (consecutive ``keep`` layers fused on a fast step);
     empty: ``layer`` alone."""
+    stash: object = None
+    """Its deferred linear layers' :class:`~trainwright.pipeline.deferred_linear.WeightStash`
+    (a split backward's W adds their weight gradients from it), or None."""
 
 
 class ActivationStore:
