@@ -95,9 +95,11 @@ def test_deferral_keeps_plain_linear_where_it_cannot_apply():
     frozen = nn.Linear(4, 4).requires_grad_(False)
     hooked = nn.Linear(4, 4)
     hooked.weight.register_hook(lambda g: g)
+    wrapped = nn.Linear(4, 4)
+    wrapped.forward = lambda x: nn.Linear.forward(wrapped, x) * 2  # someone else's patch
     stash = WeightStash()
     x = torch.randn(3, 4)
-    model = nn.Sequential(lin, frozen, hooked)
+    model = nn.Sequential(lin, frozen, hooked, wrapped)
     with defer_linears(model, stash):
         with torch.no_grad():
             model(x)
@@ -105,12 +107,15 @@ def test_deferral_keeps_plain_linear_where_it_cannot_apply():
             lin(x)
         frozen(x)
         hooked(x)
+        wrapped(x)
         assert stash.weights == {}
         y = lin(x)
     assert stash.weights == {id(lin.weight): lin.weight}
     assert type(y.grad_fn).__name__ == "_DeferredLinearBackward"
     assert "forward" not in lin.__dict__  # the class's forward is back
     assert lin(x).grad_fn.name() == "AddmmBackward0"
+    torch.testing.assert_close(wrapped(x), 2 * nn.functional.linear(x, wrapped.weight,
+                                                                    wrapped.bias))
 
 
 class _AddParam(nn.Module):

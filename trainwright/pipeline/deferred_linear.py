@@ -107,12 +107,14 @@ def _forward(module: nn.Linear, stash: WeightStash, x: torch.Tensor) -> torch.Te
 @contextmanager
 def defer_linears(module: nn.Module, stash: WeightStash):
     """While active, every ``nn.Linear`` in ``module`` (its exact class: subclasses may
-    compute otherwise) records deferred nodes into ``stash``.
+    compute otherwise; not one whose ``forward`` someone already replaced, e.g.
+    accelerate's hooks) records deferred nodes into ``stash``.
 
     Each one's ``forward`` is shadowed by an instance attribute for the duration, so hooks
     and ``__call__`` stay as they were and no other operation pays anything (a
     ``TorchFunctionMode`` seeing every call cost 4 % of a GPT block's forward)."""
-    linears = [m for m in module.modules() if type(m) is nn.Linear]
+    linears = [m for m in module.modules()
+               if type(m) is nn.Linear and "forward" not in m.__dict__]
     for m in linears:
         m.forward = functools.partial(_forward, m, stash)
     try:

@@ -54,6 +54,7 @@ class WeightWork:
     stash: WeightStash | None = None
     """Deferred linear layers whose weight gradients W adds from what B stashed."""
 
+
 _DIRECT_SHARE = 0.1
 """B computes the other parameters' gradients itself when they hold at most this share of
 the deferred weights' elements (freeing the graph); above it they keep a boundary-node W."""
