@@ -290,7 +290,7 @@ class Stage:
                       for p in known[index].module.parameters()]
             self.store.add_bytes(transient)  # brought back or rebuilt: held until W
             got, work = backward_input(outputs, grads, seg.inputs, params, seg.stash)
-            seg.outputs = None  # the boundary nodes keep what W needs, nothing more
+            seg.outputs = None  # the boundary nodes or the stash keep what W needs, no more
             self._weight_work.setdefault(seg.mb, []).append(
                 (seg, work, transient, time.perf_counter() - t0))
             return got
