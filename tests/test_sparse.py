@@ -251,7 +251,9 @@ def _pipeline_worker(rank: int, world: int, jobs) -> None:
         if rank % cfg.parallel.pp == 0:  # the stage holding the embedding tables
             assert len(steps) == cfg.train.steps, seen.lines
             # two tables per step (tokens, positions); small tables: auto picks dense
-            taken = [p for m in steps for p in re.findall(r"(\w+) \[", m.split(":", 1)[1])]
+            # auto may mark a path it explores: "dense (measuring it) [98, 97]"
+            taken = [p for m in steps for p in re.findall(r"(\w+)(?: \(measuring it\))? \[",
+                                                          m.split(":", 1)[1])]
             assert len(taken) == 2 * cfg.train.steps, steps
             if cfg.sync.sparse_path != "auto":
                 assert set(taken) == {cfg.sync.sparse_path}, steps
