@@ -142,9 +142,10 @@ def test_peer_swap_from_the_config_trains_like_the_reference_within_limits(tiny)
     run_workers(_train_jobs, 4, [(keep, str(keep_dir))], timeout_s=200)
     peaks = [st["activation_peak_bytes"] for st in _steps(keep_dir)[-1]["stages"]]
     limits = [int(0.6 * peaks[0])] + [p + peaks[0] for p in peaks[1:]]
-    # fast peer links and a slow host link: the planner must prefer peers (as on NVLink)
+    # fast peer links and a slow host link: the planner must prefer peers (as on NVLink);
+    # at 1e8 B/s one CI run on a loaded host got a plan of host pieces only on stage 0
     cfg = tiny(**base, **{"memory.peer_swap": "true", "memory.limit": json.dumps(limits),
-                          "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e8})
+                          "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e6})
     run_dir = create_run_dir(cfg)
     run_workers(_train_jobs, 4, [(cfg, str(run_dir))], timeout_s=200)
     _check_against_reference(cfg, run_dir)
