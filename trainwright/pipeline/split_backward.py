@@ -163,9 +163,7 @@ def backward_input(outputs: tuple, grads: tuple | None, inputs: tuple,
             extra = params + force
             got = torch.autograd.grad(outs, want + extra, gs, allow_unused=True)
             _accumulate(extra, got[len(want):], shared=[*got[:len(want)], *gs])
-            work.params = force
             return _input_grads(inputs, got), work
-        work.params = params + force
     groups, roots_only = _groups(outs, want + force, params)
     nodes = list({n: None for g_nodes, _ in groups for n in g_nodes})
     kept: dict = {}
