@@ -53,7 +53,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from trainwright.bench import deepspeed_peer, peers
-from trainwright.bench.paired import host_info, paired, round_order, spread
+from trainwright.bench.paired import host_info, paired, round_order, seconds, spread
 from trainwright.config import Config, load_config
 
 __all__ = ["MemoryBenchSpec", "checkpoint_candidates", "run", "main"]
@@ -292,7 +292,7 @@ def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
     peaks = [max(p) for p in zip(*(_peaks(g) for g in runs), strict=True)]
     last = runs[-1]
     row = {"system": name, "step_s": round(statistics.median(times), 4),
-           "step_s_per_round": [round(t, 4) for t in times], "step_s_spread": spread(times),
+           "step_s_per_round": [seconds(t) for t in times], "step_s_spread": spread(times),
            "metered_peak_bytes_per_stage": peaks,
            "store_peak_bytes_per_stage": [r["store_peak_bytes"] for r in last],
            "fits": all(p <= limit for p in peaks),

@@ -40,6 +40,12 @@ def spread(values: Sequence[float]) -> dict:
             "relative_half_range": round((hi - lo) / (2 * med), 4) if med else None}
 
 
+def seconds(value: float) -> float:
+    """A time in seconds kept to 6 significant digits for a bench JSON: fixed decimals
+    would lose the precision of millisecond steps that ratios are computed from."""
+    return float(f"{value:.6g}")
+
+
 def paired(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
     """Per-round ratios ``numerator[i] / denominator[i]`` and their median and spread.
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from trainwright.bench.paired import host_info, paired, round_order
+from trainwright.bench.paired import host_info, paired, round_order, seconds
 
 __all__ = ["ForecastSpec", "Profile", "take_profile", "predict", "run_config", "run"]
 
@@ -274,7 +274,7 @@ def _config_row(k, pred, runs) -> dict:
             "schedule_bound_s": round(pred["schedule_bound_s"], 5),
             "work_bound_s": round(pred["work_bound_s"], 5),
             "measured_step_s": round(step, 5),
-            "measured_step_s_per_round": [round(t, 5) for t in times],
+            "measured_step_s_per_round": [seconds(t) for t in times],
             "step_error": round(_err(pred["step_s"], step), 4),
             "predicted_peak_bytes": pred["peak_bytes"],
             "metered_peak_bytes": met["metered_peak_bytes"],

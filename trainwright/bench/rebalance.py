@@ -38,7 +38,7 @@ from torch import nn
 
 from trainwright.bench import deepspeed_peer, peers
 from trainwright.bench.ours import train_rank
-from trainwright.bench.paired import host_info, paired, round_order
+from trainwright.bench.paired import host_info, paired, round_order, seconds
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
 from trainwright.model.gpt import GPTConfig, gpt_layers
@@ -214,7 +214,7 @@ def _deepspeed_row(ds_runs: list, spec: RebalanceBenchSpec, after: list, kept: l
     per_round = [_median(peers.step_time_s(r, spec.warmup)) for r in ds_runs]
     row = {"system": SYSTEMS[2], "partition": ds_runs[0][0].get("partition"),
            "samples_per_s": round(spec.batch_size / _median(per_round), 3),
-           "step_s_per_round": [round(t, 5) for t in per_round],
+           "step_s_per_round": [seconds(t) for t in per_round],
            "step_times_s": [[round(t, 4) for t in peers.step_time_s(r, 0)] for r in ds_runs]}
     if not kept:
         return row, {"paired_ratios": [], "ratio": None, "ratio_spread": None}
@@ -228,11 +228,11 @@ def _rows(spec, figs, ours_runs, static_runs, after, static, kept, best) -> list
         {"system": SYSTEMS[0], "partition_before": spec.split,
          "partition_after": [f["partition_after"] for f in figs],
          "samples_per_s": round(b / _median([after[i] for i in kept]), 3) if kept else None,
-         "after_s_per_round": [a and round(a, 5) for a in after],
+         "after_s_per_round": [a and seconds(a) for a in after],
          "step_times_s": [[round(t, 4) for t in o["step_times_s"]] for o in ours_runs]},
         {"system": SYSTEMS[1], "partition": best,
          "samples_per_s": round(b / _median(static), 3),
-         "step_s_per_round": [round(t, 5) for t in static],
+         "step_s_per_round": [seconds(t) for t in static],
          "step_times_s": [[round(t, 4) for t in r["step_times_s"]] for r in static_runs]},
     ]
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainwright.bench.paired import paired, round_order
+from trainwright.bench.paired import paired, round_order, seconds
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.model.build import split_microbatches
 from trainwright.observe.layer_profile import LayerProfiler
@@ -110,7 +110,7 @@ def measure(spec: PipelineBenchSpec, rounds: int = 16, steps: int = 6, warmup: i
     return {"question": "one stage's forward + backward per step: our per-layer segments "
                         "(fast step) over one plain autograd graph, same work, one thread",
             "rounds": rounds, "steps_per_round": steps,
-            "rows": {k: [round(v, 5) for v in vals] for k, vals in per_round.items()},
+            "rows": {k: [seconds(v) for v in vals] for k, vals in per_round.items()},
             **fast,
             "measured_ratio": measured["ratio"],
             "measured_paired_ratios": measured["paired_ratios"],
