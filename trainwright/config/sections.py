@@ -306,7 +306,8 @@ class TokenRingConfig(Section):
     formation_quiet_s: PositiveFloat = 2.0
     """Formation closes after this long without a new join (or once ``nodes`` joined)."""
     token_timeout_s: PositiveFloat = 2.0
-    """Quiet time after which the last broadcaster retransmits its token message."""
+    """Quiet time after which every member sends on, once, the last token message it sent
+    or received."""
     succession_s: PositiveFloat = 1.0
     """T: the k-th successor of a silent holder declares it lost after
     ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""

@@ -9,8 +9,9 @@
 * **Epochs.** A membership is an :class:`Epoch`: an ordering key ``(number, announcer)``
   and the members ``{index: address}``; ring order is index order. Messages of an older
   epoch are ignored; a newer epoch is adopted from any message that carries it.
-* **Staggered time-outs.** After ``token_timeout_s`` of silence the last broadcaster
-  retransmits; the k-th successor of the presumed holder declares it lost after
+* **Staggered time-outs.** After ``token_timeout_s`` of silence every member sends on the
+  last token message it sent or received (once); the k-th successor of the presumed
+  holder declares it lost after
   ``token_timeout_s + k * succession_s`` (:func:`announce_delay`), so the nearest live
   successor speaks first and the others hear it before their own turn.
 """

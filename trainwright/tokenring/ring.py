@@ -399,6 +399,7 @@ class TokenRing:
             self.links.keep_only(self.epoch.members)
             self._last_heard = time.monotonic()
             self._merge_closes(h["closes"])
+            self._keep_for_relay(h)
             return
         if self.tok is not None and tok.hop <= self.tok.hop:
             return  # a retransmission we already acted on
@@ -406,7 +407,22 @@ class TokenRing:
             return
         self.tok = tok
         self._last_heard = time.monotonic()
+        self._keep_for_relay(h)
         self._may_close(tok)  # starts this node's grace clock once the quorum is reached
+
+    def _keep_for_relay(self, h: dict) -> None:
+        """Keep a received token message to send on once if the ring goes quiet.
+
+        A holder that dies while its token broadcast is queued (SIGKILL drops ZeroMQ's
+        unsent frames) may have reached some members and not its successor. The successor
+        would then drop the dead node from a token one step behind a close the others
+        know, and they would have to leave. Any member that got the token relays it after
+        ``token_timeout_s`` of silence, before the first announcement of a lost holder
+        (``token_timeout_s + succession_s``); a member that has it already ignores it.
+        """
+        self._last_tok = (self.epoch.order,
+                          {k: v for k, v in h.items() if k not in ("src", "inc", "sq")})
+        self._retx_done = False
 
     # ---------------------------------------------------------------- holder
     def _act(self) -> None:
