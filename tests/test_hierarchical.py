@@ -257,8 +257,10 @@ def test_bench_hierarchical_on_emulated_network_cleans_up():
     # gradient on the ranks whose ring links cross nodes
     assert all(0.45 * grad < b < 0.6 * grad for b in ours["inter_node_bytes_per_rank"])
     assert max(flat["inter_node_bytes_per_rank"]) > 1.4 * grad
-    # the kernel's counters: ours sends about half of what the flat ring sends between nodes
-    assert ours["cross_node_bytes_per_step"] < 0.5 * flat["cross_node_bytes_per_step"]
+    # the kernel's counters over all ranks: ours 4 x grad / 2 = 2 grad; the flat ring 2 x 1.5
+    # grad = 3 grad (two of its four links cross nodes), so ours is two thirds of it
+    assert 1.8 * grad < ours["cross_node_bytes_per_step"] < 2.4 * grad
+    assert 2.7 * grad < flat["cross_node_bytes_per_step"] < 3.6 * grad
     assert ours["eth0_tx_bytes_per_step"] >= ours["cross_node_bytes_per_step"]
 
 
