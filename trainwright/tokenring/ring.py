@@ -100,7 +100,8 @@ class TokenRing:
         self._acted_hop: tuple | None = None
         self._hold_since = 0.0
         self._last_heard = time.monotonic()
-        self._last_tok: tuple[list[int], dict] | None = None
+        self._last_tok: dict | None = None
+        """The last token message this node sent or received (sent on once after silence)."""
         self._retx_done = False
         self._admit: tuple[list[torch.Tensor], int] | None = None
         self._fetch: list[tuple[int, int]] = []
@@ -259,7 +260,7 @@ class TokenRing:
     def _send_token(self) -> None:
         header = self._tok_header()
         self._broadcast(header)
-        self._last_tok = (self.epoch.order, header)
+        self._last_tok = header
         self._retx_done = False
         self._last_heard = time.monotonic()
 
@@ -420,8 +421,7 @@ class TokenRing:
         ``token_timeout_s`` of silence, before the first announcement of a lost holder
         (``token_timeout_s + succession_s``); a member that has it already ignores it.
         """
-        self._last_tok = (self.epoch.order,
-                          {k: v for k, v in h.items() if k not in ("src", "inc", "sq")})
+        self._last_tok = h  # Links.send sets src, inc and sq anew
         self._retx_done = False
 
     # ---------------------------------------------------------------- holder
@@ -499,10 +499,10 @@ class TokenRing:
         quiet = time.monotonic() - self._last_heard
         T = self.times
         if (self._last_tok is not None and not self._retx_done and quiet > T.token_timeout_s
-                and self._last_tok[1]["ep"]["key"] == list(self.epoch.key)):
+                and self._last_tok["ep"]["key"] == list(self.epoch.key)):
             self._retx_done = True
             self.stats.retransmissions += 1
-            self._broadcast({**self._last_tok[1], "retx": True})
+            self._broadcast({**self._last_tok, "retx": True})
         holder = self.tok.holder
         if holder == self.index or holder not in self.epoch.members:
             return
