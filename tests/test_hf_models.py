@@ -28,7 +28,7 @@ from trainwright.pipeline.stage import LayerSlot
 from trainwright.run import checkpoint
 from trainwright.run.launch import create_run_dir
 from trainwright.run.reference import train_reference
-from trainwright.run.trainer import Trainer
+from trainwright.run.trainer import Trainer, TrainerOptions
 
 HF = {"model.context": 8, "train.batch_size": 16, "train.micro_batches": 4}
 
@@ -118,7 +118,8 @@ def _load(path: Path) -> list[tuple[str, nn.Module]]:
 
 def _train_cached(rank: int, world: int, jobs: list[tuple[Config, str, str]]) -> None:
     for cfg, run_dir, path in jobs:
-        Trainer(cfg, Path(run_dir), layers=lambda p=path: _load(Path(p))).fit()
+        Trainer(cfg, Path(run_dir),
+                options=TrainerOptions(layers=lambda p=path: _load(Path(p)))).fit()
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -207,7 +208,8 @@ def test_hf_and_tied_models_train_like_one_process(tiny, tmp_path, world):
 def test_one_stage_steps_a_shared_weight_once(tiny, tmp_path):
     cfg = _cfg(tiny, "tied_sequential", **{"parallel.pp": 1, "train.optimizer": '"adamw"',
                                            "train.lr": 0.01, "train.steps": 5})
-    trainer = Trainer(cfg, create_run_dir(cfg), mesh=Topology(pp=1, dp=1, rank=0))
+    trainer = Trainer(cfg, create_run_dir(cfg),
+                      options=TrainerOptions(mesh=Topology(pp=1, dp=1, rank=0)))
     shared = trainer.slots[0].module.weight
     assert trainer.slots[4].module.weight is shared  # one object on one stage
     holders = [s.index for s in trainer.slots if s.optimizer is not None and any(

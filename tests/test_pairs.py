@@ -140,7 +140,7 @@ def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     from trainwright.model.build import build_layers
     from trainwright.run.reference import train_reference
     from trainwright.run.ring_node import _node_config
-    from trainwright.run.trainer import Trainer
+    from trainwright.run.trainer import Trainer, TrainerOptions
     from trainwright.tokenring.exchange import RingExchange
 
     probe = ring_cfg(tmp_path, **{"tokenring.nodes": 2})
@@ -148,9 +148,10 @@ def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     mix = mix[:len(build_layers(probe))]
     cfg = ring_cfg(tmp_path, **{"tokenring.nodes": 2, "train.steps": 4,
                                 "memory.policies": json.dumps(mix)})
-    node = Trainer(_node_config(cfg), tmp_path / "probe", mesh=Topology(pp=1, dp=1, rank=0),
-                   grad_sync=RingExchange(cfg.tokenring, 0, False, on_applied=print),
-                   outputs=False)  # as RingNode builds it, without joining a ring
+    node = Trainer(_node_config(cfg), tmp_path / "probe", options=TrainerOptions(
+        mesh=Topology(pp=1, dp=1, rank=0), outputs=False,
+        grad_sync=RingExchange(cfg.tokenring, 0, False, on_applied=print),
+    ))  # as RingNode builds it, without joining a ring
     assert node.stage.store.policies == dict(enumerate(mix))
     result = run_ring(cfg)
     assert result.ok, result.message()

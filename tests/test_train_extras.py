@@ -285,7 +285,7 @@ def test_clip_norm_over_replicas_with_dense_sparse_and_hierarchical_sync(tiny):
 
 def _fp16_inf_job(rank: int, world: int, cfg, run_dir: str) -> None:
     trainer = Trainer(cfg, run_dir)
-    inner, now = trainer.update.inner, [0]
+    inner, now = trainer.sync, [0]
     real_sync = inner.sync
 
     def sync_then_poison(params):  # fault injection: an overflow on stage 1 in step 2
@@ -299,7 +299,7 @@ def _fp16_inf_job(rank: int, world: int, cfg, run_dir: str) -> None:
         now[0] = step
         trainer.train_step(step)
         snaps[step] = [p.detach().clone() for p in trainer.stage.parameters()]
-        scales[step] = trainer.update.scaler.get_scale()
+        scales[step] = trainer.rules.scaler.get_scale()
     trainer.finish()
     for a, b in zip(snaps[1], snaps[2], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # no stage stepped in step 2
@@ -451,24 +451,22 @@ def test_bad_data_and_training_keys_are_one_line_exit_2(sets, message, tmp_path,
 def test_update_state_round_trip_and_changed_schedule():
     """The state a checkpoint keeps (Trainer.register_state) continues the schedule and the
     loss scale; a resume that raised train.steps follows the new curve instead."""
-    from types import SimpleNamespace
 
-    from trainwright.run.update import make_update_step
-    from trainwright.sync.dense import BucketedAllReduce
+    from trainwright.run.update import UpdateRules
 
     cfg = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=2",
                              "train.steps=8", "train.precision=fp16", "parallel.pp=1"])
-    stage = SimpleNamespace(parameters=lambda: [], loss_gradient=None)
-    topo, cpu = SimpleNamespace(pp_group=None), torch.device("cpu")
-    first = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 1, cpu)
-    for _ in range(3):
-        first.step([])
+    cpu = torch.device("cpu")
+    first = UpdateRules(cfg, None, 0, cpu)
+    for _ in range(3):  # the optimizer step's bookkeeping, no parameters to update
+        first.unscale_and_agree([], {})
+        first.advance()
     first.scaler.update(new_scale=123.0)
-    again = make_update_step(cfg, BucketedAllReduce(None, 1), stage, topo, 4, cpu)
+    again = UpdateRules(cfg, None, 3, cpu)
     again.load_state_dict(first.state_dict())
-    assert again.clock.lr == first.clock.lr and again.scaler.get_scale() == 123.0
+    assert again.lr.lr == first.lr.lr and again.scaler.get_scale() == 123.0
     longer = load_config(None, ["train.lr_schedule=cosine", "train.warmup_steps=2",
                                 "train.steps=16", "train.precision=fp16", "parallel.pp=1"])
-    extended = make_update_step(longer, BucketedAllReduce(None, 1), stage, topo, 4, cpu)
+    extended = UpdateRules(longer, None, 3, cpu)
     extended.load_state_dict(first.state_dict())
-    assert extended.clock.lr == LRClock(longer.train, 3).lr != first.clock.lr
+    assert extended.lr.lr == LRClock(longer.train, 3).lr != first.lr.lr

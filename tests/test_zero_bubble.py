@@ -19,7 +19,7 @@ from trainwright.dist.testing import run_workers
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.model.graph import layers_from_export
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions, StepMode
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
@@ -51,10 +51,10 @@ def _grads(layers, inputs, targets, loss, policy: str, split: bool, fast: bool =
     # its whole backward to W (tested on its own below), never splitting it
     store = ActivationStore()
     slots = [LayerSlot(i, f"l{i}", m) for i, m in enumerate(layers)]
+    options = StageOptions(split_backward=defer, mode=StepMode(fast=fast, measured_mb=measured))
     stage = Stage(slots, store, LayerProfiler(), is_first=first, loss_fn=loss,
-                  loss_scale=1 / len(inputs))
+                  loss_scale=1 / len(inputs), options=options)
     store.set_policies({i: policy for i in range(len(layers))})
-    stage.fast, stage.measured_mb, stage.defer_weights = fast, measured, defer
     for mb, (x, y) in enumerate(zip(inputs, targets, strict=True)):
         stage.forward(mb, (x,), y)
     held = len(store.held())
@@ -116,7 +116,7 @@ def test_fast_step_fuses_keep_layers_with_equal_gradients():
     stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())], store,
                   LayerProfiler(), is_first=True)
     store.set_policies({1: "swap"})
-    stage.fast = True
+    stage.options.mode = StepMode(fast=True)
     assert stage._runs() == [[0], [1], [2, 3]]
 
 
@@ -127,9 +127,10 @@ def test_profile_steps_are_every_nth_and_the_last_only_of_a_short_run(tiny, step
     ``layers`` row; the last step does too only when the run had no such step after its
     first. Every other step after the first fuses every micro-batch."""
     from trainwright.dist.topology import Topology
-    from trainwright.run.trainer import Trainer
+    from trainwright.run.trainer import Trainer, TrainerOptions
     cfg = tiny(**{"parallel.pp": 1, "train.steps": steps, "run.profile_every": 3})
-    trainer = Trainer(cfg, create_run_dir(cfg), mesh=Topology(pp=1, dp=1, rank=0))
+    trainer = Trainer(cfg, create_run_dir(cfg),
+                      options=TrainerOptions(mesh=Topology(pp=1, dp=1, rank=0)))
     seen: list[tuple] = []
     trainer.fit(lambda step, _: seen.append((step, trainer.stage.fast,
                                              trainer.stage.measured_mb)))
@@ -148,8 +149,8 @@ def test_first_stage_defers_its_backward_to_w(fast):
     base, _ = _grads(_gpt_layers(), xs, ys, ce, "keep", split=False)
     store = ActivationStore()
     stage = Stage([LayerSlot(i, f"l{i}", m) for i, m in enumerate(_gpt_layers())], store,
-                  LayerProfiler(), is_first=True, loss_fn=ce, loss_scale=1 / len(xs))
-    stage.fast = fast
+                  LayerProfiler(), is_first=True, loss_fn=ce, loss_scale=1 / len(xs),
+                  options=StageOptions(mode=StepMode(fast=fast)))
     for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
         stage.forward(mb, (x,), y)
     held = store.held()

@@ -31,7 +31,7 @@ from trainwright.bench.paired import paired, round_order, seconds
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.model.build import split_microbatches
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.stage import LayerSlot, Stage, StepMode
 from trainwright.pipeline.store import ActivationStore
 
 __all__ = ["measure"]
@@ -56,7 +56,7 @@ def _steppers(spec: PipelineBenchSpec) -> tuple[dict, list]:
             (_loss(plain(x), y) / m).backward()
 
     def run_stage(xs, ys, fast: bool):
-        stage.fast = fast
+        stage.options.mode = StepMode(fast=fast)
         for mb, (x, y) in enumerate(zip(xs, ys, strict=True)):
             stage.forward(mb, (x,), y)
             stage.backward(mb)

@@ -10,7 +10,6 @@ so messages of different chunks between the same two ranks never match each othe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -18,24 +17,25 @@ import torch
 from trainwright.dist.comm import P2P
 from trainwright.model.build import loss_fn
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.pipeline.runtime import StepStats
-from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.runtime import Runtime, StepHooks
+from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions
 from trainwright.pipeline.store import ActivationStore
-from trainwright.schedule.actions import COMPUTE, Action
+from trainwright.schedule.actions import Action
 from trainwright.schedule.carry import carried
-from trainwright.sync import GradSync
 
 __all__ = ["InterleavedRuntime", "chunk_tag", "chunk_stages"]
 
 
 def chunk_stages(cfg, stages: list[int], parts: list[int], slots: list[LayerSlot],
-                 store: ActivationStore, profiler: LayerProfiler) -> dict[int, Stage] | None:
+                 store: ActivationStore, profiler: LayerProfiler,
+                 options: StageOptions) -> dict[int, Stage] | None:
     """One Stage per model chunk of this rank (None with one stage per rank).
 
     Args:
         cfg: the configuration (loss and micro-batches).
         stages: this rank's virtual stages; ``parts``: layers per virtual stage.
-        slots: this rank's layers, all chunks; ``store``/``profiler``: shared by the chunks.
+        slots: this rank's layers, all chunks; ``store``/``profiler``/``options``: shared by
+            the chunks.
     """
     if len(stages) == 1:
         return None
@@ -46,7 +46,7 @@ def chunk_stages(cfg, stages: list[int], parts: list[int], slots: list[LayerSlot
         first = sum(parts[:k])
         out[k] = Stage([by_index[i] for i in range(first, first + parts[k])], store, profiler,
                        is_first=k == 0, loss_fn=loss_fn(cfg) if k == n - 1 else None,
-                       loss_scale=1.0 / cfg.train.micro_batches)
+                       loss_scale=1.0 / cfg.train.micro_batches, options=options)
     return out
 
 
@@ -56,31 +56,27 @@ def chunk_tag(kind: str, to_stage: int) -> int:
     return 1 + 2 * to_stage + (kind == "grad")
 
 
-class InterleavedRuntime:
+class InterleavedRuntime(Runtime):
     """Runs a rank's chunks through its interleaved action list, one step at a time.
 
     Args:
         view: a stage over all the rank's layers (the trainer's: parameters, optimizers,
-            ``fast`` and the store); its forward is not used.
-        chunks: virtual stage -> its Stage (sharing ``view``'s store and profiler).
+            options and the store); its forward is not used.
+        chunks: virtual stage -> its Stage (sharing ``view``'s store, profiler and options).
         actions: this rank's action list (one step).
         p2p: transfers to the other ranks of the pipeline.
+        hooks: the trainer's ``SYNC`` and ``STEP``.
         rank_of: virtual stage -> global rank holding it.
-        grad_sync: averages gradients over replicas (SYNC) and updates (STEP).
         replica: this rank's data-parallel index; ``rank``: its pipeline index.
         fault: ``(step, action_index, action) -> None`` hook before each action (testing).
     """
 
     def __init__(self, view: Stage, chunks: dict[int, Stage], actions: list[Action], p2p: P2P,
-                 *, rank_of: Callable[[int], int], grad_sync: GradSync, replica: int = 0,
+                 hooks: StepHooks, *, rank_of: Callable[[int], int], replica: int = 0,
                  rank: int = 0, fault: Callable[[int, int, Action], None] | None = None):
-        self.view, self.chunks, self.actions, self.p2p = view, chunks, actions, p2p
-        self.rank_of, self.grad_sync, self.replica = rank_of, grad_sync, replica
-        self.stage_index, self.fault = rank, fault
+        super().__init__(view, actions, p2p, hooks, replica=replica, rank=rank, fault=fault)
+        self.chunks, self.rank_of = chunks, rank_of
         self.last = max(a.stage for a in actions if a.kind == "F")
-        self.split = any(a.kind == "W" for a in actions)  # ZB-V: B then W
-        for chunk in self.chunks.values():
-            chunk.defer_weights = self.split and not chunk.is_first
         self.here = {a.stage for a in actions}
         """Virtual stages of this rank: a hand-over between two of them stays local."""
         self._local: dict[tuple, tuple] = {}
@@ -88,49 +84,33 @@ class InterleavedRuntime:
             actions, self.here)
         """Transfers whose stream carries another message after them (a receive) or before
         them (a send) in the step: their receives are posted ahead (P2P's note)."""
-        self._measured_peak = 0
         self.carry = carried(actions)
         """Actions at the end of the list a step may leave to the next (``schedule.carry``)."""
         self._carried: list[Action] = []
+        self.handlers.update({
+            "RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
+            "RECV_B": self._recv_b, "B": self._backward, "W": self._weights,
+            "SEND_B": self._send_b})
 
-    def run_step(self, step: int, inputs: list[torch.Tensor] | None,
-                 targets: list[torch.Tensor] | None, trace: bool = False,
-                 migration=None, carry: bool = False) -> StepStats:
-        """One step: every chunk's forwards and backwards, sync, optimizer step.
+    def _before_step(self, step: int, events: list, trace: bool) -> int:
+        """The last step's carried passes run first, under that step's settings."""
+        carried_now, self._carried = self._carried, []
+        return self._run(step, carried_now, events, trace, offset=None)
 
-        Args and returns: as :meth:`trainwright.pipeline.runtime.PipelineRuntime.run_step`
-        (``inputs`` on the rank of stage 0, ``targets`` on the rank of the last stage; no
-        migration: live migration is refused with interleaved schedules). ``carry``: leave
-        this rank's last weight passes, sync and optimizer step to the start of the next
-        ``run_step`` (or :meth:`flush`), see :mod:`trainwright.schedule.carry`.
-        """
+    def _begin(self, inputs, targets, migration) -> None:
         if migration is not None:
             raise RuntimeError("live migration does not run with an interleaved schedule")
-        view = self.view
-        events, t_step = [], time.perf_counter_ns()
-        # the last step's carried passes run first, under that step's settings
-        compute_ns = self._run(step, self._carried, events, trace, offset=None)
-        self._carried = []
-        view.store.reset_peaks()
-        for st in self.chunks.values():  # the trainer and update step set these on the view
-            st.fast, st.measured_mb = view.fast, view.measured_mb
-            st.autocast, st.loss_gradient = view.autocast, view.loss_gradient
         self._io = {"in": inputs, "tg": targets, "recv": {}, "out": {}, "gin": {},
                     "gout": {}, "loss": []}
+
+    def _step_actions(self, migration, carry: bool) -> list[Action]:
+        """The step's list, less the actions it leaves to the next step when carrying."""
         cut = len(self.actions) - (self.carry if carry else 0)
-        compute_ns += self._run(step, self.actions[:cut], events, trace, offset=0)
         self._carried = self.actions[cut:]
-        wall = (time.perf_counter_ns() - t_step) / 1e9
-        view.profiler.end_step()
-        losses = self._io.pop("loss")
-        if not view.fast:
-            self._measured_peak = view.store.peak_bytes
-        return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
-                         compute_s=compute_ns / 1e9,
-                         loss=float(torch.stack(losses).sum()) if losses else None,
-                         activation_peak_bytes=self._measured_peak,
-                         held_microbatches_peak=view.store.peak_microbatches, events=events,
-                         host_peak_bytes=view.store.peak_host_bytes)
+        return self.actions[:cut]
+
+    def _losses(self) -> list[torch.Tensor]:
+        return self._io.pop("loss")
 
     def flush(self) -> None:
         """Run the actions the last step carried, if any: call before anything reads this
@@ -138,74 +118,59 @@ class InterleavedRuntime:
         carried_now, self._carried = self._carried, []
         self._run(-1, carried_now, [], False, offset=None)
 
-    def _run(self, step: int, actions: list[Action], events: list, trace: bool,
-             offset: int | None) -> int:
-        """Run ``actions`` (``offset``: their index in the step's list, for the fault hook and
-        posted-ahead receives; None for carried ones). Returns their compute nanoseconds."""
-        compute_ns = 0
-        for j, a in enumerate(actions):
-            i = None if offset is None else offset + j
-            if self.fault is not None and i is not None:
-                self.fault(step, i, a)
-            t0 = time.perf_counter_ns()
-            self._do(a, i in self._linked)
-            t1 = time.perf_counter_ns()
-            compute_ns += (t1 - t0) if a.kind in COMPUTE else 0
-            if trace:
-                events.append((a.kind, a.mb, time.time_ns() - (time.perf_counter_ns() - t0),
-                               t1 - t0))
-        return compute_ns
+    @property
+    def _linked_now(self) -> bool:
+        """The running transfer's stream brings another message later in the step (a
+        receive), or follows another one (a send)."""
+        return self._index in self._linked
 
-    def _do(self, a: Action, linked: bool = False) -> None:
-        """Run one action of virtual stage ``a.stage`` (``linked``: a receive whose stream
-        brings another message later in the step, or a send that follows another one on its
-        stream)."""
-        k, mb, s, io = a.kind, a.mb, a.stage, self._io
-        key = (s, mb)
-        if k == "RECV_F":
-            io["recv"][key] = self._local.pop(("act", s, mb)) if s - 1 in self.here else \
-                tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s),
-                                more=linked))
-        elif k == "F":
-            st = self.chunks[s]
-            x = (io["in"][mb],) if s == 0 else io["recv"].pop(key)
-            out = st.forward(mb, x, io["tg"][mb] if s == self.last and st.is_last else None)
-            if st.is_last:
-                io["loss"].append(out[0])
-            else:
-                io["out"][key] = out
-        elif k == "SEND_F":
-            self._send("act", s + 1, mb, io["out"].pop(key), linked)
-        elif k == "RECV_B":
-            io["gin"][key] = self._local.pop(("grad", s, mb)) if s + 1 in self.here else \
-                tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb, tag=chunk_tag("grad", s),
-                                more=linked))
-        elif k == "B":
-            st = self.chunks[s]
-            g = st.backward(mb, None if st.is_last else io["gin"].pop(key), split=self.split)
-            if s > 0:
-                io["gout"][key] = g
-        elif k == "W":
-            self.chunks[s].backward_weight(mb)
-        elif k == "SEND_B":
-            self._send("grad", s - 1, mb, io["gout"].pop(key), linked)
-        elif k == "SYNC":
-            self.p2p.wait_sends()
-            self.grad_sync.sync(self.view.parameters())
-        elif k == "STEP":
-            self.grad_sync.step(self.view.slots)
-        else:  # pragma: no cover - interleaved lists hold no other kinds
-            raise ValueError(f"unknown action {a} in an interleaved schedule")
+    def _recv_f(self, a: Action) -> None:
+        s, mb = a.stage, a.mb
+        self._io["recv"][(s, mb)] = self._local.pop(("act", s, mb)) if s - 1 in self.here \
+            else tuple(self.p2p.recv(self.rank_of(s - 1), "act", mb, tag=chunk_tag("act", s),
+                                     more=self._linked_now))
 
-    def _send(self, kind: str, to_stage: int, mb: int, tensors: tuple, ahead: bool) -> None:
-        """To the rank of ``to_stage`` (``ahead``: its receive is posted already), or handed
-        over locally when this rank holds it."""
+    def _forward(self, a: Action) -> None:
+        s, mb, io = a.stage, a.mb, self._io
+        st = self.chunks[s]
+        x = (io["in"][mb],) if s == 0 else io["recv"].pop((s, mb))
+        out = st.forward(mb, x, io["tg"][mb] if s == self.last and st.is_last else None)
+        if st.is_last:
+            io["loss"].append(out[0])
+        else:
+            io["out"][(s, mb)] = out
+
+    def _send_f(self, a: Action) -> None:
+        self._send("act", a.stage + 1, a.mb, self._io["out"].pop((a.stage, a.mb)))
+
+    def _recv_b(self, a: Action) -> None:
+        s, mb = a.stage, a.mb
+        self._io["gin"][(s, mb)] = self._local.pop(("grad", s, mb)) if s + 1 in self.here \
+            else tuple(self.p2p.recv(self.rank_of(s + 1), "grad", mb,
+                                     tag=chunk_tag("grad", s), more=self._linked_now))
+
+    def _backward(self, a: Action) -> None:
+        s, mb, io = a.stage, a.mb, self._io
+        st = self.chunks[s]
+        g = st.backward(mb, None if st.is_last else io["gin"].pop((s, mb)), split=self.split)
+        if s > 0:
+            io["gout"][(s, mb)] = g
+
+    def _weights(self, a: Action) -> None:
+        self.chunks[a.stage].backward_weight(a.mb)
+
+    def _send_b(self, a: Action) -> None:
+        self._send("grad", a.stage - 1, a.mb, self._io["gout"].pop((a.stage, a.mb)))
+
+    def _send(self, kind: str, to_stage: int, mb: int, tensors: tuple) -> None:
+        """To the rank of ``to_stage`` (its receive is posted already when the stream carried
+        a message before), or handed over locally when this rank holds it."""
         if to_stage in self.here:
             self._local[(kind, to_stage, mb)] = tuple(
                 t.detach() if isinstance(t, torch.Tensor) else t for t in tensors)
         else:
             self.p2p.send(self.rank_of(to_stage), kind, mb, tensors,
-                          tag=chunk_tag(kind, to_stage), ahead=ahead)
+                          tag=chunk_tag(kind, to_stage), ahead=self._linked_now)
 
 
 _TRANSFER = {"RECV_F": ("F", 0, -1), "RECV_B": ("B", 0, 1), "SEND_F": ("F", 1, 1),

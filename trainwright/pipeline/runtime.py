@@ -1,9 +1,15 @@
-"""The executor: interprets one stage's action list for one training step.
+"""The executors: interpret a rank's action list for one training step.
 
 The same ``Action`` lists that :mod:`trainwright.schedule.actions` prints (and that a
-simulator replays) drive the run here, one action at a time; every action becomes a trace
-event. Sends are asynchronous and drained before the optimizer step; receives block with
-a deadline.
+simulator replays) drive the run here, one action at a time, each through one dispatch
+table keyed by its kind; every action becomes a trace event. Sends are asynchronous and
+drained before the gradient sync; receives block with a deadline.
+
+:class:`Runtime` holds what every executor shares: the step loop, the table, the ``SYNC``
+and ``STEP`` actions (which call the trainer's :class:`StepHooks`) and the step's figures.
+:class:`PipelineRuntime` runs one stage per rank (with live migration and peer-swap
+actions); :class:`~trainwright.pipeline.interleaved.InterleavedRuntime` runs several
+chunks per rank.
 """
 
 from __future__ import annotations
@@ -17,12 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from trainwright.dist.comm import P2P
-from trainwright.pipeline.rebalance import Migration
 from trainwright.pipeline.stage import Stage
 from trainwright.schedule.actions import COMPUTE, Action
-from trainwright.sync import GradSync
+from trainwright.schedule.migration import MIG_KINDS as MIGRATION_KINDS
 
-__all__ = ["StepStats", "PipelineRuntime"]
+__all__ = ["StepStats", "StepHooks", "Runtime", "PipelineRuntime", "kill_self_at"]
 
 
 @dataclass
@@ -61,15 +66,157 @@ class StepStats:
         return max(self.wall_s - self.compute_s, 0.0)
 
 
-class PipelineRuntime:
-    """Runs a stage through its schedule, one step at a time.
+@dataclass(frozen=True)
+class StepHooks:
+    """What the trainer does at the schedule's ``SYNC`` and ``STEP`` actions
+    (``Trainer.sync_gradients`` and ``Trainer.update_weights``)."""
+
+    sync: Callable[[bool], None]
+    """Sync the gradients over the replicas; its argument: the stage's layers changed in
+    this step (a migration), so the exchange must learn them first."""
+    update: Callable[[], None]
+    """Unscale and clip the synced gradients, step the optimizers and the learning rate."""
+
+
+class Runtime:
+    """The step loop every executor shares: runs a rank's action list through a dispatch
+    table keyed by action kind, timing and tracing every action.
+
+    Args:
+        view: a stage over all the rank's layers (parameters, store, profiler, options).
+        actions: the rank's action list (one step).
+        p2p: transfers to the other ranks of the pipeline.
+        hooks: the trainer's ``SYNC`` and ``STEP``.
+        replica / rank: this rank's data-parallel and pipeline index (for the stats).
+        fault: ``(step, action_index, action) -> None`` called before each action of the
+            step's list (fault injection in tests).
+    """
+
+    def __init__(self, view: Stage, actions: list[Action], p2p: P2P, hooks: StepHooks, *,
+                 replica: int = 0, rank: int = 0,
+                 fault: Callable[[int, int, Action], None] | None = None):
+        self.view, self.actions, self.p2p, self.hooks = view, actions, p2p, hooks
+        self.replica, self.stage_index, self.fault = replica, rank, fault
+        self.split = view.options.split_backward
+        """Zero-bubble schedule: ``B`` computes input gradients only, ``W`` the weights'."""
+        self.handlers: dict[str, Callable[[Action], None]] = {
+            "SYNC": self._sync, "STEP": lambda a: self.hooks.update()}
+        """Action kind -> what runs it; each executor adds its own kinds."""
+        self.after: Callable[[Action], None] | None = None
+        """Called after every action (the peer-swap extension's bookkeeping)."""
+        self._measured_peak = 0
+        self._index: int | None = None
+        """Index of the running action in the step's list (None: carried from the last)."""
+
+    def run_step(self, step: int, inputs: list[torch.Tensor] | None,
+                 targets: list[torch.Tensor] | None, trace: bool = False,
+                 migration=None, carry: bool = False) -> StepStats:
+        """Run one step: every micro-batch forward and backward, sync, optimizer step.
+
+        Args:
+            step: step number (for stats and the fault hook).
+            inputs: micro-batch inputs (on the rank of the first stage only).
+            targets: micro-batch targets (on the rank of the last stage only).
+            trace: whether to record an event per action.
+            migration: this step moves layers (:class:`PipelineRuntime` only): its actions
+                (with the ``MIG_*`` ones) replace the regular schedule.
+            carry: leave this rank's last weight passes, sync and optimizer step to the
+                start of the next step (:class:`InterleavedRuntime` only).
+
+        Returns:
+            The stage's measurements; ``loss`` is the step's mean loss on the last stage.
+        """
+        view = self.view
+        events: list = []
+        t_step = time.perf_counter_ns()
+        compute_ns = self._before_step(step, events, trace)
+        view.store.reset_peaks()
+        params = view.parameters()
+        cuda = bool(params) and params[0].is_cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(params[0].device)
+        self._begin(inputs, targets, migration)
+        compute_ns += self._run(step, self._step_actions(migration, carry), events, trace,
+                                offset=0)
+        wall = (time.perf_counter_ns() - t_step) / 1e9
+        view.profiler.end_step()
+        losses = self._losses()
+        if not view.fast:  # a fast step fuses layers unmeasured: report the last measured peak
+            self._measured_peak = view.store.peak_bytes
+        return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
+                         compute_s=compute_ns / 1e9,
+                         loss=float(torch.stack(losses).sum()) if losses else None,
+                         activation_peak_bytes=self._measured_peak,
+                         held_microbatches_peak=view.store.peak_microbatches, events=events,
+                         host_peak_bytes=view.store.peak_host_bytes,
+                         cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(
+                             params[0].device) if cuda else None),
+                         migration=self._migration_stats(migration))
+
+    def _run(self, step: int, actions: list[Action], events: list, trace: bool,
+             offset: int | None) -> int:
+        """Run ``actions`` (``offset``: their index in the step's list, for the fault hook;
+        None for actions carried from the last step). Returns their compute nanoseconds."""
+        compute_ns = 0
+        for j, a in enumerate(actions):
+            self._index = None if offset is None else offset + j
+            if self.fault is not None and self._index is not None:
+                self.fault(step, self._index, a)
+            t0 = time.perf_counter_ns()
+            handler = self.handlers.get(a.kind)
+            if handler is None:
+                raise ValueError(f"{type(self).__name__} cannot run action {a}: no handler "
+                                 f"for kind {a.kind!r} (it runs {sorted(self.handlers)})")
+            handler(a)
+            if self.after is not None:
+                self.after(a)
+            t1 = time.perf_counter_ns()
+            if a.kind in COMPUTE:
+                compute_ns += t1 - t0
+            if trace or self._traced(a):
+                events.append((a.kind, a.mb, time.time_ns() - (time.perf_counter_ns() - t0),
+                               t1 - t0))
+        return compute_ns
+
+    def _sync(self, a: Action) -> None:
+        """``SYNC``: drain this rank's sends, then the trainer syncs the gradients."""
+        self.p2p.wait_sends()
+        self.hooks.sync(False)
+
+    # what each executor adds ------------------------------------------------------
+    def _before_step(self, step: int, events: list, trace: bool) -> int:
+        """Work that runs before the step's own list; returns its compute nanoseconds."""
+        return 0
+
+    def _begin(self, inputs, targets, migration) -> None:
+        """Take the step's inputs and targets (and migration)."""
+        raise NotImplementedError
+
+    def _step_actions(self, migration, carry: bool) -> list[Action]:
+        """The list this step runs."""
+        return self.actions
+
+    def _losses(self) -> list[torch.Tensor]:
+        """The micro-batch losses the step computed here (last stage only)."""
+        raise NotImplementedError
+
+    def _traced(self, a: Action) -> bool:
+        """Whether ``a`` is traced even when the step is not."""
+        return False
+
+    def _migration_stats(self, migration) -> dict | None:
+        return None
+
+
+class PipelineRuntime(Runtime):
+    """Runs a stage (one per rank) through its schedule, one step at a time.
 
     Args:
         stage: the layers of this rank.
         actions: this stage's action list (one step).
         p2p: transfers to the neighbouring stages.
+        hooks: the trainer's ``SYNC`` and ``STEP``.
         prev_rank / next_rank: global ranks of the neighbours (None at the ends).
-        grad_sync: averages gradients over replicas (SYNC action) and updates (STEP).
         replica: this rank's data-parallel index (for the stats).
         fault: ``(step, action_index, action) -> None`` hook called before each action (testing).
         extensions: handlers of action kinds beyond the built-in ones (e.g. the peer-swap
@@ -77,114 +224,86 @@ class PipelineRuntime:
             run after every action.
     """
 
-    def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, *,
-                 prev_rank: int | None, next_rank: int | None,
-                 grad_sync: GradSync, replica: int = 0,
+    def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, hooks: StepHooks, *,
+                 prev_rank: int | None, next_rank: int | None, replica: int = 0,
                  fault: Callable[[int, int, Action], None] | None = None,
                  extensions: dict[str, Callable[[Action], None]] | None = None):
-        self.stage, self.actions, self.p2p = stage, actions, p2p
-        self.extensions = dict(extensions or {})
+        super().__init__(stage, actions, p2p, hooks, replica=replica, rank=actions[0].stage,
+                         fault=fault)
+        self.stage = stage
         self.prev_rank, self.next_rank = prev_rank, next_rank
-        self.grad_sync, self.replica = grad_sync, replica
-        self.fault = fault
-        self.stage_index = actions[0].stage
-        self.split = any(a.kind == "W" for a in actions)
-        """Zero-bubble schedule: ``B`` computes input gradients only, ``W`` the weights'."""
-        stage.defer_weights = self.split and not stage.is_first
-        self._measured_peak = 0
+        extensions = dict(extensions or {})
+        self.after = extensions.pop("after", None)
+        self.handlers.update({
+            "RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
+            "RECV_B": self._recv_b, "B": self._backward, "W": self._weights,
+            "SEND_B": self._send_b,
+            **{k: self._migrate for k in MIGRATION_KINDS}, **extensions})
+        self._migration = None
 
-    def run_step(self, step: int, inputs: list[torch.Tensor] | None,
-                 targets: list[torch.Tensor] | None, trace: bool = False,
-                 migration: Migration | None = None) -> StepStats:
-        """Run one step: every micro-batch forward and backward, sync, optimizer step.
+    def _begin(self, inputs, targets, migration) -> None:
+        self._inputs, self._targets, self._migration = inputs, targets, migration
+        self._received: dict[int, tuple] = {}
+        self._outputs: dict[int, tuple] = {}
+        self._grads_in: dict[int, tuple] = {}
+        self._grads_out: dict[int, tuple] = {}
+        self._loss_list: list[torch.Tensor] = []
 
-        Args:
-            step: step number (for stats and the fault hook).
-            inputs: micro-batch inputs (first stage only).
-            targets: micro-batch targets (last stage only).
-            trace: whether to record an event per action.
-            migration: this step moves layers: its actions (with the ``MIG_*`` ones) replace
-                the regular schedule, and it executes them.
+    def _step_actions(self, migration, carry: bool) -> list[Action]:
+        return self.actions if migration is None else migration.plan.actions[self.stage_index]
 
-        Returns:
-            The stage's measurements; ``loss`` is the step's mean loss on the last stage.
-        """
+    def _losses(self) -> list[torch.Tensor]:
+        return self._loss_list
+
+    def _traced(self, a: Action) -> bool:
+        return a.kind in MIGRATION_KINDS
+
+    def _migration_stats(self, migration) -> dict | None:
+        return migration.stats.to_dict() if migration is not None else None
+
+    def _recv_f(self, a: Action) -> None:
+        self._received[a.mb] = tuple(self.p2p.recv(self.prev_rank, "act", a.mb))
+
+    def _forward(self, a: Action) -> None:
+        st, mb = self.stage, a.mb
+        x = (self._inputs[mb],) if st.is_first else self._received.pop(mb)
+        out = st.forward(mb, x, self._targets[mb] if st.is_last else None)
+        if st.is_last:
+            self._loss_list.append(out[0])
+        else:
+            self._outputs[mb] = out
+
+    def _send_f(self, a: Action) -> None:
+        self.p2p.send(self.next_rank, "act", a.mb, self._outputs.pop(a.mb))
+
+    def _recv_b(self, a: Action) -> None:
+        self._grads_in[a.mb] = tuple(self.p2p.recv(self.next_rank, "grad", a.mb))
+
+    def _backward(self, a: Action) -> None:
         st = self.stage
-        st.store.reset_peaks()
-        params = st.parameters()
-        cuda = bool(params) and params[0].is_cuda
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(params[0].device)
-        received: dict[int, tuple] = {}
-        outputs: dict[int, tuple] = {}
-        grads_in: dict[int, tuple] = {}
-        grads_out: dict[int, tuple] = {}
-        losses: list[torch.Tensor] = []
-        events = []
-        compute_ns = 0
-        t_step = time.perf_counter_ns()
-        actions = self.actions if migration is None else \
-            migration.plan.actions[self.stage_index]
-        for i, a in enumerate(actions):
-            if self.fault is not None:
-                self.fault(step, i, a)
-            t0 = time.perf_counter_ns()
-            k, mb = a.kind, a.mb
-            if k == "RECV_F":
-                received[mb] = tuple(self.p2p.recv(self.prev_rank, "act", mb))
-            elif k == "F":
-                x = (inputs[mb],) if st.is_first else received.pop(mb)
-                out = st.forward(mb, x, targets[mb] if st.is_last else None)
-                if st.is_last:
-                    losses.append(out[0])
-                else:
-                    outputs[mb] = out
-            elif k == "SEND_F":
-                self.p2p.send(self.next_rank, "act", mb, outputs.pop(mb))
-            elif k == "RECV_B":
-                grads_in[mb] = tuple(self.p2p.recv(self.next_rank, "grad", mb))
-            elif k == "B":
-                g = st.backward(mb, None if st.is_last else grads_in.pop(mb), split=self.split)
-                if not st.is_first:
-                    grads_out[mb] = g
-            elif k == "W":
-                st.backward_weight(mb)
-            elif k == "SEND_B":
-                self.p2p.send(self.prev_rank, "grad", mb, grads_out.pop(mb))
-            elif k == "SYNC":
-                self.p2p.wait_sends()
-                if migration is not None:  # the layers changed: the exchange follows them
-                    migration.ctrl.wait_sends()
-                    self.grad_sync.attach([slot.module for slot in st.slots])
-                self.grad_sync.sync(st.parameters())
-            elif k == "STEP":
-                self.grad_sync.step(st.slots)
-            elif k.startswith("MIG_") and migration is not None:
-                migration.run(a)
-            elif k in self.extensions:
-                self.extensions[k](a)
-            else:  # pragma: no cover - schedule.KINDS is closed
-                raise ValueError(f"unknown action {a}")
-            if "after" in self.extensions:
-                self.extensions["after"](a)
-            t1 = time.perf_counter_ns()
-            if k in COMPUTE:
-                compute_ns += t1 - t0
-            if trace or k.startswith("MIG_"):
-                events.append((k, mb, time.time_ns() - (time.perf_counter_ns() - t0), t1 - t0))
-        wall = (time.perf_counter_ns() - t_step) / 1e9
-        st.profiler.end_step()
-        loss = float(torch.stack(losses).sum()) if losses else None
-        if not st.fast:  # a fast step fuses layers unmeasured: report the last measured peak
-            self._measured_peak = st.store.peak_bytes
-        return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
-                         compute_s=compute_ns / 1e9, loss=loss,
-                         activation_peak_bytes=self._measured_peak,
-                         held_microbatches_peak=st.store.peak_microbatches, events=events,
-                         host_peak_bytes=st.store.peak_host_bytes,
-                         cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(
-                             params[0].device) if cuda else None),
-                         migration=migration.stats.to_dict() if migration is not None else None)
+        g = st.backward(a.mb, None if st.is_last else self._grads_in.pop(a.mb),
+                        split=self.split)
+        if not st.is_first:
+            self._grads_out[a.mb] = g
+
+    def _weights(self, a: Action) -> None:
+        self.stage.backward_weight(a.mb)
+
+    def _send_b(self, a: Action) -> None:
+        self.p2p.send(self.prev_rank, "grad", a.mb, self._grads_out.pop(a.mb))
+
+    def _sync(self, a: Action) -> None:
+        """``SYNC``; in a migration step the moved layers' control messages are drained too
+        and the trainer's sync learns the stage's new layers."""
+        self.p2p.wait_sends()
+        if self._migration is not None:
+            self._migration.ctrl.wait_sends()
+        self.hooks.sync(self._migration is not None)
+
+    def _migrate(self, a: Action) -> None:
+        if self._migration is None:
+            raise ValueError(f"action {a} outside a migration step")
+        self._migration.run(a)
 
 
 def kill_self_at(kill_step: int, action_index: int,

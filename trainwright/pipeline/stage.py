@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from trainwright.pipeline.deferred_linear import WeightStash, defer_linears
 from trainwright.pipeline.split_backward import backward_input, backward_weight
 from trainwright.pipeline.store import ActivationStore, Segment, as_tuple
 
-__all__ = ["LayerSlot", "Stage"]
+__all__ = ["LayerSlot", "StepMode", "StageOptions", "Stage"]
 
 
 @dataclass
@@ -49,6 +49,39 @@ def _detach(values: tuple, grad: bool) -> tuple:
     )
 
 
+@dataclass(frozen=True)
+class StepMode:
+    """How one step runs the layers."""
+
+    fast: bool = False
+    """Fuse consecutive ``keep`` layers into one segment, unmeasured (when no plan needs
+    per-layer figures and no policy change or migration is pending)."""
+    measured_mb: int | None = None
+    """On a fast step, the micro-batch that still runs layer by layer, measured: a profile
+    step's sample of every layer's costs (the others stay fused)."""
+
+
+@dataclass
+class StageOptions:
+    """The settings a rank's stages read; the chunks of an interleaved rank share one.
+
+    The trainer builds it with the stages and sets :attr:`mode` before every step; nothing
+    else writes it.
+    """
+
+    autocast: Callable | None = None
+    """Mixed precision: a factory of the autocast context every layer's forward (and
+    recompute) runs in; the loss is then taken in fp32. None: full precision."""
+    loss_gradient: Callable | None = None
+    """``loss -> tensor`` to start backward from instead of 1 (fp16 loss scaling)."""
+    split_backward: bool = False
+    """The schedule has ``W`` actions: ``B`` computes input gradients only, and linear layers
+    of every stage but the first stash their weight side for ``W``
+    (:mod:`~trainwright.pipeline.deferred_linear`)."""
+    mode: StepMode = field(default_factory=StepMode)
+    """This step's mode."""
+
+
 class Stage:
     """Runs forward and backward of its layers on micro-batches.
 
@@ -60,10 +93,13 @@ class Stage:
         loss_fn: ``(output, target) -> loss`` on the last stage, else None.
         loss_scale: multiplies each micro-batch loss (``1 / micro_batches``) so the
             accumulated gradient is the gradient of the mean loss.
+        options: the rank's settings (shared by its chunks; default: fp32, one backward).
     """
 
     def __init__(self, slots: list[LayerSlot], store: ActivationStore, profiler: LayerProfiler,
-                 *, is_first: bool, loss_fn: Callable | None = None, loss_scale: float = 1.0):
+                 *, is_first: bool, loss_fn: Callable | None = None, loss_scale: float = 1.0,
+                 options: StageOptions | None = None):
+        self.options = options if options is not None else StageOptions()
         self.slots = list(slots)
         self.store, self.profiler = store, profiler
         self.is_first, self.loss_fn, self.loss_scale = is_first, loss_fn, loss_scale
@@ -71,28 +107,39 @@ class Stage:
         """Layers no longer forwarded here whose held segments still need a backward."""
         self.record_rng: set[int] = set()
         """Layers whose segments also record the RNG state (they may be shipped)."""
-        self.fast = False
-        """Fuse consecutive ``keep`` layers into one segment, unmeasured (set per step when
-        no plan needs per-layer figures and no policy change or migration is pending)."""
-        self.measured_mb: int | None = None
-        """On a fast step, the micro-batch that still runs layer by layer, measured: a
-        profile step's sample of every layer's costs (the others stay fused)."""
-        self.defer_weights = False
-        """Run linear layers so that a split backward stashes their weight side for W
-        (:mod:`~trainwright.pipeline.deferred_linear`); set by runtimes whose schedule has
-        W actions, on stages whose B matters (not the first)."""
         self._weight_work: dict[int, list] = {}
         """Micro-batch -> segments whose weight gradients (W) are still to compute."""
         self._deferred: dict[int, tuple | None] = {}
         """First stage under a split backward: micro-batch -> its output gradients, kept by
         B for W to run the whole backward at once (see :meth:`backward`)."""
-        self.autocast: Callable | None = None
-        """Mixed precision: a factory of the autocast context every layer's forward (and
-        recompute) runs in; the loss is then taken in fp32. None: full precision."""
-        self.loss_gradient: Callable | None = None
-        """``loss -> tensor`` to start backward from instead of 1 (fp16 loss scaling)."""
         for s in self.slots:
             self._adopt(s)
+
+    @property
+    def fast(self) -> bool:
+        """This step fuses consecutive ``keep`` layers (:class:`StepMode`)."""
+        return self.options.mode.fast
+
+    @property
+    def measured_mb(self) -> int | None:
+        """The micro-batch a fast step still measures layer by layer (:class:`StepMode`)."""
+        return self.options.mode.measured_mb
+
+    @property
+    def autocast(self) -> Callable | None:
+        """The autocast context factory (:class:`StageOptions`)."""
+        return self.options.autocast
+
+    @property
+    def loss_gradient(self) -> Callable | None:
+        """The gradient backward starts from on the last layer (:class:`StageOptions`)."""
+        return self.options.loss_gradient
+
+    @property
+    def defer_weights(self) -> bool:
+        """Linear layers stash their weight side for ``W`` (a split backward, not on the
+        first stage, whose ``B`` nothing waits for)."""
+        return self.options.split_backward and not self.is_first
 
     def _adopt(self, slot: LayerSlot) -> None:
         self.store.exclude_params([slot.module])

@@ -34,7 +34,7 @@ from trainwright.dist import collective
 from trainwright.dist.topology import Topology
 from trainwright.errors import ConfigError
 from trainwright.model.ties import Tie, find_ties, untie
-from trainwright.sync.base import GradSync
+from trainwright.sync.base import GradShard, GradSync, WeightUpdate
 
 __all__ = ["check_ties", "prepare_ties", "owned_parameters", "TiedGradSync", "wrap_tied",
            "expect_partition", "counts_after", "duplicate_copies"]
@@ -110,7 +110,7 @@ class TiedGradSync(GradSync):
     """A gradient exchange that also sums tied copies across stages (see module docstring).
 
     Args:
-        inner: the data-parallel exchange; every other hook goes to it.
+        inner: the data-parallel exchange; every other hook of the interface goes to it.
         ties: the model's ties (:func:`~trainwright.model.ties.find_ties`).
         topo: this rank's mesh.
         stage: this rank's :class:`~trainwright.pipeline.stage.Stage` (its current slots).
@@ -164,14 +164,13 @@ class TiedGradSync(GradSync):
         for p in copies:
             p.grad = total.clone() if len(copies) > 1 else total
 
-    def __getattr__(self, name: str):  # anything else (stats of the inner exchange)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def step(self, slots: list) -> None:
+    def weight_update(self, stage) -> WeightUpdate:
         """The inner exchange's update."""
-        self.inner.step(slots)
+        return self.inner.weight_update(stage)
+
+    def grad_shard(self) -> GradShard | None:
+        """The inner exchange's shard."""
+        return self.inner.grad_shard()
 
     def attach(self, modules: list) -> None:
         """Pass the stage's layers on to the inner exchange."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from trainwright.dist import collective as coll
+from trainwright.sync.base import GradShard
 
 __all__ = ["local_square_sum", "global_grad_norm", "scale_gradients"]
 
@@ -25,42 +26,39 @@ def _square_sum(g: torch.Tensor) -> torch.Tensor:
     return g.detach().double().pow(2).sum()
 
 
-def local_square_sum(params: list, sync=None) -> torch.Tensor:
+def local_square_sum(params: list, shard: GradShard | None = None) -> torch.Tensor:
     """This rank's share of the squared global norm (float64 scalar on the CPU).
 
-    ``sync``: the stage's gradient exchange; a hierarchical one contributes its owned,
-    averaged slice, summed over the node.
+    ``shard``: where the synced gradients live when this rank holds only a slice of them
+    (:meth:`GradSync.grad_shard`); the slices are summed over its group (each once).
     """
-    flat = getattr(sync, "flat_grad", None)
-    if flat is not None and hasattr(sync, "owned"):
-        sync.wait_sync()
-        lo, hi = sync.owned
-        total = _square_sum(flat[lo:hi]).cpu().reshape(1)
-        if sync.groups.layout.ranks_per_node > 1:
-            coll.all_reduce(total, group=sync.groups.intra_group)
+    if shard is not None:
+        total = _square_sum(shard.owned).cpu().reshape(1)
+        if shard.group is not None:
+            coll.all_reduce(total, group=shard.group)
         return total
     parts = [_square_sum(p.grad).cpu() for p in params if p.grad is not None]
     return torch.stack(parts).sum().reshape(1) if parts else torch.zeros(1, dtype=torch.float64)
 
 
-def global_grad_norm(params: list, pp_group=None, sync=None) -> float:
+def global_grad_norm(params: list, pp_group=None, shard: GradShard | None = None) -> float:
     """The L2 norm of every gradient of the model (all stages), the same on every rank."""
-    total = local_square_sum(params, sync)
+    total = local_square_sum(params, shard)
     if dist.is_initialized():
         coll.all_reduce(total, group=pp_group)
     return float(total.sqrt())
 
 
-def scale_gradients(params: list, max_norm: float, norm: float, sync=None) -> float:
-    """Multiply every gradient by ``min(max_norm / (norm + 1e-6), 1)``; return the factor."""
+def scale_gradients(params: list, max_norm: float, norm: float,
+                    shard: GradShard | None = None) -> float:
+    """Multiply every gradient (or the owned ``shard``) by ``min(max_norm / (norm + 1e-6),
+    1)``; return the factor."""
     coef = min(max_norm / (norm + 1e-6), 1.0)
     if coef >= 1.0:
         return 1.0
-    flat = getattr(sync, "flat_grad", None)
     with torch.no_grad():
-        if flat is not None and hasattr(sync, "owned"):
-            lo, hi = sync.owned
-            flat[lo:hi].mul_(coef)
+        if shard is not None:
+            shard.owned.mul_(coef)
             return coef
         for p in params:
             if p.grad is not None:

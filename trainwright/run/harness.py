@@ -23,7 +23,7 @@ from trainwright.config import Config
 from trainwright.dist import collective as coll
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.run.trainer import Trainer
+from trainwright.run.trainer import Trainer, TrainerOptions
 
 __all__ = ["GPTJob", "run_gpt_pipeline", "job_layers", "job_batch", "job_config"]
 
@@ -111,9 +111,9 @@ def run_gpt_pipeline(job: GPTJob, policies: dict[int, str] | None = None,
         raise ValueError(f"{len(job.parts)} stages need {len(job.parts)} ranks, got {world}")
     step_s, peaks, profiles, events = [], [], [], []
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = Trainer(job_config(job, policies), run_dir, layers=lambda: _named(job),
-                          data=_JobData(job), peer_plan=peer_plan, peer_group=peer_group,
-                          profiler=LayerProfiler(smoothing=1.0), outputs=False)
+        trainer = Trainer(job_config(job, policies), run_dir, options=TrainerOptions(
+            layers=lambda: _named(job), data=_JobData(job), peer_plan=peer_plan,
+            peer_group=peer_group, profiler=LayerProfiler(smoothing=1.0), outputs=False))
 
         def on_step(step: int, stats) -> None:
             events.append([(k, mb, dur / 1e9, start / 1e9) for s, k, mb, start, dur

@@ -30,7 +30,7 @@ from trainwright.config import Config, load_config
 from trainwright.dist.topology import Topology
 from trainwright.errors import CommError
 from trainwright.observe.telemetry import atomic_write_text
-from trainwright.run.trainer import Trainer
+from trainwright.run.trainer import Trainer, TrainerOptions
 from trainwright.tokenring.exchange import RingExchange, param_hash
 from trainwright.tokenring.membership import Epoch, Rendezvous, join_rendezvous, local_address
 from trainwright.tokenring.ring import RingFailed, RingLeft, RingTimes, Token, TokenRing
@@ -81,9 +81,10 @@ class RingNode:
         self.bind = bind or endpoint
         torch.set_num_threads(max(1, cfg.parallel.threads_per_rank or 1))
         self.exchange = RingExchange(cfg.tokenring, want, restarted, on_applied=self._checkpoint)
-        self.trainer = Trainer(_node_config(cfg), run_dir, mesh=Topology(pp=1, dp=1, rank=0),
-                               grad_sync=self.exchange, shard=(want, cfg.tokenring.nodes),
-                               outputs=False, resume=resume and role == "host")
+        self.trainer = Trainer(_node_config(cfg), run_dir, resume=resume and role == "host",
+                               options=TrainerOptions(
+                                   mesh=Topology(pp=1, dp=1, rank=0), grad_sync=self.exchange,
+                                   shard=(want, cfg.tokenring.nodes), outputs=False))
         self.params = self.trainer.stage.parameters()
         self.ctx = zmq.Context()
         self.index = want

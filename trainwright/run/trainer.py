@@ -1,16 +1,15 @@
-"""The one trainer: built once from a config in named set-up steps
-(:mod:`trainwright.run.trainer_setup`), then one step loop (here).
+"""The one trainer: built from a config in one constructor that reads top to bottom, then
+one step loop.
 
 Every way trainwright trains goes through :class:`Trainer`: a pipeline rank under
 ``trainwright run`` or torchrun (:mod:`trainwright.run.worker`), a token-ring node
 (:mod:`trainwright.run.ring_node`, whose gradient exchange and membership plug in as a
 :class:`~trainwright.sync.base.GradSync`), and every benchmark of ours.
 
-One step (:meth:`Trainer.train_step`): apply model edits due now, take the step's
-migration if one is planned, run the stage's schedule (forward, backward, ``SYNC`` through
-the gradient exchange, ``STEP``), adopt the partition a migration reached and re-plan memory,
-at check steps exchange per-layer costs and check for imbalance, record (at profile steps
-with this stage's costs), checkpoint.
+One step reads in :meth:`Trainer.train_step`, :meth:`Trainer.sync_gradients` and
+:meth:`Trainer.update_weights`: the pipeline step runs the stage's schedule (forwards,
+backwards and transfers); its ``SYNC`` action syncs the gradients over the replicas and
+its ``STEP`` action unscales and clips them, steps the optimizers and the learning rate.
 """
 
 from __future__ import annotations
@@ -23,29 +22,50 @@ import torch.distributed as dist
 
 from trainwright.config import Config
 from trainwright.dist import collective as coll
-from trainwright.dist.comm import Watchdog
+from trainwright.dist.comm import P2P
 from trainwright.dist.topology import Topology
-from trainwright.model.build import build_data, build_layers, split_microbatches
+from trainwright.errors import PeerLost
+from trainwright.model.build import (
+    build_data,
+    build_layers,
+    build_optimizer,
+    loss_fn,
+    split_microbatches,
+)
 from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.pipeline.interleaved import InterleavedRuntime
-from trainwright.pipeline.rebalance import Migration
-from trainwright.pipeline.runtime import StepStats
-from trainwright.pipeline.tied import counts_after, expect_partition
+from trainwright.pipeline.edit import load_edit_hook
+from trainwright.pipeline.interleaved import InterleavedRuntime, chunk_stages
+from trainwright.pipeline.peer_setup import attach as attach_peer_swap
+from trainwright.pipeline.rebalance import LayerCatalog, Migration
+from trainwright.pipeline.repartition import Rebalancer
+from trainwright.pipeline.runtime import PipelineRuntime, StepHooks, StepStats, kill_self_at
+from trainwright.pipeline.stage import Stage, StageOptions, StepMode
+from trainwright.pipeline.store import ActivationStore
+from trainwright.pipeline.tied import (
+    counts_after,
+    duplicate_copies,
+    expect_partition,
+    prepare_ties,
+    wrap_tied,
+)
 from trainwright.run import checkpoint
+from trainwright.run import trainer_setup as setup
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
-from trainwright.run.trainer_setup import NamedLayers, TrainerSetup
-from trainwright.run.update import UpdateStep
-from trainwright.sync import GradSync
+from trainwright.run.precision import autocast_factory
+from trainwright.run.trainer_setup import TrainerOptions
+from trainwright.run.update import UpdateRules
+from trainwright.schedule.actions import build_schedule, stage_ranks
+from trainwright.sync import make_grad_sync
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "TrainerOptions"]
 
 
-class Trainer(TrainerSetup):
+class Trainer:
     """One rank's share of a training job.
 
     Every rank of the job builds one with the same arguments (the default process group
-    already initialised, unless ``mesh`` is a single rank without one), then calls
+    already initialised, unless the mesh is a single rank without one), then calls
     :meth:`fit`.
 
     Args:
@@ -53,51 +73,182 @@ class Trainer(TrainerSetup):
         run_dir: where metrics, trace, checkpoints and the report go (rank 0 writes).
         device: where this rank's layers live (default CPU).
         resume: start after the run directory's latest checkpoint.
-        watchdog: names a lost peer when a transfer fails (None: report the failure only).
-        fault_rank: this process's rank for the ``fault`` testing hooks.
-        mesh: this rank's place in the ``pp x dp`` mesh (default: create the groups).
-        layers: builds the whole model as ``(name, layer)`` pairs, the same on every call
-            (default: from the config). Called again for profiling copies.
-        data: an object with ``batch(step, batch_size) -> (x, y)`` (default: from config).
-        grad_sync: the gradient exchange (default: ``sync.strategy`` of the config).
-        shard: ``(index, count)``: which share of each global batch this rank's replica
-            trains on (default: its data-parallel index and ``dp``). A public attribute: a
-            ring node given another index at its rendezvous updates it.
-        peer_plan: a seed-004 plan to run (default: planned here when
-            ``memory.peer_swap``), and ``peer_group`` the group its chunks travel on.
-        profiler: the per-layer cost table (default: smoothed over steps).
-        outputs: write metrics, trace, report and checkpoints (a token-ring node writes
-            its own report instead).
+        options: what the caller supplies instead of the config's defaults
+            (:class:`~trainwright.run.trainer_setup.TrainerOptions`).
     """
 
     def __init__(self, cfg: Config, run_dir: Path | str, *, device: torch.device | None = None,
-                 resume: bool = False, watchdog: Watchdog | None = None,
-                 fault_rank: int | None = None, mesh: Topology | None = None,
-                 layers: Callable[[], NamedLayers] | None = None, data=None,
-                 grad_sync: GradSync | None = None, shard: tuple[int, int] | None = None,
-                 peer_plan: dict | None = None, peer_group=None,
-                 profiler: LayerProfiler | None = None, outputs: bool = True):
+                 resume: bool = False, options: TrainerOptions | None = None):
+        o = options or TrainerOptions()
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = device or torch.device("cpu")
-        self.watchdog, self.outputs = watchdog, outputs
-        self._own_mesh, self._fitting = mesh is None, False
-        self.topo = mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
-        self.build_layers = layers or (lambda: build_layers(cfg))
-        self.data = data if data is not None else build_data(cfg)
+        self.watchdog, self.outputs = o.watchdog, o.outputs
+        self._own_mesh, self._fitting = o.mesh is None, False
+        topo = self.topo = o.mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
+        self.build_layers = o.layers or (lambda: build_layers(cfg))
+        self.data = o.data if o.data is not None else build_data(cfg)
         if cfg.eval.every:
             check_eval_data(self.data)
-        self.shard = shard or (self.topo.replica, self.topo.dp)
+        self.shard = o.shard or (topo.replica, topo.dp)
+        """Which share of each global batch this replica trains on; a ring node given another
+        index at its rendezvous updates it."""
         self.checkpointed: dict[str, tuple[object, bool]] = {}
         """Objects whose ``state_dict()`` checkpoints hold (see :meth:`register_state`)."""
-        named = self._setup_layers(resume)
-        self._setup_stage(profiler or LayerProfiler())
-        self._setup_schedule(named, peer_plan, peer_group)
-        self._setup_grad_sync(grad_sync)
-        self._setup_runtime(fault_rank)
-        self._setup_rebalancer(named)
-        self._setup_memory_budget()
-        self._setup_telemetry([n for n, _ in named])
-        self._setup_resume()
+        self.stage_ranks = stage_ranks(cfg.train.schedule, topo.pp, cfg.parallel.virtual_stages)
+        """The pipeline rank of every model stage (the identity with one stage per rank)."""
+
+        # 1. the model: this rank's layers, each with its own optimizer (so it can migrate)
+        named = self.build_layers()
+        cfg.check_layers(len(named))
+        self.ties = prepare_ties(cfg, named)  # tied weights: one copy per holder across stages
+        self.resumed = checkpoint.latest_step(self.run_dir) if resume else None
+        self.start = 1 if self.resumed is None else self.resumed + 1
+        self.parts = (setup.resumed_partition(self.run_dir, self.resumed, cfg.n_stages,
+                                              len(named), topo)
+                      or cfg.partition(len(named)))
+        self.slots = setup.place_layers(named, self.parts, self.my_stages, self.device,
+                                        self.make_optimizer)
+        if hasattr(self.data, "state_dict") and hasattr(self.data, "load_state_dict"):
+            self.register_state("data", self.data)
+
+        # 2. the schedule: every stage's action list
+        self.schedules = build_schedule(cfg.train.schedule, topo.pp, cfg.train.micro_batches,
+                                        cfg.parallel.virtual_stages)
+        self.actions = self.schedules[topo.stage]
+
+        # 3. the update rules (loss scale, clipping, learning rate), checkpointed
+        self.rules = UpdateRules(cfg, topo.pp_group, self.start - 1, self.device,
+                                 norm_skip=lambda: duplicate_copies(self.ties, self.stage.slots))
+        self.register_state("update", self.rules)
+
+        # 4. the stage: its layers, activation store and profiler (one Stage per chunk when
+        # the rank runs several), all reading one set of options
+        self.store = ActivationStore(device=self.device)
+        self.profiler = o.profiler or LayerProfiler()
+        self.stage_options = StageOptions(
+            autocast=autocast_factory(cfg.train.precision, self.device),
+            loss_gradient=self.rules.loss_gradient,
+            split_backward=any(a.kind == "W" for a in self.actions))
+        self.stage = Stage(self.slots, self.store, self.profiler, is_first=topo.stage == 0,
+                           loss_fn=loss_fn(cfg) if cfg.n_stages - 1 in self.my_stages else None,
+                           loss_scale=1.0 / cfg.train.micro_batches, options=self.stage_options)
+        self.chunks = chunk_stages(cfg, self.my_stages, self.parts, self.slots, self.store,
+                                   self.profiler, self.stage_options)
+        self.store.chunk_of = {i: k for k, ls in (self.chunk_layers or {}).items() for i in ls}
+
+        # 5. peer swap: a plan, its actions woven into the schedule, the store's peer
+        self.peer_plan, self.extensions = o.peer_plan, None
+        if self.peer_plan is None and cfg.memory.peer_swap:
+            self.peer_plan = setup.plan_peer_swap(
+                cfg, named, self.parts, topo, self.device, self.data, self.shard[1],
+                self.run_dir if topo.rank == 0 and self.outputs else None)
+        if self.peer_plan is not None:
+            self.actions, self.extensions = attach_peer_swap(
+                self.peer_plan, topo.rank, topo.stage,
+                {k: topo.rank_of(k) for k in range(topo.pp)}, self.store, self.schedules,
+                cfg.runtime.p2p_timeout_s, group=o.peer_group)
+
+        # 6. the gradient exchange across replicas (tied copies summed across stages), and
+        # how its synced gradients become weights
+        self.sync = wrap_tied(o.grad_sync or make_grad_sync(cfg, topo), self.ties, topo,
+                              self.stage, self.parts, self.stage_ranks)
+        self.sync.attach([slot.module for slot in self.stage.slots])
+        self.weights = self.sync.weight_update(self.stage)
+        self.last_update: dict = {}
+        """What the last optimizer step did (``lr``, ``grad_norm``, ``loss_scale``...)."""
+
+        # 7. the runtime: the executor of this rank's actions, talking to its neighbours
+        self.runtime = self._runtime(o.fault_rank)
+
+        # 8. rebalancing: the detector, partitioner and live migration, when layers can move
+        rb = cfg.rebalance
+        self.rebalancer = self.catalog = self.edit_hook = None
+        if rb.enabled or rb.at_step or rb.edits:
+            self.edit_hook = load_edit_hook(rb.edits) if rb.edits else None
+            self.catalog = LayerCatalog(named)
+            clusters = setup.layer_clusters(named) if topo.stage == topo.pp - 1 else []
+            self.rebalancer = Rebalancer(cfg, topo, self.parts, clusters, self.schedules,
+                                         self._p2p(topo.ctrl_group))
+
+        # 9. the memory budget, planned before step 1 when a limit is set
+        self.budget = setup.memory_budget(cfg, self.stage, topo.stage, self.device,
+                                          sum(self.parts), self.peer_plan, self.chunk_layers,
+                                          self.build_layers)
+
+        # 10. telemetry: rank 0 records metrics, trace and report
+        self.trace_events: list = []
+        self.pipeline_costs: list[dict] = []
+        """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
+        self.mailbox = setup.stats_mailbox(topo)
+        self.recorder = None
+        if topo.rank == 0 and self.outputs:
+            self.recorder = setup.run_recorder(cfg, topo, self.run_dir, [n for n, _ in named],
+                                               self.stage_of, self.start)
+
+        # 11. the resumed state, once everything that holds some exists
+        if self.resumed is not None:
+            setup.load_resumed(self.run_dir, self.resumed, self.stage.slots, self.checkpointed,
+                               topo, self.rebalancer)
+
+    def _runtime(self, fault_rank: int | None) -> PipelineRuntime | InterleavedRuntime:
+        """The executor of this rank's actions (several chunks: the interleaved one)."""
+        topo, s, f = self.topo, self.topo.stage, self.cfg.fault
+        hooks = StepHooks(sync=self.sync_gradients, update=self.update_weights)
+        fault = None
+        if fault_rank is not None and f.kill_rank == fault_rank:
+            fault = kill_self_at(f.kill_step, len(self.actions) // 2, f.kill_before)
+        if self.chunks is not None:
+            return InterleavedRuntime(
+                self.stage, self.chunks, self.actions, self._p2p(topo.pp_group), hooks,
+                rank_of=lambda k: topo.rank_of(self.stage_ranks[k]), replica=topo.replica,
+                rank=s, fault=fault)
+        return PipelineRuntime(
+            self.stage, self.actions, self._p2p(topo.pp_group), hooks,
+            prev_rank=topo.rank_of(s - 1) if s > 0 else None,
+            next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
+            replica=topo.replica, fault=fault, extensions=self.extensions)
+
+    def _p2p(self, group) -> P2P:
+        topo, rt = self.topo, self.cfg.runtime
+        return P2P(group, topo.rank, rt.p2p_timeout_s, self.device, topo.describe,
+                   on_failure=self._peer_lost)
+
+    def _peer_lost(self, exc: Exception) -> PeerLost | None:
+        """Which peer's loss caused ``exc``, when the watchdog knows."""
+        if self.watchdog is None:
+            return None
+        verdict = self.watchdog.verdict(2 * self.cfg.runtime.peer_timeout_s)
+        return None if verdict is None else PeerLost(verdict[0], verdict[1])
+
+    def make_optimizer(self, params: list) -> torch.optim.Optimizer | None:
+        """The configured optimizer over ``params`` (layers created or moved later too)."""
+        return build_optimizer(self.cfg, params)
+
+    def register_state(self, name: str, obj, per_rank: bool = False) -> None:
+        """Checkpoint ``obj`` (anything with ``state_dict()`` and ``load_state_dict()``, e.g.
+        an LR scheduler or a grad scaler) with the run, and restore it on resume. Register
+        while building (the resumed state is loaded at the end of the constructor).
+        ``per_rank``: each rank keeps its own (restored only at the same number of ranks);
+        otherwise it is the same on every rank and stored once."""
+        self.checkpointed[name] = (obj, per_rank)
+
+    @property
+    def stage_of(self) -> list[int]:
+        """The stage (pipeline rank) of every layer under the current partition."""
+        ranks = self.stage_ranks
+        return [ranks[k] for k, n in enumerate(self.parts) for _ in range(n)]
+
+    @property
+    def my_stages(self) -> list[int]:
+        """The model stages this rank runs: its own, or its chunks ``r, r + pp, ...``."""
+        return [k for k, r in enumerate(self.stage_ranks) if r == self.topo.stage]
+
+    @property
+    def chunk_layers(self) -> dict[int, list[int]] | None:
+        """With several chunks per rank: chunk -> its layer indices; else None."""
+        if self.chunks is None:
+            return None
+        return {k: [slot.index for slot in st.slots] for k, st in self.chunks.items()}
 
     # ------------------------------------------------------------------ the step loop
     def fit(self, on_step: Callable[[int, StepStats | None], None] | None = None,
@@ -127,29 +278,37 @@ class Trainer(TrainerSetup):
                 step = self.sync.applied_through(step) + 1
         finally:
             self._fitting = False
-        if isinstance(self.runtime, InterleavedRuntime):
+        if isinstance(self.runtime, InterleavedRuntime):  # the last step's carried passes
             self.runtime.flush()
         return self.finish()
 
     def train_step(self, step: int) -> StepStats | None:
-        """One training step on this rank; see the module docstring for its parts."""
-        if not self.sync.begin_step(step):
-            self.sync.step(self.stage.slots)
+        """One training step on this rank.
+
+        In order: the model edits and live migration due now; this replica's share of the
+        batch; the pipeline step, whose ``SYNC`` action calls :meth:`sync_gradients` and
+        whose ``STEP`` action calls :meth:`update_weights`; then what follows a step
+        (adopting a migration's partition, profiling and imbalance checks, the metrics row,
+        evaluation, a checkpoint).
+        """
+        if not self.sync.begin_step(step):  # the token ring closed this step without us
+            self.update_weights()
             return None
         self._apply_model_edits(step)
         migration = self._migration_for(step)
         x, y = self._batch(step)
-        self.stage.fast = self._fast_step(step, migration)
+        fast = self._fast_step(step, migration)
         # a profile step samples every layer's costs on one micro-batch; the rest stay fused
-        self.stage.measured_mb = 0 if self.stage.fast and self._profile_step(step) else None
+        self.stage_options.mode = StepMode(
+            fast=fast, measured_mb=0 if fast and self._profile_step(step) else None)
         # a gradient sync may have moved the weights (hierarchical: into its flat buffer)
         self.store.follow_params([slot.module for slot in self.stage.slots])
         m, first = self.cfg.train.micro_batches, self.topo.stage == 0
-        stats = self.runtime.run_step(
+        stats = self.runtime.run_step(  # the pipeline step: SYNC and STEP run below
             step, split_microbatches(x, m) if first else None,
             split_microbatches(y, m) if self.stage.is_last else None,
             trace=step - self.start < self.cfg.run.trace_steps, migration=migration,
-            **self._carry(step))
+            carry=self._carry(step))
         if step == self.start and self.budget.plan is not None:
             stats.memory_plan = self._plan_record()
         if migration is not None:
@@ -157,7 +316,7 @@ class Trainer(TrainerSetup):
         self.trace_events += [(step, *e) for e in stats.events]
         stats.events = []
         costs_fresh = self._profile_and_check(step, stats)
-        stats.update = self.update.last if isinstance(self.update, UpdateStep) else {}
+        stats.update = self.last_update
         self._record(step, stats, costs_fresh)
         maybe_evaluate(self, step)
         every = self.cfg.run.checkpoint_every
@@ -165,21 +324,42 @@ class Trainer(TrainerSetup):
             self.save_checkpoint(step)
         return stats
 
-    def _carry(self, step: int) -> dict:
-        """``carry=True`` when this step may leave its last weight passes and optimizer step
-        to the next (``train.carry_weight_grads``, :mod:`trainwright.schedule.carry`):
-        inside :meth:`fit`, a fused step before the last and not a profile step (its costs
-        go out at its end), dense sync, no tied weights (their ``SYNC`` sums over stages),
-        an update that needs no other pipeline rank, no checkpoint or evaluation after it."""
-        if not isinstance(self.runtime, InterleavedRuntime):
-            return {}
+    def sync_gradients(self, layers_moved: bool = False) -> None:
+        """The schedule's ``SYNC``: average the gradients over the replicas (tied copies
+        then summed over the stages holding them). ``layers_moved``: a migration changed
+        the stage's layers in this step, and the exchange learns them first."""
+        if layers_moved:
+            self.sync.attach([slot.module for slot in self.stage.slots])
+        self.sync.sync(self.stage.parameters())
+
+    def update_weights(self) -> None:
+        """The schedule's ``STEP``: unscale (fp16) and clip the synced gradients, step the
+        optimizers, step the learning rate. What it did goes into the step's stats."""
+        rules, opts = self.rules, self.weights.optimizers()
+        record = {"lr": rules.lr.lr}
+        if rules.unscale_and_agree(opts, record):  # fp16 overflow: every rank skips
+            self.weights.skip()
+        else:
+            rules.clip(self.stage.parameters(), self.sync.grad_shard, record)
+            rules.lr.apply(opts)
+            self.weights.step()
+        rules.advance()
+        self.last_update = record
+
+    def _carry(self, step: int) -> bool:
+        """Whether this step may leave its last weight passes and optimizer step to the next
+        (``train.carry_weight_grads``, :mod:`trainwright.schedule.carry`): an interleaved
+        schedule, inside :meth:`fit`, a fused step before the last and not a profile step
+        (its costs go out at its end), dense sync, no tied weights (their ``SYNC`` sums over
+        stages), an update that needs no other pipeline rank, no checkpoint or evaluation
+        after it."""
         cfg, ckpt, ev = self.cfg, self.cfg.run.checkpoint_every, self.cfg.eval.every
-        return {"carry": bool(
-            self._fitting and cfg.train.carry_weight_grads
+        return bool(
+            self.chunks is not None and self._fitting and cfg.train.carry_weight_grads
             and self.stage.fast and self.stage.measured_mb is None
             and step < cfg.train.steps and cfg.sync.strategy == "dense"
-            and not self.ties and getattr(self.update, "local", False)
-            and not (self.outputs and ckpt and step % ckpt == 0) and not (ev and step % ev == 0))}
+            and not self.ties and self.rules.local
+            and not (self.outputs and ckpt and step % ckpt == 0) and not (ev and step % ev == 0))
 
     def _fast_step(self, step: int, migration: Migration | None) -> bool:
         """Whether this step may fuse consecutive ``keep`` layers: nothing needs every

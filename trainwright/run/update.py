@@ -1,12 +1,12 @@
-"""The optimizer step of a pipeline rank: loss-scale check, clipping, learning rate, update.
+"""What the optimizer step does around the update: fp16 loss scaling, clipping by the
+global norm, and the learning-rate schedule.
 
-:class:`UpdateStep` is the :class:`~trainwright.sync.base.GradSync` the pipeline runtime
-calls at its ``SYNC`` and ``STEP`` actions. It wraps the configured gradient exchange:
-``sync`` is the exchange's; ``step`` first (fp16) unscales the gradients and agrees with
-every rank whether any overflowed, then (``train.clip_norm``) clips by the global norm,
-then gives every optimizer the step's learning rate and lets the exchange step them, or
-clears the gradients of a skipped step. What it did is in :attr:`UpdateStep.last`
-(``lr``, ``grad_norm``, ``loss_scale``, ``skipped``), logged with the step's metrics.
+:class:`UpdateRules` holds them for ``Trainer.update_weights``, which reads, in order:
+unscale and agree on overflow (:meth:`UpdateRules.unscale_and_agree`), clip
+(:meth:`UpdateRules.clip`), set the learning rate, step the exchange's
+:class:`~trainwright.sync.base.WeightUpdate`, then :meth:`UpdateRules.advance` (loss scale
+and learning-rate clock). Its state (schedule position, loss scale) is checkpointed under
+the name ``update``.
 """
 
 from __future__ import annotations
@@ -20,40 +20,41 @@ from trainwright.config import Config
 from trainwright.run.clip import global_grad_norm, scale_gradients
 from trainwright.run.lr import LRClock
 from trainwright.run.precision import PipelineGradScaler
-from trainwright.sync.base import GradSync
+from trainwright.sync.base import GradShard
 
-__all__ = ["UpdateStep", "make_update_step"]
+__all__ = ["UpdateRules"]
 
 log = logging.getLogger(__name__)
 
 
-class UpdateStep(GradSync):
-    """Precision, clipping and the learning-rate schedule around a gradient exchange.
+class UpdateRules:
+    """Precision, clipping and the learning-rate schedule of a rank's optimizer step.
 
     Args:
         cfg: the configuration (``train.precision``, ``clip_norm``, ``lr_schedule``...).
-        inner: the gradient exchange (dense, sparse or hierarchical).
-        stage: the rank's stage (its current layers and optimizers).
         pp_group: this rank's pipeline group (the clip norm's sum over stages).
         done_steps: steps already taken (resume).
+        device: where the loss scale lives.
+        norm_skip: this rank's parameters the global norm must not count (e.g. the second
+            copy of a tied weight, whose gradient another stage already counts).
     """
 
-    def __init__(self, cfg: Config, inner: GradSync, stage, pp_group=None,
-                 done_steps: int = 0, device: torch.device | None = None):
+    def __init__(self, cfg: Config, pp_group=None, done_steps: int = 0,
+                 device: torch.device | None = None,
+                 norm_skip: Callable[[], list] = list):
         t = cfg.train
-        self.inner, self.stage, self.pp_group = inner, stage, pp_group
-        self.clip_norm = t.clip_norm
+        self.pp_group, self.clip_norm, self.norm_skip = pp_group, t.clip_norm, norm_skip
         self.schedule = [t.lr_schedule, t.lr, t.min_lr, t.warmup_steps, t.steps]
         """The settings the schedule was built from (a resume with others rebuilds it)."""
-        self.clock = LRClock(t, done_steps)
+        self.lr = LRClock(t, done_steps)
         self.scaler = None
         if t.precision == "fp16":
             self.scaler = PipelineGradScaler((device or torch.device("cpu")).type)
-            stage.loss_gradient = self.scaler.loss_gradient
-        self.last: dict = {}
-        self.norm_skip: Callable[[], list] = list
-        """This rank's parameters the global norm must not count (e.g. the second copy of a
-        tied weight, whose gradient another stage already counts)."""
+
+    @property
+    def loss_gradient(self) -> Callable | None:
+        """What the last stage's backward starts from (the loss scale), or None."""
+        return self.scaler.loss_gradient if self.scaler is not None else None
 
     @property
     def local(self) -> bool:
@@ -62,50 +63,37 @@ class UpdateStep(GradSync):
         (``train.carry_weight_grads``)."""
         return self.clip_norm == 0 and self.scaler is None
 
-    def sync(self, params: list) -> None:
-        """The wrapped exchange's sync."""
-        self.inner.sync(params)
+    def unscale_and_agree(self, optimizers: list, record: dict) -> bool:
+        """fp16: unscale the gradients and agree with every rank whether any overflowed.
+        Returns whether every rank skips this step (always False without fp16)."""
+        if self.scaler is None:
+            return False
+        record["loss_scale"] = self.scaler.get_scale()
+        skip = self.scaler.unscale_and_agree(optimizers)
+        record["skipped"] = skip
+        return skip
 
-    def optimizers(self, slots: list) -> list:
-        """Every optimizer that steps this rank's parameters now."""
-        sharded = getattr(self.inner, "optimizer", None)
-        if sharded is not None:
-            return [sharded]
-        return [s.optimizer for s in slots if s.optimizer is not None]
+    def clip(self, params: list, shard: Callable[[], GradShard | None], record: dict) -> None:
+        """With ``train.clip_norm``: scale the synced gradients to at most that global norm
+        (``shard``: where they live when this rank holds a slice only)."""
+        if self.clip_norm <= 0:
+            return
+        skip_ids = {id(p) for p in self.norm_skip()}
+        where = shard()
+        norm = global_grad_norm([p for p in params if id(p) not in skip_ids],
+                                self.pp_group, where)
+        record["grad_norm"] = norm
+        record["clip_coef"] = scale_gradients(params, self.clip_norm, norm, where)
 
-    def step(self, slots: list) -> None:
-        """Check overflow, clip, set the learning rate, update (or skip) and clear grads."""
-        opts, params = self.optimizers(slots), self.stage.parameters()
-        row = {"lr": self.clock.lr}
-        skip = False
-        if self.scaler is not None:
-            row["loss_scale"] = self.scaler.get_scale()
-            skip = self.scaler.unscale_and_agree(opts)
-            row["skipped"] = skip
-        if self.clip_norm > 0 and not skip:
-            skip_ids = {id(p) for p in self.norm_skip()}
-            norm = global_grad_norm([p for p in params if id(p) not in skip_ids],
-                                    self.pp_group, self.inner)
-            row["grad_norm"] = norm
-            row["clip_coef"] = scale_gradients(params, self.clip_norm, norm, self.inner)
-        if skip:
-            for p in params:
-                p.grad = None
-        else:
-            self.clock.apply(opts)
-            self.inner.step(slots)
+    def advance(self) -> None:
+        """After the update: the loss scale grows or backs off, the learning rate moves on."""
         if self.scaler is not None:
             self.scaler.update()
-        self.clock.advance()
-        self.last = row
-
-    def attach(self, modules: list) -> None:
-        """The wrapped exchange's attach."""
-        self.inner.attach(modules)
+        self.lr.advance()
 
     def state_dict(self) -> dict:
         """Schedule and loss-scaler state for the checkpoint."""
-        return {"schedule": list(self.schedule), "lr_scheduler": self.clock.state_dict(),
+        return {"schedule": list(self.schedule), "lr_scheduler": self.lr.state_dict(),
                 "grad_scaler": self.scaler.state_dict() if self.scaler is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -113,19 +101,9 @@ class UpdateStep(GradSync):
         resume that raised ``train.steps``) is not loaded: the clock built from the current
         settings and fast-forwarded to the resumed step stands."""
         if state.get("schedule") == self.schedule:
-            self.clock.load_state_dict(state["lr_scheduler"])
+            self.lr.load_state_dict(state["lr_scheduler"])
         else:
             log.info("the learning-rate schedule settings changed since the checkpoint (%s -> "
                      "%s); following the new ones", state.get("schedule"), self.schedule)
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
-
-
-def make_update_step(cfg: Config, inner: GradSync, stage, topo, start: int,
-                     device: torch.device) -> GradSync:
-    """The :class:`UpdateStep` around ``inner`` (the token ring keeps its own step), its
-    schedule at step ``start``; a resumed trainer then loads the checkpoint's
-    :meth:`UpdateStep.state_dict` (``Trainer.register_state``)."""
-    if cfg.sync.strategy == "tokenring":
-        return inner
-    return UpdateStep(cfg, inner, stage, topo.pp_group, start - 1, device)

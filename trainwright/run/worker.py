@@ -21,7 +21,7 @@ from trainwright.dist.comm import Watchdog, exit_now
 from trainwright.errors import PeerLost
 from trainwright.observe.telemetry import setup_logging
 from trainwright.run import checkpoint
-from trainwright.run.trainer import Trainer
+from trainwright.run.trainer import Trainer, TrainerOptions
 
 __all__ = ["DistEnv", "run_worker", "train", "resume_hint", "EXIT_PEER_LOST", "EXIT_FAILED"]
 
@@ -169,8 +169,8 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
     Returns:
         The last step's mean loss on rank 0, None on other ranks.
     """
-    trainer = Trainer(cfg, run_dir, device=device, resume=resume, watchdog=watchdog,
-                      fault_rank=fault_rank)
+    trainer = Trainer(cfg, run_dir, device=device, resume=resume,
+                      options=TrainerOptions(watchdog=watchdog, fault_rank=fault_rank))
     loss = trainer.fit()
     trainer.close()
     return loss

@@ -21,7 +21,7 @@ from torch import nn
 from trainwright.config import HierarchicalConfig
 from trainwright.dist import collective as coll
 from trainwright.errors import CommError, ConfigError
-from trainwright.sync.base import GradSync
+from trainwright.sync.base import GradShard, GradSync, LayerOptimizers, WeightUpdate
 from trainwright.sync.hier_layout import (
     HierGroups,
     _pieces,
@@ -36,7 +36,7 @@ from trainwright.sync.hier_state import (
     sub_shards,
 )
 
-__all__ = ["HierarchicalSync", "OptimizerFactory"]
+__all__ = ["HierarchicalSync", "ShardedUpdate", "OptimizerFactory"]
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 
@@ -290,15 +290,27 @@ class HierarchicalSync(GradSync):
             self._finish_piece(a, b, work)
         self._averaged = True
 
-    def step(self, slots: list | None = None) -> None:
+    def weight_update(self, stage) -> WeightUpdate:
+        """The sharded optimizer step (:meth:`sharded_step`) over the stage's layers."""
+        return ShardedUpdate(self, stage)
+
+    def grad_shard(self) -> GradShard:
+        """The owned slice of ``flat_grad``, averaged (waits for the sync), shared with the
+        node's other ranks."""
+        self.wait_sync()
+        lo, hi = self.owned
+        group = self.groups.intra_group if self.groups.layout.ranks_per_node > 1 else None
+        return GradShard(self.flat_grad, lo, hi, group)
+
+    def sharded_step(self, slots: list | None = None) -> None:
         """Per piece of the owned slice: wait for its all-reduce, update it (optimizer state
         for the owned slice only), send it to the node's other ranks; then wait for theirs
         and clear the gradients. ``slots`` (the pipeline's layers): the first step after
         the slices were (re)built takes the state their own optimizers hold (a resumed
         checkpoint, layers that migrated here) into the shards."""
         if self._pending is None:
-            raise RuntimeError("HierarchicalSync.step() without sync(): call sync() after "
-                               "backward")
+            raise RuntimeError("HierarchicalSync.sharded_step() without sync(): call sync() "
+                               "after backward")
         if self._import_pending and self.optimizer is not None and slots:
             import_layer_state(self, slots)
         self._import_pending = False
@@ -397,3 +409,31 @@ class HierarchicalSync(GradSync):
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
             self._import_pending = False
         self.all_gather()
+
+
+class ShardedUpdate(WeightUpdate):
+    """The update of ``sync.strategy = "hierarchical"``: the sharded optimizer steps the
+    owned slice and the node all-gathers the slices (:meth:`HierarchicalSync.sharded_step`).
+
+    Args:
+        hsync: the exchange whose sync ran this step.
+        stage: the rank's stage (its layers' own optimizers take the state back when the
+            layers change).
+    """
+
+    def __init__(self, hsync: HierarchicalSync, stage):
+        self.hsync, self.stage = hsync, stage
+        self._layers = LayerOptimizers(stage)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The sharded optimizer (the layers' own while no slice is owned here)."""
+        sharded = self.hsync.optimizer
+        return [sharded] if sharded is not None else self._layers.optimizers()
+
+    def step(self) -> None:
+        """Update the owned slice, all-gather the node's slices, clear the gradients."""
+        self.hsync.sharded_step(self.stage.slots)
+
+    def skip(self) -> None:
+        """Drop every gradient of the stage."""
+        self._layers.skip()

@@ -98,7 +98,7 @@ class HierarchicalDataParallel(nn.Module):
 
     def step(self) -> None:
         """Sharded optimizer step, all-gather of the parameters, gradients cleared."""
-        self.hsync.step()
+        self.hsync.sharded_step()
 
     def save_shards(self, directory: str | Path) -> Path:
         """Write this rank's shard (see :meth:`HierarchicalSync.save_shard`)."""

@@ -224,19 +224,15 @@ class SparseGradSync(GradSync):
                     self._watched[id(m.weight)] = weakref.ref(m.weight)
 
     def attach(self, modules: list) -> None:
-        """The stage's layers: their embedding tables are row-sparse (see :meth:`watch`)."""
+        """The stage's layers (all of them, after every change): their embedding tables are
+        row-sparse (see :meth:`watch`); tables of layers that left are forgotten."""
+        self._watched.clear()
         self.watch(modules)
 
     def is_row_sparse(self, p: torch.Tensor) -> bool:
         """Whether this rank sees ``p`` as row-sparse (sparse grad or watched embedding)."""
         ref = self._watched.get(id(p))
         return (p.grad is not None and p.grad.is_sparse) or (ref is not None and ref() is p)
-
-    def step(self, slots: list) -> None:
-        """Update, then re-learn the embedding tables (layers may have moved)."""
-        super().step(slots)
-        self._watched.clear()
-        self.watch([s.module for s in slots])
 
     def _learn(self, keys: list[tuple[str, int]], slow: torch.Tensor) -> None:
         """Fold last step's measured / predicted ratios into the factors.

@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 
 from trainwright.config import TokenRingConfig
-from trainwright.sync.base import GradSync
+from trainwright.sync.base import GradSync, LayerOptimizers, WeightUpdate
 from trainwright.tokenring.ring import TokenRing, sum_canonical
 from trainwright.tokenring.state import snapshot
 
-__all__ = ["RingExchange", "param_hash", "transient_slow", "is_slow"]
+__all__ = ["RingExchange", "RingUpdate", "param_hash", "transient_slow", "is_slow"]
 
 
 def transient_slow(seed: int, step: int, node: int, probability: float) -> bool:
@@ -126,25 +126,25 @@ class RingExchange(GradSync):
             ring.offer(step, grads)
         ring.wait_close(step)
 
-    def step(self, slots: list) -> None:
-        """Apply every step the ring has closed since the last one applied."""
-        for s in range(self.last_applied + 1, self.ring.closed_through() + 1):
-            self._apply(s, slots)
+    def weight_update(self, stage) -> WeightUpdate:
+        """Applies every step the ring has closed since the last one applied."""
+        return RingUpdate(self, stage)
 
     def applied_through(self, step: int) -> int:
         """The last step applied (the ring may have closed several)."""
         return self.last_applied
 
-    def _apply(self, step: int, slots: list) -> None:
+    def apply(self, step: int, layers: LayerOptimizers) -> None:
         """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer
         (any ``torch.optim`` optimizer: the ring only decides what goes into ``p.grad``)."""
         ring = self.ring
         contributors = ring.close_of(step)
         acc = sum_canonical(ring.gradients(step, contributors))
+        slots = layers.stage.slots
         params = [p for slot in slots for p in slot.module.parameters()]
         for p, a in zip(params, acc, strict=True):
             p.grad = a.div_(len(contributors))
-        super().step(slots)
+        layers.step()
         if self.cfg.record_hashes:
             self.hashes[step] = param_hash(params)
         self.applied_time[step] = time.time()
@@ -159,3 +159,31 @@ class RingExchange(GradSync):
             ring.note_applied(step, None, every)
         if self.on_applied is not None:
             self.on_applied(step, slots)
+
+
+class RingUpdate(WeightUpdate):
+    """The token ring's update: every step the ring closed since the last applied one goes
+    into ``p.grad`` in turn and each layer's optimizer steps (:meth:`RingExchange.apply`).
+
+    Args:
+        exchange: the node's exchange.
+        stage: the node's stage (the whole model).
+    """
+
+    def __init__(self, exchange: RingExchange, stage):
+        self.exchange = exchange
+        self._layers = LayerOptimizers(stage)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Each layer's own optimizer."""
+        return self._layers.optimizers()
+
+    def step(self) -> None:
+        """Apply every closed step not applied yet, in order."""
+        ex = self.exchange
+        for s in range(ex.last_applied + 1, ex.ring.closed_through() + 1):
+            ex.apply(s, self._layers)
+
+    def skip(self) -> None:
+        """Drop the node's gradients (the ring refuses fp16, so no step overflows)."""
+        self._layers.skip()
