@@ -50,23 +50,14 @@ class ActionKind(str, Enum):
     PEER_RETURN = "PEER_RETURN"
     PEER_SETTLE = "PEER_SETTLE"
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # Enum's format() uses it too: f"{kind}" is the value
         return self.value
 
-    __format__ = str.__format__  # f"{kind}" is the value on every Python (3.12 changed Enum's)
-
     @classmethod
-    def parse(cls, kind: str) -> ActionKind:
-        """The member named ``kind``.
-
-        Raises:
-            ValueError: ``kind`` names no action kind (the message lists the known ones).
-        """
-        try:
-            return cls(kind)
-        except ValueError:
-            raise ValueError(f"unknown action kind {kind!r}; known kinds: "
-                             f"{', '.join(k.value for k in cls)}") from None
+    def _missing_(cls, value: object) -> ActionKind:
+        """``ActionKind(value)`` of no kind: a ValueError naming the known ones."""
+        raise ValueError(f"unknown action kind {value!r}; known kinds: "
+                         f"{', '.join(k.value for k in cls)}")
 
 
 COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.W})
@@ -96,7 +87,7 @@ class Action:
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ActionKind):
-            object.__setattr__(self, "kind", ActionKind.parse(self.kind))
+            object.__setattr__(self, "kind", ActionKind(self.kind))
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind.value}" + ("" if self.mb < 0 else str(self.mb))
