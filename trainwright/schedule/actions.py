@@ -1,7 +1,8 @@
 """Pipeline schedules as data: one list of actions per stage.
 
-An action is ``Action(stage, kind, mb)`` and prints like torch pipelining's notation,
-``"1F0"`` = stage 1, forward, micro-batch 0. Communication is explicit
+An action is ``Action(stage, kind, mb)``, its kind an
+:class:`~trainwright.schedule.base.ActionKind`, and prints like torch pipelining's
+notation, ``"1F0"`` = stage 1, forward, micro-batch 0. Communication is explicit
 (``RECV_F``/``SEND_F`` carry activations forward, ``RECV_B``/``SEND_B`` gradients back) so
 that the executor and a simulator replay exactly the same lists. A step ends with one
 ``SYNC`` (data-parallel gradient reduction) and one ``STEP`` (optimizer) per stage.
