@@ -11,7 +11,13 @@ from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
-from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight, stage_ranks
+from trainwright.schedule.actions import (
+    ActionKind,
+    build_schedule,
+    format_grid,
+    max_in_flight,
+    stage_ranks,
+)
 from trainwright.schedule.migration import check_schedule
 
 IL = "interleaved-1f1b"
@@ -27,15 +33,15 @@ def test_interleaved_lists_are_deadlock_free_and_complete():
                 check_schedule(sched)
                 format_grid(sched)
                 for r, acts in enumerate(sched):
-                    chunks = {a.stage for a in acts if a.kind in ("F", "B")}
+                    chunks = {a.stage for a in acts if a.kind in (ActionKind.F, ActionKind.B)}
                     assert chunks == {r + k * p for k in range(v)}, (p, m, v, r)
                     for s in chunks:
                         order = [(a.kind, a.mb) for a in acts if a.stage == s and a.kind in "FB"]
-                        assert [mb for k, mb in order if k == "F"] == list(range(m))
-                        assert [mb for k, mb in order if k == "B"] == list(range(m))
+                        assert [mb for k, mb in order if k == ActionKind.F] == list(range(m))
+                        assert [mb for k, mb in order if k == ActionKind.B] == list(range(m))
                         for i in range(m):
-                            assert order.index(("F", i)) < order.index(("B", i))
-                    assert [a.kind for a in acts[-2:]] == ["SYNC", "STEP"]
+                            assert order.index((ActionKind.F, i)) < order.index((ActionKind.B, i))
+                    assert [a.kind for a in acts[-2:]] == [ActionKind.SYNC, ActionKind.STEP]
                     held = min((v - 1) * p + 2 * (p - 1 - r) + 1, v * m)
                     assert max_in_flight(acts) == held, (p, m, v, r)
 
@@ -54,8 +60,8 @@ def test_zb_v_lists_are_deadlock_free_complete_and_v_shaped():
                     for kind in "FBW":
                         assert [mb for k, mb in order if k == kind] == list(range(m))
                     for i in range(m):
-                        assert order.index(("F", i)) < order.index(("B", i)) \
-                            < order.index(("W", i))
+                        assert order.index((ActionKind.F, i)) < order.index((ActionKind.B, i)) \
+                            < order.index((ActionKind.W, i))
     assert stage_ranks("zb-v", 3, 2) == [0, 1, 2, 2, 1, 0]
     assert stage_ranks(IL, 3, 2) == [0, 1, 2, 0, 1, 2]
 
@@ -177,7 +183,7 @@ def test_zb_v_carries_trailing_weight_passes_up_to_the_start_up_wait():
             lists = build_schedule("zb-v", p, m, 2)
             for r, acts in enumerate(lists):
                 trailing = 0
-                while acts[-3 - trailing].kind == "W":
+                while acts[-3 - trailing].kind == ActionKind.W:
                     trailing += 1
                 n = min(r, trailing)
                 assert carried(acts) == (n + 2 if n else 0), (p, m, r)
@@ -217,8 +223,9 @@ def test_receives_followed_by_the_same_stream(schedule, p, m, v):
     for rank, actions in enumerate(acts):
         here = {a.stage for a in actions}
         ahead = _receives_followed(actions, here)
-        recvs = [(i, a) for i, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")
-                 and (a.stage - 1 if a.kind == "RECV_F" else a.stage + 1) not in here]
+        recvs = [(i, a) for i, a in enumerate(actions)
+                 if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)
+                 and (a.stage - 1 if a.kind == ActionKind.RECV_F else a.stage + 1) not in here]
         for i, a in recvs:  # ahead exactly when a later receive of the same stream follows
             later = any(b.kind == a.kind and b.stage == a.stage for j, b in recvs if j > i)
             assert (i in ahead) == later, (rank, i, a)
@@ -232,5 +239,5 @@ def test_receives_followed_by_the_same_stream(schedule, p, m, v):
             posted[(actions[i].kind[-1], actions[i].stage)] += 1
         for i in _sends_after_first(actions, here):
             a = actions[i]
-            assumed[(a.kind[-1], a.stage + 1 if a.kind == "SEND_F" else a.stage - 1)] += 1
+            assumed[(a.kind[-1], a.stage + 1 if a.kind == ActionKind.SEND_F else a.stage - 1)] += 1
     assert posted and posted == assumed

@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from trainwright.dist.testing import run_workers
 from trainwright.observe.tensor_profile import profile_tensors
-from trainwright.pipeline.peerswap import HOST, ChunkMeta, TensorMeta, metadata_table
+from trainwright.pipeline.peerswap import HOST, ChunkMeta, PeerSwap, TensorMeta, metadata_table
 from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.placement import Rules
 from trainwright.plan.planner import PlanRequest, make_plan
 from trainwright.run.harness import GPTJob, job_batch, job_layers, run_gpt_pipeline
+from trainwright.schedule.base import PEER_KINDS, ActionKind
 
 
 def _loss(out, y):
@@ -63,6 +64,13 @@ def _peer_worker(rank: int, world: int, job: GPTJob) -> None:
 def test_peer_swap_training_matches_keep_and_fits_budgets():
     job = GPTJob(n_blocks=4, parts=[2, 2, 1, 1], schedule="1f1b", micro_batches=6, steps=2)
     run_workers(_peer_worker, 4, job, timeout_s=170)
+
+
+def test_extensions_dispatch_every_peer_kind_by_action_kind():
+    swap = PeerSwap(0, [], {}, store=None, group=None, rank_of_stage={})
+    table = {k: v for k, v in swap.extensions().items() if k != "after"}
+    assert all(isinstance(k, ActionKind) for k in table)
+    assert set(table) == PEER_KINDS
 
 
 def test_metadata_table_rows():

@@ -25,7 +25,7 @@ from trainwright.plan.memory import (
 )
 from trainwright.plan.planner import PlanRequest, make_plan
 from trainwright.plan.simulate import Links, simulate
-from trainwright.schedule.actions import build_schedule, stage_ranks
+from trainwright.schedule.actions import ActionKind, build_schedule, stage_ranks
 from trainwright.schedule.carry import steady_state
 from trainwright.schedule.occupancy import chunk_states
 
@@ -35,16 +35,16 @@ IL = "interleaved-1f1b"
 def _walk_peak(actions, held: dict[int, int], back: dict[int, int]) -> int:
     """Most bytes a rank holds, walking its list: chunk ``c`` holds ``held[c]`` per
     micro-batch from F to its release (W, or B without W), plus ``back[c]`` from B to W."""
-    split = any(a.kind == "W" for a in actions)
+    split = any(a.kind == ActionKind.W for a in actions)
     cur = peak = 0
     for a in actions:
-        if a.kind == "F":
+        if a.kind == ActionKind.F:
             cur += held[a.stage]
-        elif a.kind == "B":
+        elif a.kind == ActionKind.B:
             cur += back[a.stage] if split else 0
             peak = max(peak, cur)
             cur -= 0 if split else held[a.stage]
-        elif a.kind == "W":
+        elif a.kind == ActionKind.W:
             cur -= held[a.stage] + back[a.stage]
         peak = max(peak, cur)
     return peak
@@ -211,19 +211,19 @@ def test_simulated_memory_holds_each_chunks_bytes_and_what_waits_for_w(schedule,
     r = simulate(sched, costs, Links(list(range(p)), [[1e12] * p] * p))
     for rank, actions in enumerate(sched):
         held = {k: costs[k].held_bytes for k in range(n)}
-        split = any(a.kind == "W" for a in actions)
+        split = any(a.kind == ActionKind.W for a in actions)
         # split backward: B brings back w_held, kept with the rest until W; else transient
         back = {k: costs[k].w_held_bytes if split else costs[k].transient_bytes
                 for k in range(n)}
         cur = peak = 0
         for a in actions:
-            if a.kind == "F":
+            if a.kind == ActionKind.F:
                 cur += held[a.stage]
-            elif a.kind == "B":
+            elif a.kind == ActionKind.B:
                 cur += back[a.stage]
                 peak = max(peak, cur)
                 cur -= 0 if split else held[a.stage] + back[a.stage]
-            elif a.kind == "W":
+            elif a.kind == ActionKind.W:
                 cur -= held[a.stage] + back[a.stage]
             peak = max(peak, cur)
         assert r.own_peak_bytes[rank] == peak, (schedule, rank)

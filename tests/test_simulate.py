@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainwright.plan.simulate import Deadlock, Links, StageCost, liveness, simulate
-from trainwright.schedule.actions import Action, build_schedule
+from trainwright.schedule.actions import Action, ActionKind, build_schedule
 from trainwright.schedule.peer import PeerAction, with_peer_swap
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,7 +40,7 @@ def test_contention_on_a_shared_link_serialises_transfers():
     # stage 0 sends two micro-batches back to back; each takes 2 s on the link
     costs = [StageCost(0.0, 0.0, send_bytes=2 * 10**9), StageCost(0.0, 0.0)]
     r = simulate(build_schedule("gpipe", 2, 2), costs, _links(2, bw=1e9))
-    arrivals = sorted(e for (s, k, mb, st, e) in r.timeline if k == "RECV_F")
+    arrivals = sorted(e for (s, k, mb, st, e) in r.timeline if k == ActionKind.RECV_F)
     assert arrivals == pytest.approx([2.0, 4.0])
 
 
@@ -50,10 +50,10 @@ def test_point_to_point_is_a_rendezvous():
     costs = [StageCost(1.0, 1.0), StageCost(5.0, 1.0)]
     r = simulate(build_schedule("gpipe", 2, 2), costs, _links(2, latency=0.5))
     ends = {(s, k, mb): (st, e) for s, k, mb, st, e in r.timeline}
-    assert ends[(0, "SEND_F", 1)][0] == pytest.approx(2.0)
-    assert ends[(1, "RECV_F", 1)] == pytest.approx((6.5, 7.0))
+    assert ends[(0, ActionKind.SEND_F, 1)][0] == pytest.approx(2.0)
+    assert ends[(1, ActionKind.RECV_F, 1)] == pytest.approx((6.5, 7.0))
     # SYNC drains the stage's sends: it waits until they arrived
-    assert ends[(1, "SYNC", -1)][0] >= ends[(0, "RECV_B", 0)][1]
+    assert ends[(1, ActionKind.SYNC, -1)][0] >= ends[(0, ActionKind.RECV_B, 0)][1]
 
 
 @pytest.mark.parametrize("seconds", [1.0, 3.0])
@@ -64,17 +64,18 @@ def test_peer_chunks_move_while_their_forward_runs(seconds):
     r = simulate(sched, costs, _links(2, bw=1e9))
     ends = {(s, k, mb): (st, e) for s, k, mb, st, e in r.timeline}
     for mb in range(2):
-        f0, f1 = ends[(0, "F", mb)]
-        posted = max(f0, ends[(1, "PEER_RECV", mb)][0])
-        assert ends[(0, "PEER_SEND", mb)][1] == pytest.approx(max(f1, posted + seconds))
+        f0, f1 = ends[(0, ActionKind.F, mb)]
+        posted = max(f0, ends[(1, ActionKind.PEER_RECV, mb)][0])
+        assert ends[(0, ActionKind.PEER_SEND, mb)][1] == pytest.approx(max(f1, posted + seconds))
 
 
 def test_deadlock_in_a_broken_hand_made_list_is_found():
     good = build_schedule("gpipe", 2, 1)
     assert simulate(good, [StageCost(1, 1), StageCost(1, 1)], _links(2)).step_s > 0
     # stage 0 waits for the gradient before it sends the activation that produces it
-    broken = [[Action(0, "F", 0), Action(0, "RECV_B", 0), Action(0, "SEND_F", 0),
-               Action(0, "B", 0), Action(0, "SYNC"), Action(0, "STEP")], good[1]]
+    kinds = (ActionKind.F, ActionKind.RECV_B, ActionKind.SEND_F, ActionKind.B)
+    tail = [Action(0, ActionKind.SYNC), Action(0, ActionKind.STEP)]
+    broken = [[*(Action(0, k, 0) for k in kinds), *tail], good[1]]
     with pytest.raises(Deadlock, match="0RECV_B0"):
         simulate(broken, [StageCost(1, 1), StageCost(1, 1)], _links(2))
 
@@ -105,9 +106,9 @@ def test_peer_swap_actions_never_deadlock_and_peers_hold_at_most_k(name, p, m):
 
 def test_peer_receive_posted_too_late_deadlocks():
     sched = with_peer_swap(build_schedule("1f1b", 2, 2), {0: [1]})
-    peer = [a for a in sched[1] if not (a.kind == "PEER_RECV" and a.mb == 0)]
-    i = next(i for i, a in enumerate(peer) if a.kind == "PEER_RETURN" and a.mb == 0)
-    peer.insert(i + 1, PeerAction(1, "PEER_RECV", 0, 0))  # after the return it should feed
+    peer = [a for a in sched[1] if not (a.kind == ActionKind.PEER_RECV and a.mb == 0)]
+    i = next(i for i, a in enumerate(peer) if a.kind == ActionKind.PEER_RETURN and a.mb == 0)
+    peer.insert(i + 1, PeerAction(1, ActionKind.PEER_RECV, 0, 0))  # after the return it should feed
     costs = [StageCost(1, 1, peer_bytes={1: 10}), StageCost(1, 1)]
     with pytest.raises(Deadlock):
         simulate([sched[0], peer], costs, _links(2))

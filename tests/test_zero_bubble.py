@@ -23,7 +23,12 @@ from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions, StepMode
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
-from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight
+from trainwright.schedule.actions import (
+    COMPUTE,
+    build_schedule,
+    format_grid,
+    max_in_flight,
+)
 from trainwright.schedule.migration import check_schedule
 
 ZB = ("zb-h1", "zb-h2")
@@ -174,10 +179,11 @@ def test_zero_bubble_schedules_are_deadlock_free_and_complete(name):
             check_schedule(sched)
             format_grid(sched)  # raises on a deadlock of the compute order
             for acts in sched:
-                order = [(a.kind, a.mb) for a in acts if a.kind in ("F", "B", "W")]
+                order = [(a.kind, a.mb) for a in acts if a.kind in COMPUTE]
                 assert sorted(order) == sorted((k, i) for k in "FBW" for i in range(m))
                 for i in range(m):
-                    assert order.index(("F", i)) < order.index(("B", i)) < order.index(("W", i))
+                    f, b, w = (order.index((k, i)) for k in "FBW")
+                    assert f < b < w
             flights = [max_in_flight(a) for a in sched]
             one_f = [max_in_flight(a) for a in build_schedule("1f1b", p, m)]
             if name == "zb-h1":  # the busiest stage holds what 1F1B's does

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from trainwright.bench.paired import paired
 from trainwright.bench.spec import PipelineBenchSpec
+from trainwright.schedule.base import COMPUTE, ActionKind
 
 __all__ = ["DEEPSPEED", "HEADLINE", "trace_steps", "summarise", "head_to_head"]
 
-BUSY = ("F", "B", "W")
+BUSY = COMPUTE
 DEEPSPEED = "deepspeed_pipeline"
 """DeepSpeed's pipeline engine, a system where DeepSpeed imports."""
 
@@ -42,7 +43,7 @@ def trace_steps(trace_path: Path, warmup: int) -> dict[int, dict]:
         busy = {r: sum(e["dur"] for e in evs if e["pid"] == r and e["args"]["kind"] in BUSY)
                 / 1e6 for r in ranks}
         bound = max(sum(e["dur"] for e in evs if e["pid"] == r
-                        and e["args"]["kind"] in (*BUSY, "STEP")) for r in ranks) / 1e6
+                        and e["args"]["kind"] in BUSY | {ActionKind.STEP}) for r in ranks) / 1e6
         idle = [span - busy[r] for r in ranks]
         out[step] = {"span_s": span, "idle_s": idle, "bound_s": bound,
                      "bubble": sum(idle) / (len(ranks) * span)}

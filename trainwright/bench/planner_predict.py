@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 
+from trainwright.schedule.base import ActionKind
+
 __all__ = ["measured", "predict", "predict_steps", "loaded_latency"]
 
 
@@ -36,6 +38,11 @@ def measured(results: list[dict], warmup: int) -> tuple[float, list[int]]:
     steps = [max(res["step_s"][i] for res in results)
              for i in range(warmup, len(results[0]["step_s"]))]
     return statistics.fmean(steps), [max(res["peak_bytes"]) for res in results]
+
+
+_FORWARD = (ActionKind.F, ActionKind.SEND_F)
+"""What a micro-batch's forward costs a stage: its compute and posting its activation."""
+_BACKWARD = (ActionKind.B, ActionKind.SEND_B)
 
 
 def _action_mean(res: dict, kinds: tuple, step: int) -> float:
@@ -66,20 +73,21 @@ def loaded_latency(results: list[dict], step: int) -> float | None:
     posted: dict[tuple, float] = {}
     for s, res in enumerate(results):
         for kind, mb, _, start in res["events"][step]:
-            if kind == "SEND_F":
-                posted[("F", s + 1, mb)] = start
-            elif kind == "SEND_B":
-                posted[("B", s - 1, mb)] = start
+            if kind == ActionKind.SEND_F:
+                posted[(ActionKind.F, s + 1, mb)] = start
+            elif kind == ActionKind.SEND_B:
+                posted[(ActionKind.B, s - 1, mb)] = start
     got = []
     for s, res in enumerate(results):
         for kind, mb, d, start in res["events"][step]:
-            key = ("F" if kind == "RECV_F" else "B", s, mb)
-            if kind in ("RECV_F", "RECV_B") and key in posted:
+            key = (ActionKind.F if kind == ActionKind.RECV_F else ActionKind.B, s, mb)
+            if kind in (ActionKind.RECV_F, ActionKind.RECV_B) and key in posted:
                 got.append(start + d - max(start, posted[key]))
     return statistics.fmean(got) if got else None
 
 
-_POSTS = ("PEER_RECV", "PEER_FETCH", "PEER_RETURN")  # post transfers, never wait long
+_POSTS = frozenset({ActionKind.PEER_RECV, ActionKind.PEER_FETCH, ActionKind.PEER_RETURN})
+"""Peer-swap kinds that post transfers and never wait long."""
 
 
 def _action_overheads(events: list) -> dict[str, float]:
@@ -128,16 +136,16 @@ def predict(tensor_rows: list, results: list[dict], spec, schedule: str,
                         [0.0] * stages)
     for c, res in zip(costs, results, strict=True):
         step = step if step >= 0 else len(res["events"]) - 1
-        f = _action_mean(res, ("F", "SEND_F"), step)
-        b = _action_mean(res, ("B", "SEND_B"), step)
+        f = _action_mean(res, _FORWARD, step)
+        b = _action_mean(res, _BACKWARD, step)
         c.layer_forward_s = [x * f / max(c.forward_s, 1e-12) for x in c.layer_forward_s]
         c.layer_backward_s = [x * b / max(c.backward_s, 1e-12) for x in c.layer_backward_s]
         c.forward_s, c.backward_s = f, b
-        c.step_s = _action_mean(res, ("STEP",), step)
+        c.step_s = _action_mean(res, (ActionKind.STEP,), step)
         c.action_s = _action_overheads(res["events"][step])
         if per_mb:
-            c.mb_forward_s = _per_mb(res["events"][step], ("F", "SEND_F"))
-            c.mb_backward_s = _per_mb(res["events"][step], ("B", "SEND_B"))
+            c.mb_forward_s = _per_mb(res["events"][step], _FORWARD)
+            c.mb_backward_s = _per_mb(res["events"][step], _BACKWARD)
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     bw = [[0.0 if i == j else bandwidth for j in range(stages)] for i in range(stages)]
     loaded = loaded_latency(results, step if step >= 0 else len(results[0]["events"]) - 1)

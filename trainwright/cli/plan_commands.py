@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainwright.errors import ConfigError
 from trainwright.model.gpt_profile import gpt_profile
+from trainwright.schedule.base import ActionKind
 
 __all__ = ["add_parsers", "cmd_plan", "cmd_simulate", "format_plan", "gpt_profile", "PRESET_MODELS"]
 
@@ -222,8 +223,9 @@ def draw_timeline(r, path: Path, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     n = len(r.busy_s)
-    colors = {"F": "#4C72B0", "B": "#DD8452", "PEER_SEND": "#55A868", "PEER_WAIT": "#C44E52",
-              "PEER_RETURN": "#8172B3", "SYNC": "#937860", "STEP": "#DA8BC3"}
+    colors = {ActionKind.F: "#4C72B0", ActionKind.B: "#DD8452", ActionKind.PEER_SEND: "#55A868",
+              ActionKind.PEER_WAIT: "#C44E52", ActionKind.PEER_RETURN: "#8172B3",
+              ActionKind.SYNC: "#937860", ActionKind.STEP: "#DA8BC3"}
     fig, (ax, mx) = plt.subplots(2, 1, figsize=(12, 2 + 0.5 * n + 3), sharex=True,
                                  gridspec_kw={"height_ratios": [max(n, 2), 3]})
     for s, kind, _mb, start, end in r.timeline:

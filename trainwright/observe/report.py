@@ -22,12 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from trainwright.observe import report_plots as plots
+from trainwright.schedule.base import ActionKind
 
 __all__ = ["RunMetrics", "load_metrics", "write_report"]
 
 log = logging.getLogger(__name__)
 
-_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "SYNC", "STEP", "F", "B", "W")
+_KINDS = (ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B,
+          ActionKind.SYNC, ActionKind.STEP, ActionKind.F, ActionKind.B, ActionKind.W)
+"""The kinds a report shows (an older trace's kind is the first that prefixes its event's
+name)."""
 
 
 @dataclass
@@ -127,8 +131,8 @@ def _load_trace(path: Path) -> tuple[list[dict], dict[int, str], list[str]]:
             names[e["pid"]] = str(args["name"])
         elif e.get("ph") == "X" and isinstance(args.get("step"), int):
             ts, dur = plots.num(e.get("ts")), plots.num(e.get("dur"))
-            kind = args.get("kind")
-            if kind not in _KINDS:  # older traces: infer the kind from the event name
+            kind = next((k for k in _KINDS if k == args.get("kind")), None)
+            if kind is None:  # older traces: infer the kind from the event name
                 kind = next((k for k in _KINDS if str(e.get("name", "")).startswith(k)), None)
             if ts is not None and dur is not None and kind is not None:
                 events.append({**e, "ts": ts, "dur": dur, "args": {**args, "kind": kind}})
@@ -140,10 +144,10 @@ def _pick_step(events: list[dict]) -> tuple[int | None, str | None]:
     if not events:
         return None, None
     ranks = {e["pid"] for e in events}
-    has_step_kind = any(e["args"]["kind"] == "STEP" for e in events)
+    has_step_kind = any(e["args"]["kind"] == ActionKind.STEP for e in events)
     seen: dict[int, set[int]] = {}
     for e in events:
-        if not has_step_kind or e["args"]["kind"] == "STEP":
+        if not has_step_kind or e["args"]["kind"] == ActionKind.STEP:
             seen.setdefault(e["args"]["step"], set()).add(e["pid"])
     complete = [s for s, pids in seen.items() if pids == ranks]
     if complete:

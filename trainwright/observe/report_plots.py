@@ -19,6 +19,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from trainwright.schedule.base import COMM, COMPUTE, ActionKind
+
 __all__ = [
     "KIND_COLORS",
     "num",
@@ -30,16 +32,15 @@ __all__ = [
     "layer_bytes_plot",
 ]
 
-KIND_COLORS = {
-    "F": "#4C72B0",
-    "B": "#DD8452",
-    "W": "#55A868",
+KIND_COLORS: dict[ActionKind | str, str] = {
+    ActionKind.F: "#4C72B0",
+    ActionKind.B: "#DD8452",
+    ActionKind.W: "#55A868",
     "comm": "#9A9A9A",
-    "SYNC": "#8172B3",
-    "STEP": "#C44E52",
+    ActionKind.SYNC: "#8172B3",
+    ActionKind.STEP: "#C44E52",
 }
 """Box colour per trace event category (all SEND_*/RECV_* kinds share ``"comm"``)."""
-_COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _MIB = 1024.0 * 1024.0
 _WIDTH_IN, _DPI = 10.0, 100
 
@@ -123,8 +124,8 @@ def loss_plot(steps: list[dict], evals: list[dict] | None = None) -> str | None:
     return _png(fig)
 
 
-def _category(kind: str) -> str:
-    return "comm" if kind in _COMM else kind
+def _category(kind: ActionKind) -> ActionKind | str:
+    return "comm" if kind in COMM else kind
 
 
 def timeline_plot(events: list[dict], rank_names: dict[int, str], step: int) -> str | None:
@@ -152,7 +153,7 @@ def timeline_plot(events: list[dict], rank_names: dict[int, str], step: int) -> 
     fig = Figure(figsize=(_WIDTH_IN, height), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
     px_per_ms = _WIDTH_IN * _DPI * 0.8 / span_ms
-    boxes: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    boxes: dict[ActionKind | str, list[tuple[float, float, float]]] = defaultdict(list)
     for e in events:
         cat = _category(e["args"]["kind"])
         start, dur = (e["ts"] - t0) / 1000.0, e["dur"] / 1000.0
@@ -160,7 +161,7 @@ def timeline_plot(events: list[dict], rank_names: dict[int, str], step: int) -> 
         boxes[cat].append((start, dur, y))
         mb = e["args"].get("mb")
         wide = dur * px_per_ms >= 7 * len(str(mb)) + 4
-        if cat in ("F", "B", "W") and isinstance(mb, int) and wide:
+        if cat in COMPUTE and isinstance(mb, int) and wide:
             ax.text(
                 start + dur / 2,
                 y - 0.08,
@@ -192,15 +193,15 @@ def timeline_plot(events: list[dict], rank_names: dict[int, str], step: int) -> 
     ax.set_xlabel(f"ms since the start of step {step}")
     ax.grid(axis="x", alpha=0.3)
     labels = {
-        "F": "forward",
-        "B": "backward",
-        "W": "weight grads",
+        ActionKind.F: "forward",
+        ActionKind.B: "backward",
+        ActionKind.W: "weight grads",
         "comm": "send/recv",
-        "SYNC": "DP grad sync",
-        "STEP": "optimizer",
+        ActionKind.SYNC: "DP grad sync",
+        ActionKind.STEP: "optimizer",
     }
     handles = [Patch(color=KIND_COLORS[k], label=v) for k, v in labels.items()
-               if k != "W" or "W" in boxes]
+               if k != ActionKind.W or ActionKind.W in boxes]
     ax.legend(
         handles=handles,
         loc="lower center",
@@ -290,7 +291,7 @@ def stage_time_plot(steps: list[dict]) -> str | None:
     ax = fig.add_subplot()
     xs = range(len(stats))
     comp_ms, idle_ms = [c for _, c, _ in stats], [i for _, _, i in stats]
-    ax.bar(xs, comp_ms, color=KIND_COLORS["F"], label="compute")
+    ax.bar(xs, comp_ms, color=KIND_COLORS[ActionKind.F], label="compute")
     ax.bar(xs, idle_ms, bottom=comp_ms, color="#CCCCCC", label="idle")
     for x, c, i in zip(xs, comp_ms, idle_ms, strict=True):
         if c + i > 0:

@@ -130,7 +130,8 @@ def attach(plan: dict, rank: int, stage: int, stage_rank: dict[int, int], store,
            schedules: list, timeout_s: float, group=None) -> tuple[list, dict]:
     """Wire ``plan`` into this rank (stage ``stage``; ``stage_rank``: stage -> rank of this
     pipeline): returns its action list (with the peer-swap actions) and the runtime
-    extensions; the store gets a :class:`PeerSwap`. ``group`` is the transfer group; None
+    extensions (:meth:`PeerSwap.extensions`: a handler per peer-swap ``ActionKind``, and
+    ``"after"``); the store gets a :class:`PeerSwap`. ``group`` is the transfer group; None
     creates one (collective: every rank calls)."""
     from trainwright.pipeline.peerswap import PeerSwap, metadata_table
     from trainwright.schedule.peer import with_peer_swap

@@ -28,6 +28,7 @@ sent during the forward, chunks held for owners, buffers fetched back for backwa
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from trainwright.dist import collective as coll
 from trainwright.errors import CommError
-from trainwright.schedule.actions import Action
+from trainwright.schedule.actions import Action, ActionKind
 
 __all__ = ["HOST", "ChunkMeta", "TensorMeta", "PeerHandle", "PeerSwap", "metadata_table"]
 
@@ -250,9 +251,9 @@ class PeerSwap:
 
     def after(self, a: Action) -> None:
         """After every action: release the buffers fetched back once ``B(m)`` is done."""
-        if a.kind == "B" and a.mb in self._fetch:
+        if a.kind == ActionKind.B and a.mb in self._fetch:
             self.store.add_bytes(-sum(b.numel() for b in self._fetch.pop(a.mb).values()))
-        if a.kind == "SYNC":
+        if a.kind == ActionKind.SYNC:
             self._index.clear()  # forwards that raised never reached end_forward
 
     def peer_recv(self, a: Action) -> None:
@@ -289,12 +290,15 @@ class PeerSwap:
         self.held_bytes -= nbytes
         self.store.add_bytes(-nbytes)
 
-    def extensions(self) -> dict:
-        """Handlers for :class:`~trainwright.pipeline.runtime.PipelineRuntime`."""
-        return {"PEER_SEND": self.peer_send, "PEER_FETCH": self.peer_fetch,
-                "PEER_WAIT": self.peer_wait, "PEER_RECV": self.peer_recv,
-                "PEER_RETURN": self.peer_return, "PEER_SETTLE": self.peer_settle,
-                "after": self.after}
+    def extensions(self) -> dict[ActionKind | str, Callable[[Action], None]]:
+        """Extensions of :class:`~trainwright.pipeline.runtime.PipelineRuntime`: the
+        dispatch table of the peer-swap kinds (one handler per kind of
+        :data:`~trainwright.schedule.base.PEER_KINDS`), and ``"after"``, run after every
+        action."""
+        return {ActionKind.PEER_SEND: self.peer_send, ActionKind.PEER_FETCH: self.peer_fetch,
+                ActionKind.PEER_WAIT: self.peer_wait, ActionKind.PEER_RECV: self.peer_recv,
+                ActionKind.PEER_RETURN: self.peer_return,
+                ActionKind.PEER_SETTLE: self.peer_settle, "after": self.after}
 
     def _peer_rank(self, a: Action) -> int:
         return self.rank_of_stage[a.peer]

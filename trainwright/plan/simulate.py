@@ -47,6 +47,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from trainwright.errors import PlanError
+from trainwright.schedule.base import COMM, COMPUTE, PEER_KINDS, ActionKind
 
 __all__ = ["StageCost", "Links", "SimResult", "Deadlock", "simulate", "liveness"]
 
@@ -155,7 +156,7 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
         Deadlock: naming every stuck stage's next action and what it waits for.
     """
     n = len(schedule)
-    n_virtual = len({a.stage for acts in schedule for a in acts if a.kind in ("F", "B", "W")})
+    n_virtual = len({a.stage for acts in schedule for a in acts if a.kind in COMPUTE})
     if len(costs) not in (n, n_virtual) or len(links.mapping) < n:
         raise PlanError(f"{n} stages need {n} stage costs (or one per model stage, "
                         f"{n_virtual}) and a device for each; got {len(costs)} costs and "
@@ -173,9 +174,9 @@ class _Replay:
         self.schedule, self.costs, self.links, self.n = schedule, costs, links, n
         # several chunks per rank: one cost per model stage (else one per list, as before)
         self.per_stage = len(costs) != n
-        self.chunks_of = [sorted({a.stage for a in acts if a.kind in ("F", "B", "W")})
+        self.chunks_of = [sorted({a.stage for a in acts if a.kind in COMPUTE})
                           for acts in schedule]
-        self.split = [any(a.kind == "W" for a in acts) for acts in schedule]
+        self.split = [any(a.kind == ActionKind.W for a in acts) for acts in schedule]
         self.clock = [0.0] * n
         self.pos = [0] * n
         self.link_free: dict[tuple, float] = {}
@@ -211,9 +212,9 @@ class _Replay:
             self.clock[s] = end
             self.pos[s] += 1
             self._refresh(s)
-            other = {"SEND_F": a.stage + 1, "SEND_B": a.stage - 1, "RECV_F": a.stage - 1,
-                     "RECV_B": a.stage + 1}.get(a.kind)
-            other = getattr(a, "peer", -1) if other is None else self.rank_of.get(other, -1)
+            step = _NEIGHBOUR.get(a.kind)
+            other = getattr(a, "peer", -1) if step is None else \
+                self.rank_of.get(a.stage + step, -1)
             if 0 <= other < self.n and other != s:
                 self._refresh(other)
 
@@ -277,17 +278,17 @@ class _Replay:
     def _ready(self, s: int, a) -> float | None:
         """Earliest start of action ``a`` on stage ``s``, or None while it must wait."""
         k, mb, now = a.kind, a.mb, self.clock[s]
-        if k in ("RECV_F", "RECV_B"):  # posted once the send is: the data moves then
-            v = a.stage
-            got = self.sent.get(("act", v - 1, v, mb) if k == "RECV_F"
+        if k in (ActionKind.RECV_F, ActionKind.RECV_B):
+            v = a.stage  # posted once the send is: the data moves then
+            got = self.sent.get(("act", v - 1, v, mb) if k == ActionKind.RECV_F
                                 else ("grad", v + 1, v, mb))
             return None if got is None else now
-        if k == "SYNC":
+        if k == ActionKind.SYNC:
             done = [self.arrived.get(key) for key in self.pending_sends[s]]
             return None if None in done else max([now, *done])
-        if k in ("PEER_SEND", "PEER_RETURN", "PEER_SETTLE", "PEER_WAIT"):
+        if k in _PEER_WAITS:
             return self._peer_ready(s, a, now)
-        if k == "B" and self._cost(s, a).host_bytes:
+        if k == ActionKind.B and self._cost(s, a).host_bytes:
             back = self.host_back.get((a.stage, mb))
             if back is None:  # the copy back starts now (no receive before this B)
                 back = self._transfer(("host", s),
@@ -300,12 +301,12 @@ class _Replay:
     def _peer_ready(self, s: int, a, now: float) -> float | None:
         """:meth:`_ready` of a peer-swap action that waits for a post or a delivery."""
         k, mb = a.kind, a.mb
-        if k == "PEER_SEND":
+        if k == ActionKind.PEER_SEND:
             post = self.posted_recv.get(("out", s, a.peer, mb))
             return None if post is None else now
-        if k == "PEER_RETURN":
+        if k == ActionKind.PEER_RETURN:
             got = self.arrived.get(("chunk", a.peer, s, mb))
-        elif k == "PEER_SETTLE":
+        elif k == ActionKind.PEER_SETTLE:
             got = self.arrived.get(("back", s, a.peer, mb))
         else:  # PEER_WAIT
             got = self.arrived.get(("back", a.peer, s, mb))
@@ -314,19 +315,21 @@ class _Replay:
     def _run(self, s: int, a, start: float) -> float:
         """Take action ``a`` on stage ``s`` from ``start``; return its end."""
         k = a.kind
-        c = self.costs[self.chunks_of[s][0]] if k in ("SYNC", "STEP") and self.per_stage \
+        rank_wide = k in (ActionKind.SYNC, ActionKind.STEP)
+        c = self.costs[self.chunks_of[s][0]] if rank_wide and self.per_stage \
             else self._cost(s, a)
-        if k in ("F", "B", "W"):
-            end = self._run_compute(s, a, start)
-        elif k in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
-            end = self._run_p2p(s, a, start)
-        elif k == "SYNC":
-            end = start + self._rank_sum(s, "sync_s")
-        elif k == "STEP":
-            end = start + self._rank_sum(s, "step_s")
-        else:
-            end = self._run_peer(s, a, start)
+        end = _RUN.get(k, _Replay._run_free)(self, s, a, start)
         return end + c.action_s.get(k, 0.0)
+
+    def _run_sync(self, s: int, a, start: float) -> float:
+        return start + self._rank_sum(s, "sync_s")
+
+    def _run_step(self, s: int, a, start: float) -> float:
+        return start + self._rank_sum(s, "step_s")
+
+    def _run_free(self, s: int, a, start: float) -> float:
+        """Any other kind (a migration's) takes no time."""
+        return start
 
     def _run_compute(self, s: int, a, start: float) -> float:
         """``F``/``B``/``W``: compute time, memory, and the host swap's copy out after ``F``.
@@ -341,17 +344,17 @@ class _Replay:
         w = c.weight_s or c.backward_s / 2
         if a.stage == 0:  # the first stage's B defers all its work to W (Stage.backward)
             w = c.mb_backward_s.get(mb, c.backward_s)
-        if a.kind == "F":
+        if a.kind == ActionKind.F:
             dur = c.mb_forward_s.get(mb, c.forward_s)
             end = start + dur
             self._add(s, end, c.held_bytes + sum(c.peer_bytes.values()))
             if c.host_bytes:
                 self._transfer(("host", s), end, c.host_bytes, self.links.host_bandwidth)
-        elif a.kind == "W":
+        elif a.kind == ActionKind.W:
             dur = w
             end = start + dur
-            if (a.stage, "F", mb) not in self.times:  # carried from the last step: held
-                self._add(s, 0.0, held)                # from this one's start (schedule.carry)
+            if (a.stage, ActionKind.F, mb) not in self.times:  # carried from the last step:
+                self._add(s, 0.0, held)  # held from this one's start (schedule.carry)
             self._add(s, end, -held)
         else:
             dur = c.mb_backward_s.get(mb, c.backward_s) - (w if self.split[s] else 0.0)
@@ -366,12 +369,12 @@ class _Replay:
     def _run_p2p(self, s: int, a, start: float) -> float:
         """Pipeline sends (post and go on) and receives (the rendezvous transfer)."""
         k, mb, c, v = a.kind, a.mb, self._cost(s, a), a.stage
-        if k in ("SEND_F", "SEND_B"):
-            key = ("act", v, v + 1, mb) if k == "SEND_F" else ("grad", v, v - 1, mb)
+        if k in (ActionKind.SEND_F, ActionKind.SEND_B):
+            key = ("act", v, v + 1, mb) if k == ActionKind.SEND_F else ("grad", v, v - 1, mb)
             self.sent[key] = start
             self.pending_sends[s].append(key)
             return start
-        key = ("act", v - 1, v, mb) if k == "RECV_F" else ("grad", v + 1, v, mb)
+        key = ("act", v - 1, v, mb) if k == ActionKind.RECV_F else ("grad", v + 1, v, mb)
         src = self.rank_of[key[1]]
         sender = self.costs[min(key[1], key[2])] if self.per_stage else self.costs[min(src, s)]
         if src == s:  # two chunks of one rank (ZB-V's turn): handed over in memory
@@ -379,38 +382,52 @@ class _Replay:
         else:
             end = self.arrived[key] = self._transfer(
                 (src, s), max(start, self.sent[key]), sender.send_bytes, self.links.bw(src, s))
-        if k == "RECV_B" and c.host_bytes:
+        if k == ActionKind.RECV_B and c.host_bytes:
             self.host_back[(v, mb)] = self._transfer(("host", s), start, c.host_bytes,
                                                      self.links.host_bandwidth)
         return end
 
     def _run_peer(self, s: int, a, start: float) -> float:
-        """Peer-swap actions (and any other kind, which takes no time)."""
+        """Peer-swap actions."""
         k, mb, c = a.kind, a.mb, self.costs[s]
         end = start
-        if k == "PEER_RECV":  # peer s posts the receive of owner a.peer's chunks
+        if k == ActionKind.PEER_RECV:  # peer s posts the receive of owner a.peer's chunks
             self.posted_recv[("out", a.peer, s, mb)] = start
             self._add(s, start, self.costs[a.peer].peer_bytes.get(s, 0), store=False)
-        elif k == "PEER_SEND":
+        elif k == ActionKind.PEER_SEND:
             nbytes = c.peer_bytes.get(a.peer, 0)
             # the pack hook posted the chunks as F(m) saved them: they move during F(m)
-            posted = self.times.get((s, "F", mb), (start,))[0]
+            posted = self.times.get((s, ActionKind.F, mb), (start,))[0]
             got = self._transfer((s, a.peer),
                                  max(posted, self.posted_recv[("out", s, a.peer, mb)]),
                                  nbytes, self.links.bw(s, a.peer))
             self.arrived[("chunk", s, a.peer, mb)] = got
             end = max(start, got)
             self._add(s, end, -nbytes)
-        elif k == "PEER_RETURN":  # the data moves once the owner's receive is posted too
+        elif k == ActionKind.PEER_RETURN:  # the data moves once the owner's receive is posted too
             self.returned[(s, a.peer, mb)] = start
             self._back(s, a.peer, mb)
-        elif k == "PEER_SETTLE":
+        elif k == ActionKind.PEER_SETTLE:
             self._add(s, start, -self.costs[a.peer].peer_bytes.get(s, 0), store=False)
-        elif k == "PEER_FETCH":
+        elif k == ActionKind.PEER_FETCH:
             self.posted_recv[("back", s, a.peer, mb)] = start
             self._back(a.peer, s, mb)
             self._add(s, start, c.peer_bytes.get(a.peer, 0))
         return end
+
+
+_NEIGHBOUR = {ActionKind.SEND_F: 1, ActionKind.SEND_B: -1, ActionKind.RECV_F: -1,
+              ActionKind.RECV_B: 1}
+"""Transfer kind -> the other end's stage, relative to the action's."""
+
+_PEER_WAITS = frozenset({ActionKind.PEER_SEND, ActionKind.PEER_RETURN, ActionKind.PEER_SETTLE,
+                         ActionKind.PEER_WAIT})
+"""Peer-swap kinds that wait for a post or a delivery (:meth:`_Replay._peer_ready`)."""
+
+_RUN = {**dict.fromkeys(COMPUTE, _Replay._run_compute), **dict.fromkeys(COMM, _Replay._run_p2p),
+        ActionKind.SYNC: _Replay._run_sync, ActionKind.STEP: _Replay._run_step,
+        **dict.fromkeys(PEER_KINDS, _Replay._run_peer)}
+"""The replay's dispatch: kind -> how :class:`_Replay` takes it (other kinds: no time)."""
 
 
 def liveness(result: SimResult, costs: list[StageCost],
@@ -432,7 +449,7 @@ def liveness(result: SimResult, costs: list[StageCost],
     out: dict[int, float] = {}
     forwards: dict[int, list[tuple[int, float]]] = {}
     for (st, kind, mb), (f0, _) in result.times.items():
-        if kind == "F":
+        if kind == ActionKind.F:
             forwards.setdefault(st, []).append((mb, f0))
     for s, names in enumerate(layers):
         c = costs[s]
@@ -441,7 +458,7 @@ def liveness(result: SimResult, costs: list[StageCost],
         packed_at = list(itertools.accumulate(fw))
         after = list(itertools.accumulate(reversed(bw)))[::-1][1:] + [0.0]
         for mb, f0 in forwards.get(s, []):
-            b0 = result.times[(s, "B", mb)][0]
+            b0 = result.times[(s, ActionKind.B, mb)][0]
             for i, layer in enumerate(names):
                 span = max(0.0, b0 + after[i] - f0 - packed_at[i])
                 out[layer] = min(out.get(layer, span), span)

@@ -1,7 +1,9 @@
 """Pipeline schedules as data: actions, the schedules made of them, their grid, dry runs.
 
-* :mod:`~trainwright.schedule.actions`: ``Action(kind, mb, peer)`` and the GPipe / 1F1B
-  generators, in-flight counts, the step x stage grid;
+* :mod:`~trainwright.schedule.base`: ``Action(stage, kind, mb)`` and ``ActionKind``, the
+  Enum of every kind (compute, transfers, ``SYNC``/``STEP``, migration, peer swap);
+* :mod:`~trainwright.schedule.actions`: the GPipe / 1F1B generators (and the lookup of
+  every schedule by name), in-flight counts, the step x stage grid;
 * :mod:`~trainwright.schedule.migration`: where a live migration acts inside a schedule,
   and the dry-run deadlock check of any schedule;
 * :mod:`~trainwright.schedule.peer`: seed 004's peer-swap actions woven into a schedule;

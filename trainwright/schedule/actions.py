@@ -1,7 +1,8 @@
 """Pipeline schedules as data: one list of actions per stage.
 
-An action is ``Action(stage, kind, mb)`` and prints like torch pipelining's notation,
-``"1F0"`` = stage 1, forward, micro-batch 0. Communication is explicit
+An action is ``Action(stage, kind, mb)``, its kind an
+:class:`~trainwright.schedule.base.ActionKind`, and prints like torch pipelining's
+notation, ``"1F0"`` = stage 1, forward, micro-batch 0. Communication is explicit
 (``RECV_F``/``SEND_F`` carry activations forward, ``RECV_B``/``SEND_B`` gradients back) so
 that the executor and a simulator replay exactly the same lists. A step ends with one
 ``SYNC`` (data-parallel gradient reduction) and one ``STEP`` (optimizer) per stage.
@@ -19,11 +20,11 @@ from __future__ import annotations
 
 from trainwright.errors import PlanError
 
-__all__ = ["Action", "KINDS", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule", "format_grid",
-           "SCHEDULES", "SPLIT_BACKWARD", "VIRTUAL_SCHEDULES", "stage_ranks", "max_in_flight",
-           "max_waiting_w"]
+__all__ = ["Action", "ActionKind", "KINDS", "COMPUTE", "gpipe", "one_f_one_b", "build_schedule",
+           "format_grid", "SCHEDULES", "SPLIT_BACKWARD", "VIRTUAL_SCHEDULES", "stage_ranks",
+           "max_in_flight", "max_waiting_w"]
 
-from trainwright.schedule.base import COMPUTE, KINDS, Action, _check, _with_comm
+from trainwright.schedule.base import COMPUTE, KINDS, Action, ActionKind, _check, _with_comm
 from trainwright.schedule.interleaved import interleaved_1f1b
 from trainwright.schedule.zero_bubble import zb_h1, zb_h2
 from trainwright.schedule.zero_bubble_v import v_rank_of, zb_v
@@ -40,7 +41,8 @@ def gpipe(n_stages: int, n_micro: int) -> list[list[Action]]:
         One action list per stage.
     """
     _check(n_stages, n_micro)
-    compute = [("F", m) for m in range(n_micro)] + [("B", m) for m in reversed(range(n_micro))]
+    compute = [(ActionKind.F, m) for m in range(n_micro)]
+    compute += [(ActionKind.B, m) for m in reversed(range(n_micro))]
     return [_with_comm(s, n_stages, compute) for s in range(n_stages)]
 
 
@@ -58,13 +60,13 @@ def one_f_one_b(n_stages: int, n_micro: int) -> list[list[Action]]:
     schedules = []
     for s in range(n_stages):
         warm = min(n_stages - s - 1, n_micro)
-        compute = [("F", m) for m in range(warm)]
+        compute = [(ActionKind.F, m) for m in range(warm)]
         fwd, bwd = warm, 0
         while bwd < n_micro:
             if fwd < n_micro:
-                compute.append(("F", fwd))
+                compute.append((ActionKind.F, fwd))
                 fwd += 1
-            compute.append(("B", bwd))
+            compute.append((ActionKind.B, bwd))
             bwd += 1
         schedules.append(_with_comm(s, n_stages, compute))
     return schedules
@@ -110,10 +112,11 @@ def build_schedule(name: str, n_stages: int, n_micro: int,
 def max_in_flight(actions: list[Action]) -> int:
     """Largest number of micro-batches forwarded but not yet back-propagated at once (with a
     split backward: whose ``W`` is not done, since their activations are held until then)."""
-    release = "W" if any(a.kind == "W" for a in actions) else "B"
+    split = any(a.kind == ActionKind.W for a in actions)
+    release = ActionKind.W if split else ActionKind.B
     live, peak = 0, 0
     for a in actions:
-        live += (a.kind == "F") - (a.kind == release)
+        live += (a.kind == ActionKind.F) - (a.kind == release)
         peak = max(peak, live)
     return peak
 
@@ -121,12 +124,13 @@ def max_in_flight(actions: list[Action]) -> int:
 def max_waiting_w(actions: list[Action]) -> int:
     """Most micro-batches at once whose ``B`` has started and whose ``W`` is not done (0 for
     schedules without ``W``)."""
+    split = any(a.kind == ActionKind.W for a in actions)
     live, peak = 0, 0
     for a in actions:
-        if a.kind == "B" and any(x.kind == "W" for x in actions):
+        if a.kind == ActionKind.B and split:
             live += 1
             peak = max(peak, live)
-        elif a.kind == "W":
+        elif a.kind == ActionKind.W:
             live -= 1
     return peak
 
@@ -144,7 +148,7 @@ def format_grid(schedule: list[list[Action]]) -> str:
     compute = [[a for a in acts if a.kind in COMPUTE] for acts in schedule]
     n_virtual = 1 + max((a.stage for acts in compute for a in acts), default=0)
     per_rank = n_virtual != n
-    done: dict[tuple[int, str, int], int] = {}
+    done: dict[tuple[int, ActionKind, int], int] = {}
     cells: dict[tuple[int, int], str] = {}
     pos = [0] * n
     free = [0] * n
@@ -175,11 +179,13 @@ def format_grid(schedule: list[list[Action]]) -> str:
     return "\n".join([head, *rows])
 
 
-def _grid_dependency(a: Action, n_stages: int) -> tuple[int, str, int]:
+def _grid_dependency(a: Action, n_stages: int) -> tuple[int, ActionKind, int]:
     """The compute action ``a`` waits for (a stage index out of range: none)."""
     s = a.stage
-    if a.kind == "W":
-        return (s, "B", a.mb)
-    if a.kind == "F":
-        return (s - 1, "F", a.mb)
-    return (s, "F", a.mb) if s == n_stages - 1 else (s + 1, "B", a.mb)
+    if a.kind == ActionKind.W:
+        return (s, ActionKind.B, a.mb)
+    if a.kind == ActionKind.F:
+        return (s - 1, ActionKind.F, a.mb)
+    if s == n_stages - 1:
+        return (s, ActionKind.F, a.mb)
+    return (s + 1, ActionKind.B, a.mb)

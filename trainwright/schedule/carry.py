@@ -20,7 +20,7 @@ then runs, for the simulator.
 
 from __future__ import annotations
 
-from trainwright.schedule.base import Action
+from trainwright.schedule.base import Action, ActionKind
 
 __all__ = ["carried", "steady_state", "simulated_lists"]
 
@@ -33,11 +33,12 @@ def carried(actions: list[Action]) -> int:
     its ``SYNC`` and ``STEP``. 0 when no ``W`` would move (stage 0, or a list that does not
     end in ``W, SYNC, STEP``).
     """
-    forwards = [a.stage for a in actions if a.kind == "F"]
-    if len(actions) < 3 or not forwards or [a.kind for a in actions[-2:]] != ["SYNC", "STEP"]:
+    forwards = [a.stage for a in actions if a.kind == ActionKind.F]
+    end = [a.kind for a in actions[-2:]]
+    if len(actions) < 3 or not forwards or end != [ActionKind.SYNC, ActionKind.STEP]:
         return 0
     cap, n, i = min(forwards), 0, len(actions) - 2
-    while n < cap and i > 0 and actions[i - 1].kind == "W":
+    while n < cap and i > 0 and actions[i - 1].kind == ActionKind.W:
         n, i = n + 1, i - 1
     return n + 2 if n else 0
 

@@ -21,7 +21,7 @@ virtual stage (``Action.stage``). Sends and receives go between virtual stages `
 from __future__ import annotations
 
 from trainwright.errors import PlanError
-from trainwright.schedule.base import Action
+from trainwright.schedule.base import Action, ActionKind, _lower
 
 __all__ = ["interleaved_1f1b", "check_interleaved", "rank_of_stage"]
 
@@ -43,7 +43,7 @@ def rank_of_stage(stage: int, n_ranks: int) -> int:
     return stage % n_ranks
 
 
-def _compute_order(rank: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+def _compute_order(rank: int, p: int, m: int, v: int) -> list[tuple[ActionKind, int, int]]:
     """Rank ``rank``'s compute order as ``(kind, virtual stage, mb)``."""
     total = m * v
     warm = min((v - 1) * p + 2 * (p - 1 - rank), total)
@@ -51,39 +51,19 @@ def _compute_order(rank: int, p: int, m: int, v: int) -> list[tuple[str, int, in
     bwd_mb: dict[int, int] = {}
     order = []
 
-    def take(kind: str, stage: int, counter: dict[int, int]) -> None:
+    def take(kind: ActionKind, stage: int, counter: dict[int, int]) -> None:
         mb = counter.get(stage, 0)
         counter[stage] = mb + 1
         order.append((kind, stage, mb))
 
     for k in range(total):
-        take("F", ((k // p) % v) * p + rank, fwd_mb)
+        take(ActionKind.F, ((k // p) % v) * p + rank, fwd_mb)
         if k >= warm:
             j = k - warm
-            take("B", (v - 1 - (j // p) % v) * p + rank, bwd_mb)
+            take(ActionKind.B, (v - 1 - (j // p) % v) * p + rank, bwd_mb)
     for j in range(total - warm, total):
-        take("B", (v - 1 - (j // p) % v) * p + rank, bwd_mb)
+        take(ActionKind.B, (v - 1 - (j // p) % v) * p + rank, bwd_mb)
     return order
-
-
-def _lower(rank: int, n_stages: int, order: list[tuple[str, int, int]]) -> list[Action]:
-    """Compute order -> actions with the sends and receives of each virtual stage."""
-    out: list[Action] = []
-    for kind, s, mb in order:
-        first, last = s == 0, s == n_stages - 1
-        if kind == "F":
-            if not first:
-                out.append(Action(s, "RECV_F", mb))
-            out.append(Action(s, "F", mb))
-            if not last:
-                out.append(Action(s, "SEND_F", mb))
-        else:
-            if not last:
-                out.append(Action(s, "RECV_B", mb))
-            out.append(Action(s, "B", mb))
-            if not first:
-                out.append(Action(s, "SEND_B", mb))
-    return out + [Action(rank, "SYNC"), Action(rank, "STEP")]
 
 
 def interleaved_1f1b(n_ranks: int, n_micro: int, virtual_stages: int = 2) -> list[list[Action]]:
@@ -99,5 +79,5 @@ def interleaved_1f1b(n_ranks: int, n_micro: int, virtual_stages: int = 2) -> lis
     """
     check_interleaved(n_ranks, n_micro, virtual_stages)
     n_stages = n_ranks * virtual_stages
-    return [_lower(r, n_stages, _compute_order(r, n_ranks, n_micro, virtual_stages))
+    return [_lower(_compute_order(r, n_ranks, n_micro, virtual_stages), n_stages, r)
             for r in range(n_ranks)]

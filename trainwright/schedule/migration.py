@@ -32,12 +32,10 @@ from dataclasses import dataclass, field
 
 from trainwright.errors import PlanError
 from trainwright.schedule.actions import Action
+from trainwright.schedule.base import MIG_KINDS, ActionKind
 
 __all__ = ["Move", "MigrationSchedule", "one_hop_moves", "migration_schedule", "check_schedule",
            "MIG_KINDS"]
-
-MIG_KINDS = ("MIG_PREPARE", "MIG_ACCEPT", "MIG_SEND", "MIG_RECV", "MIG_FINISH", "MIG_ADOPT")
-
 
 @dataclass(frozen=True)
 class Move:
@@ -131,7 +129,7 @@ def one_hop_moves(old: list[int], target: list[int]) -> tuple[list[Move], list[i
     return _moves_between(old, counts), counts
 
 
-def _index(actions: list[Action], kind: str, mb: int) -> int:
+def _index(actions: list[Action], kind: ActionKind, mb: int) -> int:
     for i, a in enumerate(actions):
         if a.kind == kind and a.mb == mb:
             return i
@@ -153,7 +151,7 @@ def migration_schedule(schedules: list[list[Action]], moves: list[Move],
     Raises:
         PlanError: bad ``switch_mb``, a move between non-neighbours, or a deadlock.
     """
-    n_micro = sum(a.kind == "F" for a in schedules[0])
+    n_micro = sum(a.kind == ActionKind.F for a in schedules[0])
     if not 0 <= switch_mb < n_micro - 1:
         raise PlanError(f"switch micro-batch {switch_mb} must be in 0..{n_micro - 2} (a "
                         f"forward must follow it); use more micro-batches")
@@ -164,12 +162,12 @@ def migration_schedule(schedules: list[list[Action]], moves: list[Move],
         if abs(mv.giver - mv.receiver) != 1:
             raise PlanError(f"move {mv} is not between neighbouring stages")
         g, r = schedules[mv.giver], schedules[mv.receiver]
-        g_pos = _index(g, "F", switch_mb)  # MIG_SEND goes right after this
-        r_pos = _index(r, "F", switch_mb + 1)  # MIG_RECV goes right before this
+        g_pos = _index(g, ActionKind.F, switch_mb)  # MIG_SEND goes right after this
+        r_pos = _index(r, ActionKind.F, switch_mb + 1)  # MIG_RECV goes right before this
         ship, keep = [], []
         for j in range(switch_mb + 1):
-            g_done = _index(g, "B", j) < g_pos
-            r_done = _index(r, "B", j) < r_pos
+            g_done = _index(g, ActionKind.B, j) < g_pos
+            r_done = _index(r, ActionKind.B, j) < r_pos
             if not g_done and not r_done:
                 ship.append(j)
             elif not g_done:
@@ -178,12 +176,14 @@ def migration_schedule(schedules: list[list[Action]], moves: list[Move],
         kept.append(keep)
     for i, mv in enumerate(moves):
         gl, rl = new[mv.giver], new[mv.receiver]
-        gl.insert(0, Action(mv.giver, "MIG_PREPARE", i))
-        gl.insert(_index(gl, "F", switch_mb) + 1, Action(mv.giver, "MIG_SEND", i))
-        gl.insert(_index(gl, "SYNC", -1), Action(mv.giver, "MIG_FINISH", i))
-        rl.insert(_prepares(rl), Action(mv.receiver, "MIG_ACCEPT", i))
-        rl.insert(_index(rl, "F", switch_mb + 1), Action(mv.receiver, "MIG_RECV", i))
-        rl.insert(_index(rl, "SYNC", -1), Action(mv.receiver, "MIG_ADOPT", i))
+        gl.insert(0, Action(mv.giver, ActionKind.MIG_PREPARE, i))
+        gl.insert(_index(gl, ActionKind.F, switch_mb) + 1,
+                  Action(mv.giver, ActionKind.MIG_SEND, i))
+        gl.insert(_index(gl, ActionKind.SYNC, -1), Action(mv.giver, ActionKind.MIG_FINISH, i))
+        rl.insert(_prepares(rl), Action(mv.receiver, ActionKind.MIG_ACCEPT, i))
+        rl.insert(_index(rl, ActionKind.F, switch_mb + 1),
+                  Action(mv.receiver, ActionKind.MIG_RECV, i))
+        rl.insert(_index(rl, ActionKind.SYNC, -1), Action(mv.receiver, ActionKind.MIG_ADOPT, i))
     plan = MigrationSchedule(new, list(moves), switch_mb, shipped, kept)
     check_schedule(new)
     return plan
@@ -192,7 +192,7 @@ def migration_schedule(schedules: list[list[Action]], moves: list[Move],
 def _prepares(actions: list[Action]) -> int:
     """Index after the leading MIG_PREPAREs/ACCEPTs (a stage's own sends go first)."""
     i = 0
-    while i < len(actions) and actions[i].kind in ("MIG_PREPARE", "MIG_ACCEPT"):
+    while i < len(actions) and actions[i].kind in (ActionKind.MIG_PREPARE, ActionKind.MIG_ACCEPT):
         i += 1
     return i
 
@@ -200,25 +200,25 @@ def _prepares(actions: list[Action]) -> int:
 def _messages(a: Action) -> tuple[list, list]:
     """``(waits_for, sends)`` message keys of one action."""
     s, k, mb = a.stage, a.kind, a.mb
-    if k == "SEND_F":
+    if k == ActionKind.SEND_F:
         return [], [("act", s, mb)]
-    if k == "RECV_F":
+    if k == ActionKind.RECV_F:
         return [("act", s - 1, mb)], []
-    if k == "SEND_B":
+    if k == ActionKind.SEND_B:
         return [], [("grad", s, mb)]
-    if k == "RECV_B":
+    if k == ActionKind.RECV_B:
         return [("grad", s + 1, mb)], []
-    if k == "MIG_PREPARE":
+    if k == ActionKind.MIG_PREPARE:
         return [], [("prepare", mb)]
-    if k == "MIG_ACCEPT":
+    if k == ActionKind.MIG_ACCEPT:
         return [("prepare", mb)], [("ready", mb)]
-    if k == "MIG_SEND":
+    if k == ActionKind.MIG_SEND:
         return [("ready", mb)], [("package", mb)]
-    if k == "MIG_RECV":
+    if k == ActionKind.MIG_RECV:
         return [("package", mb)], []
-    if k == "MIG_FINISH":
+    if k == ActionKind.MIG_FINISH:
         return [], [("final", mb)]
-    if k == "MIG_ADOPT":
+    if k == ActionKind.MIG_ADOPT:
         return [("final", mb)], []
     return [], []
 
@@ -241,7 +241,7 @@ def check_schedule(schedules: list[list[Action]]) -> None:
                 waits, sends = _messages(a)
                 if any(w not in sent for w in waits):
                     break
-                if a.kind == "SYNC" and pending_sends[s] - received:
+                if a.kind == ActionKind.SYNC and pending_sends[s] - received:
                     break
                 for w in waits:
                     received.add(w)

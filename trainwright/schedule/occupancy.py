@@ -10,7 +10,7 @@ wait between ``B`` and ``W``. Pure: no torch.
 
 from __future__ import annotations
 
-from trainwright.schedule.base import Action
+from trainwright.schedule.base import COMPUTE, Action, ActionKind
 
 __all__ = ["chunk_states"]
 
@@ -26,22 +26,22 @@ def chunk_states(actions: list[Action]) -> list[dict[int, tuple[int, int]]]:
         most the other's): a memory peak is the maximum over these states of
         ``sum(held * bytes held per micro-batch + waiting_w * bytes brought back for W)``.
     """
-    split = any(a.kind == "W" for a in actions)
-    chunks = sorted({a.stage for a in actions if a.kind in ("F", "B", "W")})
+    split = any(a.kind == ActionKind.W for a in actions)
+    chunks = sorted({a.stage for a in actions if a.kind in COMPUTE})
     held = dict.fromkeys(chunks, 0)
     waiting = dict.fromkeys(chunks, 0)
     seen: list[dict[int, tuple[int, int]]] = []
     for a in actions:
-        if a.kind == "F":
+        if a.kind == ActionKind.F:
             held[a.stage] += 1
-        elif a.kind == "B":
+        elif a.kind == ActionKind.B:
             if split:
                 waiting[a.stage] += 1  # its non-kept tensors come back now, stay until W
             else:
                 seen.append({c: (held[c], waiting[c]) for c in chunks})  # during B
                 held[a.stage] -= 1
                 continue
-        elif a.kind == "W":
+        elif a.kind == ActionKind.W:
             seen.append({c: (held[c], waiting[c]) for c in chunks})  # during W
             held[a.stage] -= 1
             waiting[a.stage] -= 1

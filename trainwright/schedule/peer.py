@@ -39,11 +39,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainwright.schedule.actions import Action, max_in_flight
+from trainwright.schedule.base import PEER_KINDS, ActionKind
 
 __all__ = ["PeerAction", "PEER_KINDS", "with_peer_swap"]
-
-PEER_KINDS = ("PEER_SEND", "PEER_FETCH", "PEER_WAIT", "PEER_RECV", "PEER_RETURN", "PEER_SETTLE")
-
 
 @dataclass(frozen=True)
 class PeerAction(Action):
@@ -52,7 +50,7 @@ class PeerAction(Action):
     peer: int = -1
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}@{self.peer}"
+        return f"{self.stage}{self.kind.value}{self.mb}@{self.peer}"
 
 
 def with_peer_swap(schedule: list[list[Action]],
@@ -71,7 +69,7 @@ def with_peer_swap(schedule: list[list[Action]],
         ValueError: a peer that is not a later stage.
     """
     n = len(schedule)
-    n_micro = sum(a.kind == "F" for a in schedule[0])
+    n_micro = sum(a.kind == ActionKind.F for a in schedule[0])
     for s, ts in peers.items():
         bad = [t for t in ts if not s < t < n]
         if bad:
@@ -87,30 +85,30 @@ def with_peer_swap(schedule: list[list[Action]],
         acts = schedule[s]
         k = max_in_flight(acts)
         for i, a in enumerate(acts):
-            if a.kind == "F":
-                after.setdefault((s, i), []).extend(PeerAction(s, "PEER_SEND", a.mb, t)
-                                                    for t in ts)
-            elif a.kind == "B":
-                j = i - 1 if i > 0 and acts[i - 1].kind == "RECV_B" else i
-                before.setdefault((s, j), []).extend(PeerAction(s, "PEER_FETCH", a.mb, t)
-                                                     for t in ts)
-                before.setdefault((s, i), []).extend(PeerAction(s, "PEER_WAIT", a.mb, t)
-                                                     for t in ts)
+            if a.kind == ActionKind.F:
+                after.setdefault((s, i), []).extend(
+                    PeerAction(s, ActionKind.PEER_SEND, a.mb, t) for t in ts)
+            elif a.kind == ActionKind.B:
+                j = i - 1 if i > 0 and acts[i - 1].kind == ActionKind.RECV_B else i
+                before.setdefault((s, j), []).extend(
+                    PeerAction(s, ActionKind.PEER_FETCH, a.mb, t) for t in ts)
+                before.setdefault((s, i), []).extend(
+                    PeerAction(s, ActionKind.PEER_WAIT, a.mb, t) for t in ts)
         for t in ts:
-            start.setdefault(t, []).extend(PeerAction(t, "PEER_RECV", m, s)
+            start.setdefault(t, []).extend(PeerAction(t, ActionKind.PEER_RECV, m, s)
                                            for m in range(min(k, n_micro)))
             for i, a in enumerate(schedule[t]):
-                if a.kind == "B":
+                if a.kind == ActionKind.B:
                     extra = []
                     if a.mb - k >= 0:
-                        extra.append(PeerAction(t, "PEER_SETTLE", a.mb - k, s))
-                    extra.append(PeerAction(t, "PEER_RETURN", a.mb, s))
+                        extra.append(PeerAction(t, ActionKind.PEER_SETTLE, a.mb - k, s))
+                    extra.append(PeerAction(t, ActionKind.PEER_RETURN, a.mb, s))
                     if a.mb + k < n_micro:
-                        extra.append(PeerAction(t, "PEER_RECV", a.mb + k, s))
+                        extra.append(PeerAction(t, ActionKind.PEER_RECV, a.mb + k, s))
                     after.setdefault((t, i), []).extend(extra)
-                elif a.kind == "SYNC":
+                elif a.kind == ActionKind.SYNC:
                     before.setdefault((t, i), []).extend(
-                        PeerAction(t, "PEER_SETTLE", m, s)
+                        PeerAction(t, ActionKind.PEER_SETTLE, m, s)
                         for m in range(max(0, n_micro - k), n_micro))
     out = []
     for s, acts in enumerate(schedule):

@@ -23,13 +23,13 @@ The order is then lowered to actions with explicit sends and receives, like 1F1B
 
 from __future__ import annotations
 
-from trainwright.schedule.base import Action, _check, _with_comm
+from trainwright.schedule.base import Action, ActionKind, _check, _with_comm
 
 __all__ = ["zb_h1", "zb_h2", "zb_order"]
 
 
 def zb_order(n_stages: int, n_micro: int, f_limit: list[int],
-             w_limit: list[int]) -> list[list[tuple[str, int]]]:
+             w_limit: list[int]) -> list[list[tuple[ActionKind, int]]]:
     """Each stage's compute order ``[(kind, mb), ...]`` from the unit-cost dry run.
 
     Args:
@@ -38,8 +38,8 @@ def zb_order(n_stages: int, n_micro: int, f_limit: list[int],
         w_limit: per stage, micro-batches at most between ``F`` and ``W``.
     """
     p, m = n_stages, n_micro
-    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) -> end time
-    order: list[list[tuple[str, int]]] = [[] for _ in range(p)]
+    done: dict[tuple[int, ActionKind, int], int] = {}  # (stage, kind, mb) -> end time
+    order: list[list[tuple[ActionKind, int]]] = [[] for _ in range(p)]
     nf, nb, nw = [0] * p, [0] * p, [0] * p
     t = 0
     while any(nw[s] < m for s in range(p)):
@@ -48,8 +48,9 @@ def zb_order(n_stages: int, n_micro: int, f_limit: list[int],
             if pick is None:
                 continue
             kind = pick
-            mb = {"F": nf, "B": nb, "W": nw}[kind][s]
-            {"F": nf, "B": nb, "W": nw}[kind][s] += 1
+            counter = {ActionKind.F: nf, ActionKind.B: nb, ActionKind.W: nw}[kind]
+            mb = counter[s]
+            counter[s] += 1
             done[(s, kind, mb)] = t + 1
             order[s].append((kind, mb))
         t += 1
@@ -59,7 +60,7 @@ def zb_order(n_stages: int, n_micro: int, f_limit: list[int],
 
 
 def _pick(s: int, p: int, m: int, t: int, done: dict, nf: int, nb: int, nw: int,
-          f_limit: int, w_limit: int) -> str | None:
+          f_limit: int, w_limit: int) -> ActionKind | None:
     """What stage ``s`` starts at time ``t`` (None: it waits)."""
     def ready(key) -> bool:
         return key in done and done[key] <= t
@@ -67,21 +68,21 @@ def _pick(s: int, p: int, m: int, t: int, done: dict, nf: int, nb: int, nw: int,
     busy_until = max((v for (st, _, _), v in done.items() if st == s), default=0)
     if busy_until > t:
         return None
-    can_b = nb < nf and ready((s + 1, "B", nb) if s < p - 1 else (s, "F", nb))
+    can_b = nb < nf and ready((s + 1, ActionKind.B, nb) if s < p - 1 else (s, ActionKind.F, nb))
     can_f = (nf < m and nf - nb < f_limit and nf - nw < w_limit
-             and (s == 0 or ready((s - 1, "F", nf))))
+             and (s == 0 or ready((s - 1, ActionKind.F, nf))))
     if can_b:
-        return "B"
+        return ActionKind.B
     if nw < nb and nf - nw >= w_limit:
-        return "W"
+        return ActionKind.W
     if can_f:
-        return "F"
+        return ActionKind.F
     if nw < nb:
-        return "W"
+        return ActionKind.W
     return None
 
 
-def _lower(order: list[list[tuple[str, int]]], n_stages: int) -> list[list[Action]]:
+def _lower(order: list[list[tuple[ActionKind, int]]], n_stages: int) -> list[list[Action]]:
     return [_with_comm(s, n_stages, compute) for s, compute in enumerate(order)]
 
 

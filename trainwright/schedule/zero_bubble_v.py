@@ -24,7 +24,7 @@ loop between the ranks and idled 3-5 %.
 from __future__ import annotations
 
 from trainwright.errors import PlanError
-from trainwright.schedule.base import Action
+from trainwright.schedule.base import Action, ActionKind, _lower
 
 __all__ = ["zb_v", "v_rank_of"]
 
@@ -34,26 +34,26 @@ def v_rank_of(stage: int, n_ranks: int) -> int:
     return stage if stage < n_ranks else 2 * n_ranks - 1 - stage
 
 
-def _order(p: int, m: int) -> list[list[tuple[str, int, int]]]:
+def _order(p: int, m: int) -> list[list[tuple[ActionKind, int, int]]]:
     """Every rank's compute order ``(kind, stage, mb)`` as the ZB-V paper lays it out."""
     n_micro = max(2 * p - 1, m)  # enough micro-batches to fill the V; extra ones dropped
     return [[o for o in _rank_order(r, p, n_micro) if o[2] < m] for r in range(p)]
 
 
-def _rank_order(r: int, p: int, n_micro: int) -> list[tuple[str, int, int]]:
+def _rank_order(r: int, p: int, n_micro: int) -> list[tuple[ActionKind, int, int]]:
     c0, c1 = r, 2 * p - 1 - r
-    ops: list[tuple[str, int, int]] = []
+    ops: list[tuple[ActionKind, int, int]] = []
     f = {c0: 0, c1: 0}  # forwards issued per chunk
     b = {c0: 0, c1: 0}  # B passes issued per chunk
 
     def fwd(s: int) -> None:
-        ops.append(("F", s, f[s]))
+        ops.append((ActionKind.F, s, f[s]))
         f[s] += 1
 
     def bwd(s: int, w: bool) -> None:
-        ops.append(("B", s, b[s]))
+        ops.append((ActionKind.B, s, b[s]))
         if w:
-            ops.append(("W", s, b[s]))
+            ops.append((ActionKind.W, s, b[s]))
         b[s] += 1
 
     for _ in range(2 * (p - r) - 1):
@@ -76,25 +76,11 @@ def _rank_order(r: int, p: int, n_micro: int) -> list[tuple[str, int, int]]:
         bwd(c1, w=False)
     for _ in range(p - r):
         bwd(c0, w=False)
-        ops.append(("W", c0, w0))
+        ops.append((ActionKind.W, c0, w0))
         w0 += 1
-    ops += [("W", c1, i) for i in range(w1, b[c1])]
-    ops += [("W", c0, i) for i in range(w0, b[c0])]
+    ops += [(ActionKind.W, c1, i) for i in range(w1, b[c1])]
+    ops += [(ActionKind.W, c0, i) for i in range(w0, b[c0])]
     return ops
-
-
-def _lower(rank: int, n_stages: int, order: list[tuple[str, int, int]]) -> list[Action]:
-    out: list[Action] = []
-    for kind, s, mb in order:
-        if kind == "F":
-            out += ([Action(s, "RECV_F", mb)] if s > 0 else []) + [Action(s, "F", mb)]
-            out += [Action(s, "SEND_F", mb)] if s < n_stages - 1 else []
-        elif kind == "B":
-            out += ([Action(s, "RECV_B", mb)] if s < n_stages - 1 else []) + [Action(s, "B", mb)]
-            out += [Action(s, "SEND_B", mb)] if s > 0 else []
-        else:
-            out.append(Action(s, "W", mb))
-    return out + [Action(rank, "SYNC"), Action(rank, "STEP")]
 
 
 def zb_v(n_ranks: int, n_micro: int, virtual_stages: int = 2) -> list[list[Action]]:
@@ -111,4 +97,4 @@ def zb_v(n_ranks: int, n_micro: int, virtual_stages: int = 2) -> list[list[Actio
         raise PlanError(f"ZB-V places exactly 2 chunks per rank (parallel.virtual_stages = 2),"
                         f" got {virtual_stages}")
     order = _order(n_ranks, n_micro)
-    return [_lower(r, 2 * n_ranks, order[r]) for r in range(n_ranks)]
+    return [_lower(order[r], 2 * n_ranks, r) for r in range(n_ranks)]
