@@ -12,7 +12,7 @@ from trainwright.errors import PlanError
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
 from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight, stage_ranks
-from trainwright.schedule.migration import check_schedule
+from trainwright.schedule.dryrun import check_schedule
 
 IL = "interleaved-1f1b"
 

@@ -18,12 +18,8 @@ from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
 from trainwright.run.launch import create_run_dir
 from trainwright.schedule.actions import Action, build_schedule
-from trainwright.schedule.migration import (
-    Move,
-    check_schedule,
-    migration_schedule,
-    one_hop_moves,
-)
+from trainwright.schedule.dryrun import check_schedule
+from trainwright.schedule.migration import Move, migration_schedule, one_hop_moves
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:

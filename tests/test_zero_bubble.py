@@ -24,7 +24,7 @@ from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.simulate import Links, StageCost, simulate
 from trainwright.run.launch import create_run_dir
 from trainwright.schedule.actions import build_schedule, format_grid, max_in_flight
-from trainwright.schedule.migration import check_schedule
+from trainwright.schedule.dryrun import check_schedule
 
 ZB = ("zb-h1", "zb-h2")
 
