@@ -16,10 +16,10 @@ from tests.conftest import tiny_overrides
 from tests.test_pipeline import _check_against_reference, _train_jobs
 from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
+from trainwright.rebalance.moves import Move, migration_schedule, one_hop_moves
 from trainwright.run.launch import create_run_dir
 from trainwright.schedule.actions import Action, build_schedule
 from trainwright.schedule.dryrun import check_schedule
-from trainwright.schedule.migration import Move, migration_schedule, one_hop_moves
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:

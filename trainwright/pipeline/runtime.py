@@ -13,16 +13,31 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from trainwright.dist.comm import P2P
-from trainwright.pipeline.rebalance import Migration
 from trainwright.pipeline.stage import Stage
 from trainwright.schedule.actions import COMPUTE, Action
 from trainwright.sync import GradSync
 
 __all__ = ["StepStats", "PipelineRuntime"]
+
+
+class LiveMigration(Protocol):
+    """What a step needs of a live layer migration (``trainwright.rebalance.migration``'s
+    ``Migration``, a package above this one)."""
+
+    plan: Any
+    """``plan.actions[stage]``: the step's action list, ``MIG_*`` actions included."""
+    ctrl: P2P
+    """The control-group P2P whose sends the exchange drains when layers changed."""
+    stats: Any
+    """``stats.to_dict()``: what this stage did, for :class:`StepStats`."""
+
+    def run(self, action: Action) -> None:
+        """Execute one ``MIG_*`` action."""
 
 
 @dataclass
@@ -95,7 +110,7 @@ class PipelineRuntime:
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, trace: bool = False,
-                 migration: Migration | None = None) -> StepStats:
+                 migration: LiveMigration | None = None) -> StepStats:
         """Run one step: every micro-batch forward and backward, sync, optimizer step.
 
         Args:

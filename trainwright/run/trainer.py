@@ -29,9 +29,9 @@ from trainwright.model.build import build_data, build_layers, split_microbatches
 from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.interleaved import InterleavedRuntime
-from trainwright.pipeline.rebalance import Migration
 from trainwright.pipeline.runtime import StepStats
 from trainwright.pipeline.tied import counts_after, expect_partition
+from trainwright.rebalance.migration import Migration
 from trainwright.run import checkpoint
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.trainer_setup import NamedLayers, TrainerSetup

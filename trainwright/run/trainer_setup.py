@@ -28,16 +28,16 @@ from trainwright.pipeline.budget import (
     resolve_limit,
     stage_in_flight,
 )
-from trainwright.pipeline.edit import load_edit_hook
 from trainwright.pipeline.interleaved import InterleavedRuntime, chunk_stages
 from trainwright.pipeline.peer_setup import agree_plan, runtime_policies
 from trainwright.pipeline.peer_setup import attach as attach_peer_swap
-from trainwright.pipeline.rebalance import LayerCatalog
-from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.pipeline.tied import duplicate_copies, owned_parameters, prepare_ties, wrap_tied
+from trainwright.rebalance.edits import load_edit_hook
+from trainwright.rebalance.migration import LayerCatalog
+from trainwright.rebalance.rebalancer import Rebalancer
 from trainwright.run import checkpoint
 from trainwright.run.precision import autocast_factory
 from trainwright.run.update import UpdateStep, make_update_step

@@ -5,7 +5,7 @@ list the way the runtime executes it: sends never block, a receive waits for its
 and ``SYNC`` waits until every earlier send of its stage has been received (the runtime
 drains its sends there). :func:`_messages` says, in one place, which messages each action
 kind waits for and sends; live-migration actions (``MIG_*``, see
-:mod:`trainwright.schedule.migration`) are among them, since a migration step's lists are
+:mod:`trainwright.rebalance.moves`) are among them, since a migration step's lists are
 checked the same way.
 """
 

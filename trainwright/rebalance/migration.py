@@ -1,7 +1,7 @@
 """Live layer migration: the runtime side of a re-partition (seed 000, paragraphs 95-104).
 
 :class:`Migration` executes the ``MIG_*`` actions that
-:func:`~trainwright.schedule.migration.migration_schedule` put into one step's action
+:func:`~trainwright.rebalance.moves.migration_schedule` put into one step's action
 lists. Per move, giver and receiver exchange, on the pipeline's control group:
 
 1. ``prepare`` (giver, start of step): the layers' indices and parameter shapes. The
@@ -35,7 +35,7 @@ from torch import nn
 from trainwright.dist.comm import P2P
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import Segment
-from trainwright.schedule.migration import MigrationSchedule, Move
+from trainwright.rebalance.moves import MigrationSchedule, Move
 
 __all__ = ["Migration", "MigrationStats", "pack_tree", "unpack_tree", "LayerCatalog"]
 

@@ -1,4 +1,4 @@
-"""Where a live layer migration happens in the schedule (pure: no torch, no processes).
+"""The move plan: which layers move where, and where in the schedule (pure: no torch, no processes).
 
 A migration moves a run of layers from a *giver* stage to a neighbouring *receiver* stage
 in the middle of a step. Everything is decided from the action lists alone, so every rank
