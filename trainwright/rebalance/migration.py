@@ -28,6 +28,7 @@ import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from trainwright.dist.comm import P2P
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import Segment
 from trainwright.rebalance.moves import MigrationSchedule, Move
+from trainwright.schedule.actions import Action
 
 __all__ = ["Migration", "MigrationStats", "pack_tree", "unpack_tree", "LayerCatalog"]
 
@@ -182,13 +184,16 @@ class Migration:
             if mv.giver == stage_index:
                 stage.record_rng |= set(mv.layers)
 
-    def run(self, action) -> None:
-        """Execute one ``MIG_*`` action."""
-        mv = self.plan.moves[action.mb]
-        getattr(self, "_" + action.kind.lower())(action.mb, mv)
+    def run(self, action: Action) -> None:
+        """Execute one ``MIG_*`` action (``action.mb`` is the move's index in the plan)."""
+        handler = self.HANDLERS.get(action.kind)
+        if handler is None:
+            raise ValueError(f"stage {self.s}: {action} is not a migration action; the "
+                             f"migration executor runs {sorted(self.HANDLERS)}")
+        handler(self, action.mb, self.plan.moves[action.mb])
 
     # giver -------------------------------------------------------------------------------
-    def _mig_prepare(self, i: int, mv: Move) -> None:
+    def _prepare(self, i: int, mv: Move) -> None:
         self._t0 = self._t0 or time.perf_counter()
         desc = [len(mv.layers), *mv.layers]
         for index in mv.layers:
@@ -197,7 +202,7 @@ class Migration:
         self.ctrl.send(self.rank_of(mv.receiver), "mig_prepare", i,
                        [torch.tensor(desc, dtype=torch.int64)])
 
-    def _mig_send(self, i: int, mv: Move) -> None:
+    def _send(self, i: int, mv: Move) -> None:
         self.ctrl.recv(self.rank_of(mv.receiver), "mig_ready", i)
         shipped = {}
         for j in self.plan.shipped[i]:
@@ -215,7 +220,7 @@ class Migration:
         self.stats.shipped_microbatches += len(shipped)
         self.stage.retire_layers(mv.layers)
 
-    def _mig_finish(self, i: int, mv: Move) -> None:
+    def _finish(self, i: int, mv: Move) -> None:
         final = {}
         for slot in self.stage.drop_retired(mv.layers):
             grads = [p.grad for p in slot.module.parameters()]
@@ -228,7 +233,7 @@ class Migration:
         self.stats.seconds = time.perf_counter() - (self._t0 or time.perf_counter())
 
     # receiver ----------------------------------------------------------------------------
-    def _mig_accept(self, i: int, mv: Move) -> None:
+    def _accept(self, i: int, mv: Move) -> None:
         self._t0 = self._t0 or time.perf_counter()
         (desc,) = self.ctrl.recv(self.rank_of(mv.giver), "mig_prepare", i)
         expect = [len(mv.layers), *mv.layers]
@@ -242,7 +247,7 @@ class Migration:
         self._built[i] = [self.catalog.build(index, self.device) for index in mv.layers]
         self.ctrl.send(self.rank_of(mv.giver), "mig_ready", i, [torch.ones(1)])
 
-    def _mig_recv(self, i: int, mv: Move) -> None:
+    def _recv(self, i: int, mv: Move) -> None:
         packed = self.ctrl.recv(self.rank_of(mv.giver), "mig_package", i)
         self.stats.bytes_received += _nbytes(packed)
         pkg = unpack_tree(packed, self.device)
@@ -260,7 +265,7 @@ class Migration:
                 self.stage.store.put(Segment(index, j, inputs, None, policy="recompute",
                                              rng_state=rng))
 
-    def _mig_adopt(self, i: int, mv: Move) -> None:
+    def _adopt(self, i: int, mv: Move) -> None:
         packed = self.ctrl.recv(self.rank_of(mv.giver), "mig_final", i)
         self.stats.bytes_received += _nbytes(packed)
         final = unpack_tree(packed, self.device)
@@ -272,3 +277,8 @@ class Migration:
             if slot.optimizer is not None and final[index]["optim"] is not None:
                 slot.optimizer.load_state_dict(final[index]["optim"])
         self.stats.seconds = time.perf_counter() - (self._t0 or time.perf_counter())
+
+    HANDLERS: ClassVar[dict[str, Callable[[Migration, int, Move], None]]] = {
+        "MIG_PREPARE": _prepare, "MIG_SEND": _send, "MIG_FINISH": _finish,
+        "MIG_ACCEPT": _accept, "MIG_RECV": _recv, "MIG_ADOPT": _adopt}
+    """The dispatch table: action kind -> ``handler(self, move_index, move)``."""
