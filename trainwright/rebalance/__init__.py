@@ -7,6 +7,9 @@
   (``migration_schedule``);
 * :mod:`~trainwright.rebalance.migration`: the executor of those actions on a stage
   (``Migration``: parameters, stored inputs, gradients and optimizer state on the wire);
+  :mod:`~trainwright.rebalance.pack`, its wire format (a tree of tensors in two messages);
+  :mod:`~trainwright.rebalance.catalog`, every layer's structure on every rank
+  (``LayerCatalog``), from which a receiver builds the layers it gets;
 * :mod:`~trainwright.rebalance.rebalancer`: ``Rebalancer``, on every rank: imbalance checks,
   the plan's way back along the pipeline, the migration schedule of each step;
 * :mod:`~trainwright.rebalance.edits`: model edits between steps (insert / remove layers,

@@ -83,7 +83,7 @@ def apply_edits(edits: list, *, stage, stage_index: int, counts: list[int], cata
         stage: this rank's stage (must hold no activations).
         stage_index: its index.
         counts: layers per stage before.
-        catalog: the model's :class:`~trainwright.rebalance.migration.LayerCatalog`.
+        catalog: the model's :class:`~trainwright.rebalance.catalog.LayerCatalog`.
         clusters: fork/join clusters before (may be empty on non-deciding stages).
         make_optimizer: ``params -> optimizer``.
         device: where this stage's layers live.

@@ -22,9 +22,7 @@ there, up to floating-point summation order of the gradient.
 
 from __future__ import annotations
 
-import copy
 import logging
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,101 +34,14 @@ from torch import nn
 from trainwright.dist.comm import P2P
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import Segment
+from trainwright.rebalance.catalog import LayerCatalog
 from trainwright.rebalance.moves import MigrationSchedule, Move
+from trainwright.rebalance.pack import pack_tree, unpack_tree
 from trainwright.schedule.actions import Action
 
-__all__ = ["Migration", "MigrationStats", "pack_tree", "unpack_tree", "LayerCatalog"]
+__all__ = ["Migration", "MigrationStats"]
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 64
-
-
-class _Slot:
-    """Placeholder for the n-th tensor in a packed tree."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-
-def _strip(obj, tensors: list):
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _fill(obj, tensors: list):
-    if isinstance(obj, _Slot):
-        return tensors[obj.n]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return obj
-
-
-def pack_tree(obj, device: torch.device) -> list[torch.Tensor]:
-    """Pack nested dicts/lists/tuples of tensors and plain values into two uint8 tensors.
-
-    Returns ``[skeleton, blob]``: the pickled structure with tensor descriptions (CPU), and
-    every tensor's bytes one after another (on ``device``, aligned), so a package of any
-    size is two messages with the P2P header checks.
-    """
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip(obj, tensors)
-    metas, parts, offset = [], [], 0
-    for t in tensors:
-        t = t.detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        raw = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8,
-                                                                          device=t.device)
-        pad = (-nbytes) % _ALIGN
-        parts.append(raw.to(device))
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        metas.append((offset, nbytes, t.dtype, tuple(t.shape), t.requires_grad))
-        offset += nbytes + pad
-    blob = torch.cat(parts) if parts else torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
-    head = torch.frombuffer(bytearray(pickle.dumps((skeleton, metas))), dtype=torch.uint8)
-    return [head.to(device), blob]
-
-
-def unpack_tree(packed: list[torch.Tensor], device: torch.device):
-    """Inverse of :func:`pack_tree`; tensors are fresh copies on ``device``."""
-    head, blob = packed
-    skeleton, metas = pickle.loads(head.cpu().numpy().tobytes())
-    tensors = []
-    for offset, nbytes, dtype, shape, _ in metas:
-        raw = blob[offset:offset + nbytes]
-        t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-        tensors.append(t.to(device).clone())
-    return _fill(skeleton, tensors)
-
-
-class LayerCatalog:
-    """Every layer of the model by index: real modules where placed, meta copies elsewhere.
-
-    A receiver builds a migrating layer from its meta copy (``to_empty`` on its device,
-    then the giver's parameters), which is how "the layer's structure" is known everywhere
-    without holding every layer's weights.
-    """
-
-    def __init__(self, named: list[tuple[str, nn.Module]]):
-        self.names = [n for n, _ in named]
-        self.meta = [copy.deepcopy(m).to("meta") for _, m in named]
-
-    def build(self, index: int, device: torch.device) -> nn.Module:
-        """An empty (uninitialised) module of layer ``index`` on ``device``."""
-        return copy.deepcopy(self.meta[index]).to_empty(device=device)
-
-    def shapes(self, index: int) -> list[int]:
-        """Flattened ``[numel, ...]`` of the layer's state, to check both sides agree."""
-        return [t.numel() for t in self.meta[index].state_dict().values()]
 
 
 @dataclass

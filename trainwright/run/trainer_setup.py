@@ -35,8 +35,8 @@ from trainwright.pipeline.runtime import PipelineRuntime, kill_self_at
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import ActivationStore
 from trainwright.pipeline.tied import duplicate_copies, owned_parameters, prepare_ties, wrap_tied
+from trainwright.rebalance.catalog import LayerCatalog
 from trainwright.rebalance.edits import load_edit_hook
-from trainwright.rebalance.migration import LayerCatalog
 from trainwright.rebalance.rebalancer import Rebalancer
 from trainwright.run import checkpoint
 from trainwright.run.precision import autocast_factory
