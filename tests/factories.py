@@ -60,7 +60,7 @@ class Heavy(nn.Module):
 
 def insert_heavy(step: int) -> list:
     """Edit hook: a heavy layer joins stage 0 (after the embedding) before step 3."""
-    from trainwright.pipeline.edit import InsertLayer
+    from trainwright.rebalance.edits import InsertLayer
 
     if step == 3:
         return [InsertLayer(at=1, build=lambda: Heavy(32, 24), name="heavy")]

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from trainwright.plan.imbalance import ImbalanceDetector
+from trainwright.rebalance.detect import ImbalanceDetector
 
 pytestmark = pytest.mark.timeout(60)
 

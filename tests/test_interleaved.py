@@ -18,7 +18,7 @@ from trainwright.schedule.actions import (
     max_in_flight,
     stage_ranks,
 )
-from trainwright.schedule.migration import check_schedule
+from trainwright.schedule.dryrun import check_schedule
 
 IL = "interleaved-1f1b"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "trainwright"
 
 LAYERS = ["errors", "schedule", "plan", "config", "observe", "model", "dist", "sync",
-          "tokenring", "pipeline", "run", "bench", "cli"]
+          "tokenring", "pipeline", "rebalance", "run", "bench", "cli"]
 """Lowest first. ``trainwright/__init__.py`` and ``__main__.py`` sit above them all."""
 
 FACADE = {"trainwright", "trainwright.__main__"}

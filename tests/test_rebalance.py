@@ -11,19 +11,23 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import tiny_overrides
 from tests.test_pipeline import _check_against_reference, _train_jobs
 from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
-from trainwright.run.launch import create_run_dir
-from trainwright.schedule.actions import Action, build_schedule
-from trainwright.schedule.migration import (
+from trainwright.rebalance.migration import Migration
+from trainwright.rebalance.moves import (
+    MIG_KINDS,
+    MigrationSchedule,
     Move,
-    check_schedule,
     migration_schedule,
     one_hop_moves,
 )
+from trainwright.run.launch import create_run_dir
+from trainwright.schedule.actions import Action, build_schedule
+from trainwright.schedule.dryrun import check_schedule
 
 
 def _rows(run_dir: Path, kind: str) -> list[dict]:
@@ -85,6 +89,14 @@ def test_one_hop_moves_reach_any_plan_without_emptying_a_stage():
                 assert hops <= 8
     with pytest.raises(PlanError):
         one_hop_moves([3, 3], [6, 0])
+
+
+def test_the_migration_executor_dispatches_every_migration_kind_through_one_table():
+    assert set(Migration.HANDLERS) == set(MIG_KINDS)
+    idle = Migration(MigrationSchedule([[]], [], 0), 0, None, None, lambda s: s, None,
+                     lambda params: None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="0F1 is not a migration action"):
+        idle.run(Action(0, "F", 1))
 
 
 # ------------------------------------------------------ processes: migration == reference

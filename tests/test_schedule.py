@@ -5,6 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainwright.errors import PlanError
+from trainwright.rebalance.moves import migration_schedule, one_hop_moves
 from trainwright.schedule.actions import (
     SCHEDULES,
     VIRTUAL_SCHEDULES,
@@ -16,7 +17,6 @@ from trainwright.schedule.actions import (
     max_in_flight,
     one_f_one_b,
 )
-from trainwright.schedule.migration import migration_schedule, one_hop_moves
 from trainwright.schedule.peer import PeerAction, with_peer_swap
 
 

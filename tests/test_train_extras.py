@@ -60,7 +60,7 @@ def _apply_edits(cfg, model: nn.Sequential, opt, step: int) -> None:
     """``rebalance.edits`` on the one-process model: each inserted layer built under
     ``torch.manual_seed(train.seed + step)`` as the trainer documents, its parameters a new
     group of the optimizer."""
-    from trainwright.pipeline.edit import InsertLayer, load_edit_hook
+    from trainwright.rebalance.edits import InsertLayer, load_edit_hook
 
     for edit in load_edit_hook(cfg.rebalance.edits)(step) if cfg.rebalance.edits else []:
         assert isinstance(edit, InsertLayer), edit

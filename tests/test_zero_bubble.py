@@ -29,7 +29,7 @@ from trainwright.schedule.actions import (
     format_grid,
     max_in_flight,
 )
-from trainwright.schedule.migration import check_schedule
+from trainwright.schedule.dryrun import check_schedule
 
 ZB = ("zb-h1", "zb-h2")
 

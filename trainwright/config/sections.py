@@ -413,7 +413,7 @@ class RebalanceConfig(Section):
     """Manual re-partition target, layers per stage (with ``at_step``)."""
     edits: str = ""
     """Dynamic model hook ``"module:function"``: ``function(step)`` returns the layers to
-    insert or remove before that step (see ``trainwright.pipeline.edit``)."""
+    insert or remove before that step (see ``trainwright.rebalance.edits``)."""
 
 
 class EvalConfig(Section):

@@ -20,7 +20,7 @@ from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.runtime import Runtime, StepHooks
 from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions
 from trainwright.pipeline.store import ActivationStore
-from trainwright.schedule.actions import Action
+from trainwright.schedule.base import Action, ActionKind
 from trainwright.schedule.carry import carried
 
 __all__ = ["InterleavedRuntime", "chunk_tag", "chunk_stages"]
@@ -76,7 +76,7 @@ class InterleavedRuntime(Runtime):
                  rank: int = 0, fault: Callable[[int, int, Action], None] | None = None):
         super().__init__(view, actions, p2p, hooks, replica=replica, rank=rank, fault=fault)
         self.chunks, self.rank_of = chunks, rank_of
-        self.last = max(a.stage for a in actions if a.kind == "F")
+        self.last = max(a.stage for a in actions if a.kind == ActionKind.F)
         self.here = {a.stage for a in actions}
         """Virtual stages of this rank: a hand-over between two of them stays local."""
         self._local: dict[tuple, tuple] = {}
@@ -88,9 +88,10 @@ class InterleavedRuntime(Runtime):
         """Actions at the end of the list a step may leave to the next (``schedule.carry``)."""
         self._carried: list[Action] = []
         self.handlers.update({
-            "RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
-            "RECV_B": self._recv_b, "B": self._backward, "W": self._weights,
-            "SEND_B": self._send_b})
+            ActionKind.RECV_F: self._recv_f, ActionKind.F: self._forward,
+            ActionKind.SEND_F: self._send_f, ActionKind.RECV_B: self._recv_b,
+            ActionKind.B: self._backward, ActionKind.W: self._weights,
+            ActionKind.SEND_B: self._send_b})
 
     def _before_step(self, step: int, events: list, trace: bool) -> int:
         """The last step's carried passes run first, under that step's settings."""
@@ -173,9 +174,11 @@ class InterleavedRuntime(Runtime):
                           tag=chunk_tag(kind, to_stage), ahead=self._linked_now)
 
 
-_TRANSFER = {"RECV_F": ("F", 0, -1), "RECV_B": ("B", 0, 1), "SEND_F": ("F", 1, 1),
-             "SEND_B": ("B", -1, -1)}
+_TRANSFER = {ActionKind.RECV_F: ("F", 0, -1), ActionKind.RECV_B: ("B", 0, 1),
+             ActionKind.SEND_F: ("F", 1, 1), ActionKind.SEND_B: ("B", -1, -1)}
 """kind -> (direction, receiving stage - a.stage, other end's stage - a.stage)."""
+_RECEIVES = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+_SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 
 
 def _remote_stream(a: Action, here: set[int]) -> tuple[str, int] | None:
@@ -193,7 +196,7 @@ def _receives_followed(actions: list[Action], here: set[int]) -> set[int]:
     out, seen = set(), set()
     for i in range(len(actions) - 1, -1, -1):
         stream = _remote_stream(actions[i], here)
-        if stream is not None and actions[i].kind.startswith("RECV"):
+        if stream is not None and actions[i].kind in _RECEIVES:
             if stream in seen:
                 out.add(i)
             seen.add(stream)
@@ -207,7 +210,7 @@ def _sends_after_first(actions: list[Action], here: set[int]) -> set[int]:
     out, seen = set(), set()
     for i, a in enumerate(actions):
         stream = _remote_stream(a, here)
-        if stream is not None and a.kind.startswith("SEND"):
+        if stream is not None and a.kind in _SENDS:
             if stream in seen:
                 out.add(i)
             seen.add(stream)

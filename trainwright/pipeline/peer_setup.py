@@ -20,6 +20,7 @@ import torch
 
 from trainwright.dist import collective as coll
 from trainwright.errors import ConfigError
+from trainwright.pipeline.peerswap import PeerSwap, metadata_table
 
 __all__ = ["runtime_policies", "peer_plan_json", "plan_job", "agree_plan", "attach"]
 
@@ -127,13 +128,12 @@ def agree_plan(cfg, named: list, parts: list[int], limits: list[int | None], top
 
 
 def attach(plan: dict, rank: int, stage: int, stage_rank: dict[int, int], store,
-           schedules: list, timeout_s: float, group=None) -> tuple[list, dict]:
+           schedules: list, timeout_s: float, group=None) -> tuple[list, PeerSwap]:
     """Wire ``plan`` into this rank (stage ``stage``; ``stage_rank``: stage -> rank of this
-    pipeline): returns its action list (with the peer-swap actions) and the runtime
-    extensions (:meth:`PeerSwap.extensions`: a handler per peer-swap ``ActionKind``, and
-    ``"after"``); the store gets a :class:`PeerSwap`. ``group`` is the transfer group; None
-    creates one (collective: every rank calls)."""
-    from trainwright.pipeline.peerswap import PeerSwap, metadata_table
+    pipeline): returns its action list (with the peer-swap actions) and the
+    :class:`PeerSwap` that runs them (its :meth:`PeerSwap.extensions` and
+    :meth:`PeerSwap.after` go to the runtime); the store gets it too. ``group`` is the
+    transfer group; None creates one (collective: every rank calls)."""
     from trainwright.schedule.peer import with_peer_swap
 
     peers = {int(k): v for k, v in plan["peers"].items()}
@@ -141,4 +141,4 @@ def attach(plan: dict, rank: int, stage: int, stage_rank: dict[int, int], store,
     group = group if group is not None else PeerSwap.new_group()
     peer = PeerSwap(rank, tables[rank], tables, store, group, stage_rank, timeout_s)
     store.peer = peer
-    return with_peer_swap(schedules, peers)[stage], peer.extensions()
+    return with_peer_swap(schedules, peers)[stage], peer

@@ -290,15 +290,15 @@ class PeerSwap:
         self.held_bytes -= nbytes
         self.store.add_bytes(-nbytes)
 
-    def extensions(self) -> dict[ActionKind | str, Callable[[Action], None]]:
+    def extensions(self) -> dict[ActionKind, Callable[[Action], None]]:
         """Extensions of :class:`~trainwright.pipeline.runtime.PipelineRuntime`: the
         dispatch table of the peer-swap kinds (one handler per kind of
-        :data:`~trainwright.schedule.base.PEER_KINDS`), and ``"after"``, run after every
+        :data:`~trainwright.schedule.base.PEER_KINDS`); :meth:`after` runs after every
         action."""
         return {ActionKind.PEER_SEND: self.peer_send, ActionKind.PEER_FETCH: self.peer_fetch,
                 ActionKind.PEER_WAIT: self.peer_wait, ActionKind.PEER_RECV: self.peer_recv,
                 ActionKind.PEER_RETURN: self.peer_return,
-                ActionKind.PEER_SETTLE: self.peer_settle, "after": self.after}
+                ActionKind.PEER_SETTLE: self.peer_settle}
 
     def _peer_rank(self, a: Action) -> int:
         return self.rank_of_stage[a.peer]

@@ -19,15 +19,31 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from trainwright.dist.comm import P2P
 from trainwright.pipeline.stage import Stage
 from trainwright.schedule.actions import COMPUTE, Action
-from trainwright.schedule.migration import MIG_KINDS as MIGRATION_KINDS
+from trainwright.schedule.base import MIG_KINDS, ActionKind
 
 __all__ = ["StepStats", "StepHooks", "Runtime", "PipelineRuntime", "kill_self_at"]
+
+
+class LiveMigration(Protocol):
+    """What a step needs of a live layer migration (``trainwright.rebalance.migration``'s
+    ``Migration``, a package above this one)."""
+
+    plan: Any
+    """``plan.actions[stage]``: the step's action list, ``MIG_*`` actions included."""
+    ctrl: P2P
+    """The control-group P2P whose sends are drained before the gradient sync."""
+    stats: Any
+    """``stats.to_dict()``: what this stage did, for :class:`StepStats`."""
+
+    def run(self, action: Action) -> None:
+        """Execute one ``MIG_*`` action."""
 
 
 @dataclass
@@ -99,8 +115,8 @@ class Runtime:
         self.replica, self.stage_index, self.fault = replica, rank, fault
         self.split = view.options.split_backward
         """Zero-bubble schedule: ``B`` computes input gradients only, ``W`` the weights'."""
-        self.handlers: dict[str, Callable[[Action], None]] = {
-            "SYNC": self._sync, "STEP": lambda a: self.hooks.update()}
+        self.handlers: dict[ActionKind, Callable[[Action], None]] = {
+            ActionKind.SYNC: self._sync, ActionKind.STEP: lambda a: self.hooks.update()}
         """Action kind -> what runs it; each executor adds its own kinds."""
         self.after: Callable[[Action], None] | None = None
         """Called after every action (the peer-swap extension's bookkeeping)."""
@@ -110,7 +126,7 @@ class Runtime:
 
     def run_step(self, step: int, inputs: list[torch.Tensor] | None,
                  targets: list[torch.Tensor] | None, trace: bool = False,
-                 migration=None, carry: bool = False) -> StepStats:
+                 migration: LiveMigration | None = None, carry: bool = False) -> StepStats:
         """Run one step: every micro-batch forward and backward, sync, optimizer step.
 
         Args:
@@ -188,7 +204,7 @@ class Runtime:
         """Work that runs before the step's own list; returns its compute nanoseconds."""
         return 0
 
-    def _begin(self, inputs, targets, migration) -> None:
+    def _begin(self, inputs, targets, migration: LiveMigration | None) -> None:
         """Take the step's inputs and targets (and migration)."""
         raise NotImplementedError
 
@@ -220,25 +236,26 @@ class PipelineRuntime(Runtime):
         replica: this rank's data-parallel index (for the stats).
         fault: ``(step, action_index, action) -> None`` hook called before each action (testing).
         extensions: handlers of action kinds beyond the built-in ones (e.g. the peer-swap
-            actions of :mod:`trainwright.pipeline.peerswap`), and ``"after"``: a callable
-            run after every action.
+            actions of :mod:`trainwright.pipeline.peerswap`).
+        after: called after every action (the peer swap's bookkeeping).
     """
 
     def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, hooks: StepHooks, *,
                  prev_rank: int | None, next_rank: int | None, replica: int = 0,
                  fault: Callable[[int, int, Action], None] | None = None,
-                 extensions: dict[str, Callable[[Action], None]] | None = None):
+                 extensions: dict[ActionKind, Callable[[Action], None]] | None = None,
+                 after: Callable[[Action], None] | None = None):
         super().__init__(stage, actions, p2p, hooks, replica=replica, rank=actions[0].stage,
                          fault=fault)
         self.stage = stage
         self.prev_rank, self.next_rank = prev_rank, next_rank
-        extensions = dict(extensions or {})
-        self.after = extensions.pop("after", None)
+        self.after = after
         self.handlers.update({
-            "RECV_F": self._recv_f, "F": self._forward, "SEND_F": self._send_f,
-            "RECV_B": self._recv_b, "B": self._backward, "W": self._weights,
-            "SEND_B": self._send_b,
-            **{k: self._migrate for k in MIGRATION_KINDS}, **extensions})
+            ActionKind.RECV_F: self._recv_f, ActionKind.F: self._forward,
+            ActionKind.SEND_F: self._send_f, ActionKind.RECV_B: self._recv_b,
+            ActionKind.B: self._backward, ActionKind.W: self._weights,
+            ActionKind.SEND_B: self._send_b,
+            **{k: self._migrate for k in MIG_KINDS}, **(extensions or {})})
         self._migration = None
 
     def _begin(self, inputs, targets, migration) -> None:
@@ -256,7 +273,7 @@ class PipelineRuntime(Runtime):
         return self._loss_list
 
     def _traced(self, a: Action) -> bool:
-        return a.kind in MIGRATION_KINDS
+        return a.kind in MIG_KINDS
 
     def _migration_stats(self, migration) -> dict | None:
         return migration.stats.to_dict() if migration is not None else None

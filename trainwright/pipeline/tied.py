@@ -98,7 +98,7 @@ def duplicate_copies(ties: list[Tie], slots: list) -> list[nn.Parameter]:
 
 
 def counts_after(counts: list[int], moves) -> list[int]:
-    """Layers per stage once ``moves`` (``schedule.migration.Move``) are done."""
+    """Layers per stage once ``moves`` (``rebalance.moves.Move``) are done."""
     out = list(counts)
     for mv in moves:
         out[mv.giver] -= len(mv.layers)

@@ -3,7 +3,6 @@
 * :mod:`~trainwright.plan.memory`: per-layer keep / swap / recompute under a stage's limit;
 * :mod:`~trainwright.plan.partition`: clusters -> k pipeline stages (seed 000's threshold
   rule with least communication, and the min-max optimum);
-* :mod:`~trainwright.plan.imbalance`: when to re-partition (smoothing, hysteresis);
 * :mod:`~trainwright.plan.devices`: device topologies (presets, ``nvidia-smi`` text);
 * :mod:`~trainwright.plan.placement`, :mod:`~trainwright.plan.planner`,
   :mod:`~trainwright.plan.simulate`: seed 004's device mapping, planner and event simulator;

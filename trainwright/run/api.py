@@ -14,8 +14,8 @@ from trainwright.model.build import build_layers, check_data
 from trainwright.pipeline.budget import check_limits
 from trainwright.pipeline.stage import LayerSlot
 from trainwright.pipeline.tied import check_ties
+from trainwright.rebalance.edits import edited_layers
 from trainwright.run import checkpoint
-from trainwright.run.edited import edited_layers
 
 __all__ = ["fit", "load_model"]
 

@@ -34,11 +34,8 @@ from trainwright.model.build import (
 )
 from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.pipeline.edit import load_edit_hook
 from trainwright.pipeline.interleaved import InterleavedRuntime, chunk_stages
 from trainwright.pipeline.peer_setup import attach as attach_peer_swap
-from trainwright.pipeline.rebalance import LayerCatalog, Migration
-from trainwright.pipeline.repartition import Rebalancer
 from trainwright.pipeline.runtime import PipelineRuntime, StepHooks, StepStats, kill_self_at
 from trainwright.pipeline.stage import Stage, StageOptions, StepMode
 from trainwright.pipeline.store import ActivationStore
@@ -49,6 +46,10 @@ from trainwright.pipeline.tied import (
     prepare_ties,
     wrap_tied,
 )
+from trainwright.rebalance.catalog import LayerCatalog
+from trainwright.rebalance.edits import load_edit_hook
+from trainwright.rebalance.migration import Migration
+from trainwright.rebalance.rebalancer import Rebalancer
 from trainwright.run import checkpoint
 from trainwright.run import trainer_setup as setup
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
@@ -56,6 +57,7 @@ from trainwright.run.precision import autocast_factory
 from trainwright.run.trainer_setup import TrainerOptions
 from trainwright.run.update import UpdateRules
 from trainwright.schedule.actions import build_schedule, stage_ranks
+from trainwright.schedule.base import ActionKind
 from trainwright.sync import make_grad_sync
 
 __all__ = ["Trainer", "TrainerOptions"]
@@ -128,7 +130,7 @@ class Trainer:
         self.stage_options = StageOptions(
             autocast=autocast_factory(cfg.train.precision, self.device),
             loss_gradient=self.rules.loss_gradient,
-            split_backward=any(a.kind == "W" for a in self.actions))
+            split_backward=any(a.kind == ActionKind.W for a in self.actions))
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=topo.stage == 0,
                            loss_fn=loss_fn(cfg) if cfg.n_stages - 1 in self.my_stages else None,
                            loss_scale=1.0 / cfg.train.micro_batches, options=self.stage_options)
@@ -137,13 +139,13 @@ class Trainer:
         self.store.chunk_of = {i: k for k, ls in (self.chunk_layers or {}).items() for i in ls}
 
         # 5. peer swap: a plan, its actions woven into the schedule, the store's peer
-        self.peer_plan, self.extensions = o.peer_plan, None
+        self.peer_plan, self.peer_swap = o.peer_plan, None
         if self.peer_plan is None and cfg.memory.peer_swap:
             self.peer_plan = setup.plan_peer_swap(
                 cfg, named, self.parts, topo, self.device, self.data, self.shard[1],
                 self.run_dir if topo.rank == 0 and self.outputs else None)
         if self.peer_plan is not None:
-            self.actions, self.extensions = attach_peer_swap(
+            self.actions, self.peer_swap = attach_peer_swap(
                 self.peer_plan, topo.rank, topo.stage,
                 {k: topo.rank_of(k) for k in range(topo.pp)}, self.store, self.schedules,
                 cfg.runtime.p2p_timeout_s, group=o.peer_group)
@@ -206,7 +208,9 @@ class Trainer:
             self.stage, self.actions, self._p2p(topo.pp_group), hooks,
             prev_rank=topo.rank_of(s - 1) if s > 0 else None,
             next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
-            replica=topo.replica, fault=fault, extensions=self.extensions)
+            replica=topo.replica, fault=fault,
+            extensions=self.peer_swap.extensions() if self.peer_swap else None,
+            after=self.peer_swap.after if self.peer_swap else None)
 
     def _p2p(self, group) -> P2P:
         topo, rt = self.topo, self.cfg.runtime

@@ -35,7 +35,7 @@ class ActionKind(str, Enum):
     """Data-parallel gradient reduction (drains the stage's sends first)."""
     STEP = "STEP"
     """Optimizer step."""
-    # live layer migration (:mod:`trainwright.schedule.migration`)
+    # live layer migration (:mod:`trainwright.rebalance.moves`)
     MIG_PREPARE = "MIG_PREPARE"
     MIG_ACCEPT = "MIG_ACCEPT"
     MIG_SEND = "MIG_SEND"
@@ -68,7 +68,7 @@ COMM = frozenset({ActionKind.RECV_F, ActionKind.SEND_F, ActionKind.RECV_B,
 KINDS = COMPUTE | COMM | {ActionKind.SYNC, ActionKind.STEP}
 """Kinds of a plain schedule (no migration, no peer swap)."""
 MIG_KINDS = frozenset(k for k in ActionKind if k.name.startswith("MIG_"))
-"""Kinds of a live migration (:func:`~trainwright.schedule.migration.migration_schedule`)."""
+"""Kinds of a live migration (:func:`~trainwright.rebalance.moves.migration_schedule`)."""
 PEER_KINDS = frozenset(k for k in ActionKind if k.name.startswith("PEER_"))
 """Kinds of a peer swap (:func:`~trainwright.schedule.peer.with_peer_swap`)."""
 

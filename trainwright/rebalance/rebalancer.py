@@ -3,11 +3,11 @@
 :class:`Rebalancer` lives on every rank. At check steps every stage's per-layer
 forward+backward times reach the last stage (they are averaged over the data-parallel
 replicas first, so every replica decides the same); the last stage feeds its stage times
-to an :class:`~trainwright.plan.imbalance.ImbalanceDetector` and, on imbalance, partitions
+to an :class:`~trainwright.rebalance.detect.ImbalanceDetector` and, on imbalance, partitions
 the model's fork/join clusters with the seed's rule
 (:func:`~trainwright.plan.partition.seed_partition`). The plan then travels back along
 the backward path, stage by stage, on the control group. From the next step on, the
-layers move with :mod:`~trainwright.pipeline.rebalance` (one hop per step; a plan needing
+layers move with :mod:`~trainwright.rebalance.migration` (one hop per step; a plan needing
 longer trips takes several steps), and no new plan is made until the target is reached.
 """
 
@@ -19,11 +19,11 @@ import torch
 
 from trainwright.dist import collective as coll
 from trainwright.dist.comm import P2P
-from trainwright.pipeline.edit import apply_edits
-from trainwright.plan.imbalance import ImbalanceDetector
 from trainwright.plan.partition import ClusterCost, imbalance, seed_partition
+from trainwright.rebalance.detect import ImbalanceDetector
+from trainwright.rebalance.edits import apply_edits
+from trainwright.rebalance.moves import MigrationSchedule, migration_schedule, one_hop_moves
 from trainwright.schedule.actions import Action
-from trainwright.schedule.migration import MigrationSchedule, migration_schedule, one_hop_moves
 
 __all__ = ["Rebalancer", "stage_times"]
 
@@ -105,7 +105,7 @@ class Rebalancer:
 
     def apply_edits(self, edits: list, **kwargs) -> list[int]:
         """Insert or remove layers between steps (see
-        :func:`~trainwright.pipeline.edit.apply_edits`, which gets ``kwargs``); any pending
+        :func:`~trainwright.rebalance.edits.apply_edits`, which gets ``kwargs``); any pending
         re-partition target is dropped, since it was planned for the old model.
 
         Returns:

@@ -16,7 +16,7 @@ other. Example (``mypkg/search.py``)::
 so it must build the same module everywhere: seed it, or let trainwright seed it
 (``torch.manual_seed(train.seed + step)`` is set before each call).
 Checkpoints of an edited model load only into the edited model: ``trainwright.load_model``
-replays the hook on the factory's layers (:mod:`trainwright.run.edited`); resume is not
+replays the hook on the factory's layers (:func:`edited_layers`); resume is not
 supported across edits.
 """
 
@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from trainwright.errors import ConfigError, PlanError
+from trainwright.pipeline.stage import LayerSlot
 
-__all__ = ["InsertLayer", "RemoveLayer", "load_edit_hook", "apply_edits"]
+__all__ = ["InsertLayer", "RemoveLayer", "load_edit_hook", "apply_edits", "edited_layers"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ def apply_edits(edits: list, *, stage, stage_index: int, counts: list[int], cata
         stage: this rank's stage (must hold no activations).
         stage_index: its index.
         counts: layers per stage before.
-        catalog: the model's :class:`~trainwright.pipeline.rebalance.LayerCatalog`.
+        catalog: the model's :class:`~trainwright.rebalance.catalog.LayerCatalog`.
         clusters: fork/join clusters before (may be empty on non-deciding stages).
         make_optimizer: ``params -> optimizer``.
         device: where this stage's layers live.
@@ -91,8 +92,6 @@ def apply_edits(edits: list, *, stage, stage_index: int, counts: list[int], cata
     Returns:
         The partition and the clusters after the edits.
     """
-    from trainwright.pipeline.stage import LayerSlot
-
     if stage.store.held():
         raise RuntimeError("model edits must happen between steps")
     counts, clusters = list(counts), [list(c) for c in clusters]
@@ -156,3 +155,26 @@ def _insert_cluster(clusters: list[list[int]], at: int) -> list[list[int]]:
         pos = next((k for k, c in enumerate(out) if c[0] > at), len(out))
         out.insert(pos, [at])
     return out
+
+
+def edited_layers(named: list[tuple[str, nn.Module]], edits: str, seed: int,
+                  step: int) -> list[tuple[str, nn.Module]]:
+    """``named`` after the edits the hook ``edits`` made before steps ``1 .. step``.
+
+    Args:
+        named: (name, layer) as the model factory builds them.
+        edits: the ``rebalance.edits`` hook, ``"module:function"``.
+        seed: ``train.seed`` (each insert is built under ``torch.manual_seed(seed + step)``).
+        step: the checkpoint's step.
+    """
+    hook, named = load_edit_hook(edits), list(named)
+    for s in range(1, step + 1):
+        for e in hook(s):
+            if isinstance(e, InsertLayer):
+                torch.manual_seed(seed + s)
+                named.insert(e.at, (e.name, e.build()))
+            elif isinstance(e, RemoveLayer):
+                del named[e.index]
+            else:
+                raise TypeError(f"unknown model edit {e!r}; use InsertLayer or RemoveLayer")
+    return named

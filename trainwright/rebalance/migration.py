@@ -1,7 +1,7 @@
 """Live layer migration: the runtime side of a re-partition (seed 000, paragraphs 95-104).
 
 :class:`Migration` executes the ``MIG_*`` actions that
-:func:`~trainwright.schedule.migration.migration_schedule` put into one step's action
+:func:`~trainwright.rebalance.moves.migration_schedule` put into one step's action
 lists. Per move, giver and receiver exchange, on the pipeline's control group:
 
 1. ``prepare`` (giver, start of step): the layers' indices and parameter shapes. The
@@ -22,12 +22,11 @@ there, up to floating-point summation order of the gradient.
 
 from __future__ import annotations
 
-import copy
 import logging
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,100 +34,14 @@ from torch import nn
 from trainwright.dist.comm import P2P
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.store import Segment
-from trainwright.schedule.migration import MigrationSchedule, Move
+from trainwright.rebalance.catalog import LayerCatalog
+from trainwright.rebalance.moves import MigrationSchedule, Move
+from trainwright.rebalance.pack import pack_tree, unpack_tree
+from trainwright.schedule.actions import Action
 
-__all__ = ["Migration", "MigrationStats", "pack_tree", "unpack_tree", "LayerCatalog"]
+__all__ = ["Migration", "MigrationStats"]
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 64
-
-
-class _Slot:
-    """Placeholder for the n-th tensor in a packed tree."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-
-def _strip(obj, tensors: list):
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _fill(obj, tensors: list):
-    if isinstance(obj, _Slot):
-        return tensors[obj.n]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return obj
-
-
-def pack_tree(obj, device: torch.device) -> list[torch.Tensor]:
-    """Pack nested dicts/lists/tuples of tensors and plain values into two uint8 tensors.
-
-    Returns ``[skeleton, blob]``: the pickled structure with tensor descriptions (CPU), and
-    every tensor's bytes one after another (on ``device``, aligned), so a package of any
-    size is two messages with the P2P header checks.
-    """
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip(obj, tensors)
-    metas, parts, offset = [], [], 0
-    for t in tensors:
-        t = t.detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        raw = t.reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8,
-                                                                          device=t.device)
-        pad = (-nbytes) % _ALIGN
-        parts.append(raw.to(device))
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        metas.append((offset, nbytes, t.dtype, tuple(t.shape), t.requires_grad))
-        offset += nbytes + pad
-    blob = torch.cat(parts) if parts else torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
-    head = torch.frombuffer(bytearray(pickle.dumps((skeleton, metas))), dtype=torch.uint8)
-    return [head.to(device), blob]
-
-
-def unpack_tree(packed: list[torch.Tensor], device: torch.device):
-    """Inverse of :func:`pack_tree`; tensors are fresh copies on ``device``."""
-    head, blob = packed
-    skeleton, metas = pickle.loads(head.cpu().numpy().tobytes())
-    tensors = []
-    for offset, nbytes, dtype, shape, _ in metas:
-        raw = blob[offset:offset + nbytes]
-        t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-        tensors.append(t.to(device).clone())
-    return _fill(skeleton, tensors)
-
-
-class LayerCatalog:
-    """Every layer of the model by index: real modules where placed, meta copies elsewhere.
-
-    A receiver builds a migrating layer from its meta copy (``to_empty`` on its device,
-    then the giver's parameters), which is how "the layer's structure" is known everywhere
-    without holding every layer's weights.
-    """
-
-    def __init__(self, named: list[tuple[str, nn.Module]]):
-        self.names = [n for n, _ in named]
-        self.meta = [copy.deepcopy(m).to("meta") for _, m in named]
-
-    def build(self, index: int, device: torch.device) -> nn.Module:
-        """An empty (uninitialised) module of layer ``index`` on ``device``."""
-        return copy.deepcopy(self.meta[index]).to_empty(device=device)
-
-    def shapes(self, index: int) -> list[int]:
-        """Flattened ``[numel, ...]`` of the layer's state, to check both sides agree."""
-        return [t.numel() for t in self.meta[index].state_dict().values()]
 
 
 @dataclass
@@ -182,13 +95,16 @@ class Migration:
             if mv.giver == stage_index:
                 stage.record_rng |= set(mv.layers)
 
-    def run(self, action) -> None:
-        """Execute one ``MIG_*`` action."""
-        mv = self.plan.moves[action.mb]
-        getattr(self, "_" + action.kind.lower())(action.mb, mv)
+    def run(self, action: Action) -> None:
+        """Execute one ``MIG_*`` action (``action.mb`` is the move's index in the plan)."""
+        handler = self.HANDLERS.get(action.kind)
+        if handler is None:
+            raise ValueError(f"stage {self.s}: {action} is not a migration action; the "
+                             f"migration executor runs {sorted(self.HANDLERS)}")
+        handler(self, action.mb, self.plan.moves[action.mb])
 
     # giver -------------------------------------------------------------------------------
-    def _mig_prepare(self, i: int, mv: Move) -> None:
+    def _prepare(self, i: int, mv: Move) -> None:
         self._t0 = self._t0 or time.perf_counter()
         desc = [len(mv.layers), *mv.layers]
         for index in mv.layers:
@@ -197,7 +113,7 @@ class Migration:
         self.ctrl.send(self.rank_of(mv.receiver), "mig_prepare", i,
                        [torch.tensor(desc, dtype=torch.int64)])
 
-    def _mig_send(self, i: int, mv: Move) -> None:
+    def _send(self, i: int, mv: Move) -> None:
         self.ctrl.recv(self.rank_of(mv.receiver), "mig_ready", i)
         shipped = {}
         for j in self.plan.shipped[i]:
@@ -215,7 +131,7 @@ class Migration:
         self.stats.shipped_microbatches += len(shipped)
         self.stage.retire_layers(mv.layers)
 
-    def _mig_finish(self, i: int, mv: Move) -> None:
+    def _finish(self, i: int, mv: Move) -> None:
         final = {}
         for slot in self.stage.drop_retired(mv.layers):
             grads = [p.grad for p in slot.module.parameters()]
@@ -228,7 +144,7 @@ class Migration:
         self.stats.seconds = time.perf_counter() - (self._t0 or time.perf_counter())
 
     # receiver ----------------------------------------------------------------------------
-    def _mig_accept(self, i: int, mv: Move) -> None:
+    def _accept(self, i: int, mv: Move) -> None:
         self._t0 = self._t0 or time.perf_counter()
         (desc,) = self.ctrl.recv(self.rank_of(mv.giver), "mig_prepare", i)
         expect = [len(mv.layers), *mv.layers]
@@ -242,7 +158,7 @@ class Migration:
         self._built[i] = [self.catalog.build(index, self.device) for index in mv.layers]
         self.ctrl.send(self.rank_of(mv.giver), "mig_ready", i, [torch.ones(1)])
 
-    def _mig_recv(self, i: int, mv: Move) -> None:
+    def _recv(self, i: int, mv: Move) -> None:
         packed = self.ctrl.recv(self.rank_of(mv.giver), "mig_package", i)
         self.stats.bytes_received += _nbytes(packed)
         pkg = unpack_tree(packed, self.device)
@@ -260,7 +176,7 @@ class Migration:
                 self.stage.store.put(Segment(index, j, inputs, None, policy="recompute",
                                              rng_state=rng))
 
-    def _mig_adopt(self, i: int, mv: Move) -> None:
+    def _adopt(self, i: int, mv: Move) -> None:
         packed = self.ctrl.recv(self.rank_of(mv.giver), "mig_final", i)
         self.stats.bytes_received += _nbytes(packed)
         final = unpack_tree(packed, self.device)
@@ -272,3 +188,8 @@ class Migration:
             if slot.optimizer is not None and final[index]["optim"] is not None:
                 slot.optimizer.load_state_dict(final[index]["optim"])
         self.stats.seconds = time.perf_counter() - (self._t0 or time.perf_counter())
+
+    HANDLERS: ClassVar[dict[str, Callable[[Migration, int, Move], None]]] = {
+        "MIG_PREPARE": _prepare, "MIG_SEND": _send, "MIG_FINISH": _finish,
+        "MIG_ACCEPT": _accept, "MIG_RECV": _recv, "MIG_ADOPT": _adopt}
+    """The dispatch table: action kind -> ``handler(self, move_index, move)``."""

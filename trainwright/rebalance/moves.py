@@ -1,4 +1,4 @@
-"""Where a live layer migration happens in the schedule (pure: no torch, no processes).
+"""The move plan: which layers move where, and where in the schedule (pure: no torch, no processes).
 
 A migration moves a run of layers from a *giver* stage to a neighbouring *receiver* stage
 in the middle of a step. Everything is decided from the action lists alone, so every rank
@@ -22,8 +22,8 @@ of both stages agrees without extra round trips (design notes:
   the layers are deleted) and ``MIG_ADOPT`` (receiver, before ``SYNC``: adds them).
 
 Migration messages travel on a separate process group, so they never queue behind
-activations; :func:`check_schedule` dry-runs the lists (sends asynchronous, receives and
-``SYNC``'s drain of sends blocking) and raises on a deadlock.
+activations; :func:`~trainwright.schedule.dryrun.check_schedule` dry-runs the lists (sends
+asynchronous, receives and ``SYNC``'s drain of sends blocking) and raises on a deadlock.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from trainwright.errors import PlanError
 from trainwright.schedule.actions import Action
 from trainwright.schedule.base import MIG_KINDS, ActionKind
+from trainwright.schedule.dryrun import check_schedule
 
-__all__ = ["Move", "MigrationSchedule", "one_hop_moves", "migration_schedule", "check_schedule",
-           "MIG_KINDS"]
+__all__ = ["Move", "MigrationSchedule", "one_hop_moves", "migration_schedule", "MIG_KINDS"]
 
 @dataclass(frozen=True)
 class Move:
@@ -195,67 +195,3 @@ def _prepares(actions: list[Action]) -> int:
     while i < len(actions) and actions[i].kind in (ActionKind.MIG_PREPARE, ActionKind.MIG_ACCEPT):
         i += 1
     return i
-
-
-def _messages(a: Action) -> tuple[list, list]:
-    """``(waits_for, sends)`` message keys of one action."""
-    s, k, mb = a.stage, a.kind, a.mb
-    if k == ActionKind.SEND_F:
-        return [], [("act", s, mb)]
-    if k == ActionKind.RECV_F:
-        return [("act", s - 1, mb)], []
-    if k == ActionKind.SEND_B:
-        return [], [("grad", s, mb)]
-    if k == ActionKind.RECV_B:
-        return [("grad", s + 1, mb)], []
-    if k == ActionKind.MIG_PREPARE:
-        return [], [("prepare", mb)]
-    if k == ActionKind.MIG_ACCEPT:
-        return [("prepare", mb)], [("ready", mb)]
-    if k == ActionKind.MIG_SEND:
-        return [("ready", mb)], [("package", mb)]
-    if k == ActionKind.MIG_RECV:
-        return [("package", mb)], []
-    if k == ActionKind.MIG_FINISH:
-        return [], [("final", mb)]
-    if k == ActionKind.MIG_ADOPT:
-        return [("final", mb)], []
-    return [], []
-
-
-def check_schedule(schedules: list[list[Action]]) -> None:
-    """Dry-run the action lists as the runtime executes them; raise PlanError on a deadlock.
-
-    Sends never block; a receive waits for its message; ``SYNC`` waits until every earlier
-    send of its stage has been received (the runtime drains its sends there).
-    """
-    pos = [0] * len(schedules)
-    sent: dict = {}  # key -> stage that sent it
-    received: set = set()
-    pending_sends: list[set] = [set() for _ in schedules]
-    while any(p < len(acts) for p, acts in zip(pos, schedules, strict=True)):
-        progressed = False
-        for s, acts in enumerate(schedules):
-            while pos[s] < len(acts):
-                a = acts[pos[s]]
-                waits, sends = _messages(a)
-                if any(w not in sent for w in waits):
-                    break
-                if a.kind == ActionKind.SYNC and pending_sends[s] - received:
-                    break
-                for w in waits:
-                    received.add(w)
-                for m in sends:
-                    if m in sent:
-                        raise PlanError(f"message {m} sent twice (second by {a})")
-                    sent[m] = s
-                    pending_sends[s].add(m)
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            stuck = {s: str(acts[pos[s]]) for s, acts in enumerate(schedules)
-                     if pos[s] < len(acts)}
-            raise PlanError(f"schedule deadlocks; stages wait on {stuck}")
-    unread = set(sent) - received
-    if unread:
-        raise PlanError(f"messages sent but never received: {sorted(unread)[:4]}")
