@@ -1,6 +1,10 @@
 """The pipeline runtime: a stage as an ordered list of layers, each its own autograd segment.
 
 * :mod:`~trainwright.pipeline.runtime`: the executor of a stage's action list;
+  :mod:`~trainwright.pipeline.interleaved`: of several model chunks per rank;
+* :mod:`~trainwright.pipeline.split_backward`, :mod:`~trainwright.pipeline.deferred_linear`:
+  a backward split into B (input gradients) and W (weight gradients later);
+* :mod:`~trainwright.pipeline.tied`: tied weights across stages, one gradient;
 * :mod:`~trainwright.pipeline.stage`, :mod:`~trainwright.pipeline.store`,
   :mod:`~trainwright.pipeline.swap`: layer segments, the activation store (keep / swap /
   recompute, byte accounting), host swap;
