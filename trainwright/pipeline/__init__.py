@@ -10,9 +10,9 @@
   recompute, byte accounting), host swap;
 * :mod:`~trainwright.pipeline.budget`: a memory limit -> per-layer policies;
 * :mod:`~trainwright.pipeline.repartition`, :mod:`~trainwright.pipeline.rebalance`,
-  :mod:`~trainwright.pipeline.edit`: seed 000's detection, live migration, model edits;
-* :mod:`~trainwright.pipeline.peerswap`, :mod:`~trainwright.pipeline.peer_setup`: seed 004's
-  peer swap at run time.
+  :mod:`~trainwright.pipeline.edit`: the adaptive pipeline's detection, live migration, model edits;
+* :mod:`~trainwright.pipeline.peerswap`, :mod:`~trainwright.pipeline.peer_setup`: peer swap
+  at run time.
 
 May import: errors, schedule, plan, config, observe, model, dist, sync (not tokenring,
 run, bench, cli).

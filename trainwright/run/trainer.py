@@ -63,7 +63,7 @@ class Trainer(TrainerSetup):
         shard: ``(index, count)``: which share of each global batch this rank's replica
             trains on (default: its data-parallel index and ``dp``). A public attribute: a
             ring node given another index at its rendezvous updates it.
-        peer_plan: a seed-004 plan to run (default: planned here when
+        peer_plan: a peer-swap plan to run (default: planned here when
             ``memory.peer_swap``), and ``peer_group`` the group its chunks travel on.
         profiler: the per-layer cost table (default: smoothed over steps).
         outputs: write metrics, trace, report and checkpoints (a token-ring node writes
@@ -242,7 +242,7 @@ class Trainer(TrainerSetup):
         stats.migration.update(old=old, new=self.parts)
         if any(self.topo.stage in (m.giver, m.receiver) for m in migration.plan.moves):
             self.sync.attach([slot.module for slot in self.stage.slots])
-            if self.budget.on_layers_changed() is not None:  # seed 000: re-plan after a move
+            if self.budget.on_layers_changed() is not None:  # re-plan policies after a move
                 stats.memory_plan = self._plan_record()
 
     def _profile_and_check(self, step: int, stats: StepStats) -> bool:

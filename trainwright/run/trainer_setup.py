@@ -135,7 +135,7 @@ class TrainerSetup:
         self.store.chunk_of = {i: k for k, ls in (self.chunk_layers or {}).items() for i in ls}
 
     def _setup_schedule(self, named: NamedLayers, peer_plan: dict | None, peer_group) -> None:
-        """Every stage's action list; seed 004's peer-swap actions woven in when planned."""
+        """Every stage's action list; the peer-swap actions woven in when planned."""
         cfg, topo = self.cfg, self.topo
         self.schedules = build_schedule(cfg.train.schedule, topo.pp, cfg.train.micro_batches,
                                         cfg.parallel.virtual_stages)
@@ -150,7 +150,7 @@ class TrainerSetup:
                 cfg.runtime.p2p_timeout_s, group=peer_group)
 
     def _plan_peer_swap(self, named: NamedLayers) -> dict:
-        """The job's seed-004 plan, the same on every rank; rank 0 writes it to the run dir."""
+        """The job's peer-swap plan, the same on every rank; rank 0 writes it to the run dir."""
         cfg, t = self.cfg, self.cfg.train
         per_replica = t.batch_size // self.shard[1]
         x, y = self.data.batch(1, t.batch_size)
@@ -206,7 +206,7 @@ class TrainerSetup:
             grad_sync=self.update, replica=topo.replica, fault=fault, extensions=self.extensions)
 
     def _setup_rebalancer(self, named: NamedLayers) -> None:
-        """Seed 000's detector, partitioner and live migration, when anything can move."""
+        """The adaptive pipeline's detector, partitioner, live migration, when anything can move."""
         rb, topo = self.cfg.rebalance, self.topo
         self.rebalancer = self.catalog = self.edit_hook = None
         if not (rb.enabled or rb.at_step or rb.edits):

@@ -8,7 +8,7 @@
   :mod:`~trainwright.schedule.carry`: last W passes carried into the next step;
 * :mod:`~trainwright.schedule.migration`: where a live migration acts inside a schedule,
   and the dry-run deadlock check of any schedule;
-* :mod:`~trainwright.schedule.peer`: seed 004's peer-swap actions woven into a schedule;
+* :mod:`~trainwright.schedule.peer`: the peer-swap actions woven into a schedule;
 * :mod:`~trainwright.schedule.occupancy`: what each model chunk of a rank holds over a
   step (the per-chunk in-flight counts of interleaved 1F1B and ZB-V).
 

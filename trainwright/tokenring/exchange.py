@@ -1,4 +1,4 @@
-"""The token ring as the trainer's gradient exchange (seed 002).
+"""The token ring as the trainer's gradient exchange.
 
 :class:`RingExchange` is a :class:`~trainwright.sync.base.GradSync`: the trainer's one step
 loop computes a node's gradient, ``SYNC`` offers it to the ring and waits for the step to
