@@ -136,3 +136,57 @@ def test_check_row_finds_names_in_the_rows_files():
         "`Trainer.nope` is in none of ['trainwright/run/trainer.py', "
         "'trainwright/sync/dense.py', 'trainwright/sync/sparse.py']",
     ]
+
+
+# --- the README as a front page -------------------------------------------------------
+
+README = ROOT / "README.md"
+COMMANDS = ("pip install torch==2.13.0 -e . && trainwright run",
+            "pip install torch==2.13.0 -e '.[test]' && python -m pytest")
+
+
+def front_page_problems(text: str) -> list[str]:
+    """What keeps ``text`` from being the README's front page."""
+    problems = []
+    lines = text.splitlines()
+    if len(lines) > 300:
+        problems.append(f"{len(lines)} lines, at most 300: move run history and tables to "
+                        "docs/bench/README.md and details to docs/")
+    blocks = re.findall(r"```bash\n(.*?)\n```", text, re.S)[:2]
+    if blocks != list(COMMANDS):
+        problems.append(f"the README must open with the two commands {COMMANDS}; "
+                        f"its first bash blocks are {blocks}")
+    return problems
+
+
+def test_readme_is_a_front_page():
+    problems = front_page_problems(README.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_config_rows_are_the_generated_ones():
+    """The README's essential keys are rows of docs/configuration.md's table, verbatim
+    (tests/test_cli.py checks that table against the code)."""
+    full = set((ROOT / "docs" / "configuration.md").read_text().splitlines())
+    rows = [line for line in README.read_text().splitlines() if line.startswith("| `")
+            and re.match(r"\| `[a-z_]+\.[a-z_]+` \| `", line)]
+    assert rows, "the README has no configuration rows"
+    stale = [row.split("|")[1].strip() for row in rows if row not in full]
+    assert not stale, f"README rows differ from docs/configuration.md: {stale}; copy them"
+
+
+def broken_links(page: Path) -> list[str]:
+    """Relative markdown links of ``page`` whose file is not there (anchors not checked)."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        path = target.split("#", 1)[0]
+        if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+            broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").rglob("*.md"))],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_links_point_at_files(page):
+    broken = broken_links(page)
+    assert not broken, f"{page.relative_to(ROOT)} links to missing files: {broken}"

@@ -1,6 +1,6 @@
 """The sections of the run configuration: one pydantic model per TOML section, a docstring
-under every field (pydantic keeps it as the field's description, and the README's
-configuration table is generated from it by ``tools/config_table.py``).
+under every field (pydantic keeps it as the field's description, and
+docs/configuration.md's table is generated from it by ``tools/config_table.py``).
 
 Types and per-field ranges are checked here (an int is accepted where a float is expected;
 a bool is not an int and a string is not a number); rules that involve several keys live
