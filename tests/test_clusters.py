@@ -39,7 +39,7 @@ def test_long_skip_keeps_bypassed_layers_with_their_join():
     edges = _chain(8) + [(1, 5)]
     assert clusters_from_layer_graph(8, edges) == [[0], [1], [2, 3, 4, 5], [6], [7]]
     assert allowed_cuts(8, edges) == [0, 1, 5, 6]
-    # The literal seed rule also keeps the fork itself in the cluster.
+    # The literal rule (keep_fork=True) also keeps the fork itself in the cluster.
     assert clusters_from_layer_graph(8, edges, keep_fork=True) == [[0], [1, 2, 3, 4, 5], [6], [7]]
 
 
@@ -169,7 +169,7 @@ def test_prenorm_transformer_keeps_residual_units_together():
     # it makes everything from ln1.0 to the last attention one cluster.
     with_mask = model_clusters(layers, include_constants=True)
     assert with_mask == [[0], [1, 2, 3, 4, 5, 6], [7, 8], [9], [10]]
-    # The literal seed rule (fork kept with its join) merges the whole residual stream.
+    # The literal rule (fork kept with its join) merges the whole residual stream.
     assert model_clusters(layers, keep_fork=True) == [list(range(9)), [9], [10]]
 
 

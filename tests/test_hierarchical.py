@@ -1,4 +1,4 @@
-"""Hierarchical sharded sync (seed 003) equals flat all-reduce + a full optimizer step.
+"""Hierarchical sharded sync equals flat all-reduce + a full optimizer step.
 
 Four gloo ranks on 127.0.0.1 play 2 nodes x 2 ranks (``ranks_per_node = 2``). Many cases
 run inside one spawned group, since importing torch dominates a test's time here.

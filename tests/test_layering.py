@@ -155,19 +155,3 @@ def test_the_architecture_doc_matches_the_tree():
         where = ROOT.parent if path.startswith("tests/") else ROOT
         rel = path.removeprefix("trainwright/")
         assert (where / rel).is_file(), f"docs/architecture.md names {path}, which is not there"
-
-
-def test_the_readme_layout_lists_every_module():
-    """The README's layout block names each package's modules, and only existing ones."""
-    import re
-
-    readme = (ROOT.parent / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
-    entries = re.split(r"\n  (?=[a-z_]+/ |errors\.py)", block)
-    listed = {}
-    for entry in entries[1:]:
-        name = entry.split()[0].rstrip("/")
-        listed[name] = set(re.findall(r"\b([a-z_]+)\.py\b", entry))
-    for layer in LAYERS[1:]:
-        real = {p.stem for p in (ROOT / layer).glob("*.py")} - {"__init__", "__main__"}
-        assert listed.get(layer) == real, (layer, listed.get(layer), real)

@@ -1,4 +1,4 @@
-"""Tests for trainwright.plan.partition: clusters into contiguous stages, seed rule and min-max."""
+"""Tests for trainwright.plan.partition: clusters into stages, threshold rule and min-max."""
 
 from __future__ import annotations
 

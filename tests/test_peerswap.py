@@ -24,7 +24,7 @@ def _loss(out, y):
 
 
 def plan_for(job: GPTJob, budgets: list[int]) -> dict:
-    """Tensor profile of one micro-batch, then the seed 004 planner with peers preferred."""
+    """Tensor profile of one micro-batch, then the peer-swap planner with peers preferred."""
     layers = job_layers(job)
     x, y = job_batch(job, 0)
     n = job.micro_batch_size

@@ -1,4 +1,4 @@
-"""Seed 004 placement: chunking by bandwidth, the rules, spare memory, the mapping search."""
+"""Peer-swap placement: chunking by bandwidth, the rules, spare memory, the mapping search."""
 
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def test_min_feasible_and_optimal_plan_are_exact_with_chunks():
         plan = optimal_plan(layers, flight, limit, 1e6)
         assert plan.required_bytes < limit
         assert plan.added_time_s == pytest.approx(best, rel=1e-6, abs=1e-12)
-        greedy = greedy_plan(layers, flight, limit, 1e6)  # the seed's rule: may not fit
+        greedy = greedy_plan(layers, flight, limit, 1e6)  # the greedy rule: may not fit
         assert greedy.required_bytes >= limit or greedy.added_time_s >= plan.added_time_s
 
 

@@ -1,4 +1,4 @@
-"""Live re-partitioning (seed 000): migration equals no migration, plans, detection, faults."""
+"""Live re-partitioning: migration equals no migration, plans, detection, faults."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sparse gradient sync (seed 001) equals a dense all-reduce of the same gradients.
+"""Sparse gradient sync equals a dense all-reduce of the same gradients.
 
 Every multi-process test spawns one gloo group and runs many cases inside it (importing
 torch dominates start-up here). Each rank can compute every rank's gradients from the case
@@ -55,7 +55,7 @@ def _case_ids(case: str, rank: int, world: int) -> torch.Tensor:
         return torch.cat([torch.arange(10), 10 + torch.randperm(HEIGHT - 10, generator=g)[:3]])
     if case == "all_rows":
         return torch.cat([torch.arange(HEIGHT), torch.randint(0, HEIGHT, (5,), generator=g)])
-    if case == "one_rank":  # the seed's picture: only one rank has rows
+    if case == "one_rank":  # the textbook case: only one rank has rows
         return torch.randperm(HEIGHT, generator=g)[:9] if rank == 0 else torch.empty(0).long()
     raise AssertionError(case)
 

@@ -1,4 +1,4 @@
-"""Token ring (seed 002): wire format, ring arithmetic, and 4-node runs on 127.0.0.1.
+"""Token ring: wire format, ring arithmetic, and 4-node runs on 127.0.0.1.
 
 The multi-node tests start real node processes (pyzmq, no process group) through
 :func:`launch_ring` with short time-outs; each checks replicas against each other by
@@ -96,7 +96,7 @@ def test_push_pull_with_unlimited_hwm_loses_nothing_sent_before_the_peer_binds()
 
 @pytest.mark.timeout(30)
 def test_ring_arithmetic():
-    assert contributors_needed(0.9, 4) == 4  # the seed's default needs all four of four
+    assert contributors_needed(0.9, 4) == 4  # the default 0.9 needs all four of four
     assert contributors_needed(0.75, 4) == 3
     assert contributors_needed(0.75, 3) == 3
     assert contributors_needed(0.5, 3) == 2
@@ -240,7 +240,7 @@ def test_no_faults_equals_synchronous_data_parallel(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_straggler_is_left_out_and_replicas_stay_identical(tmp_path):
-    # the seed's plain rule (no grace): the node a few ms late is left out at once
+    # the plain closing rule (no grace): the node a few ms late is left out at once
     cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75, "tokenring.slow_node": 3,
                                 "tokenring.close_grace_s": 0.0,
                                 "tokenring.slow_factor": 5.0, "train.steps": 16,

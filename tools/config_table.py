@@ -1,4 +1,4 @@
-"""Print the README's configuration table from the section models' field docstrings
+"""Print docs/configuration.md's table of every key from the section models' field docstrings
 (``trainwright/config/sections.py``; pydantic keeps each as the field's description)."""
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ Quick start::
     import trainwright
     run_dir = trainwright.fit(overrides=["parallel.pp=2", "train.steps=50"])
     model = trainwright.load_model(run_dir)
+
+Beside the sub-packages (their order in ``docs/architecture.md``): :mod:`trainwright.errors`,
+the error types every package raises, and ``__main__`` (``python -m trainwright``, the
+command line).
 """
 
 __version__ = "0.1.0"

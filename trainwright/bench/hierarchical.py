@@ -1,4 +1,4 @@
-"""``trainwright bench hierarchical``: seed 003's sync end to end, against torch DDP and FSDP2.
+"""``trainwright bench hierarchical``: hierarchical sync end to end, against torch DDP and FSDP2.
 
 The question: on 2 nodes x 2 ranks joined by a 1 Gbit/s link, how long does a whole
 training step (forward + backward + gradient sync + optimizer) take with our hierarchical

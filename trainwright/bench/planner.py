@@ -3,7 +3,7 @@
 Questions:
 
 1. **Simulator accuracy.** For 2 and 4 stages, GPipe and 1F1B, without and with a memory
-   limit (stage 0 limited to ``limit_fraction`` of its all-keep peak; the seed 004 plan:
+   limit (stage 0 limited to ``limit_fraction`` of its all-keep peak; the planner's plan:
    peer swap, then recompute), train the GPT for real and predict the same run with
    :func:`trainwright.plan.simulate.simulate`. Compute costs come from the run's own
    measurements: the traced forward/backward action times per stage (split over layers by

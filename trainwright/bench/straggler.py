@@ -28,7 +28,7 @@ is evaluated afterwards, so evaluation costs no system any time.
 straggler emulated by sleeping frees CPU for the others and hides itself. Each node is
 therefore paced like a node with its own device: its forward+backward is padded to
 ``pace_s`` by idling (a slow node's to ``slow_factor * pace_s``). In the token ring the
-idling ends early when the ring closes the step without the node (the seed abandons a
+idling ends early when the ring closes the step without the node (the ring abandons a
 closed step). Every rank runs one intra-op thread.
 
 Rounds run the seven (system, scenario) runs in ABBA order

@@ -41,7 +41,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None,
                 run_dir=resume_dir)
-    if cfg.sync.strategy == "tokenring":  # its own launcher: no process group (seed 002)
+    if cfg.sync.strategy == "tokenring":  # its own launcher: no process group
         return _run_tokenring(cfg, resume_dir)
     _preflight(cfg)
     if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     ben.set_defaults(func=_cmd_bench)
 
     from trainwright.cli.plan_commands import add_parsers as add_plan_parsers
-    add_plan_parsers(sub, _cmd_plan, _cmd_simulate)  # `plan` and `simulate` (seed 004)
+    add_plan_parsers(sub, _cmd_plan, _cmd_simulate)  # `plan` and `simulate`: the peer-swap planner
     return p
 
 

@@ -1,4 +1,4 @@
-"""``trainwright plan`` and ``trainwright simulate``: the seed 004 planner on the command line.
+"""``trainwright plan`` and ``trainwright simulate``: the peer-swap planner on the command line.
 
 ``trainwright plan`` profiles a GPT (for real when small, on the meta device when large:
 nothing is allocated), takes a topology (a preset, a JSON file, or ``nvidia-smi`` where a
@@ -254,7 +254,7 @@ def add_parsers(sub, on_plan, on_simulate) -> None:
     """Add the ``plan`` and ``simulate`` subcommands (handled by ``on_plan`` / ``on_simulate``,
     which print what :func:`cmd_plan` / :func:`cmd_simulate` return)."""
     p = sub.add_parser("plan", help="plan partition, device mapping and per-tensor memory "
-                       "policies (seed 004) and predict step time and peaks")
+                       "policies (peer swap, host swap, recompute) and predict step time and peaks")
     p.add_argument("--model", default="gpt-small", help=f"one of {sorted(PRESET_MODELS)}")
     p.add_argument("--meta", action="store_true", help="profile on the meta device (automatic "
                    "for large models)")

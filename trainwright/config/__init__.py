@@ -3,6 +3,9 @@
 * :mod:`~trainwright.config.sections`: one pydantic model per TOML section, a docstring per
   key; types and per-field ranges;
 * :mod:`~trainwright.config.core`: :class:`Config`, loading, cross-field rules, sizes;
+* :mod:`~trainwright.config.training_rules`, :mod:`~trainwright.config.interleaved_rules`:
+  cross-field rules of training settings and of ``parallel.virtual_stages``;
+* :mod:`~trainwright.config.combinations`: valid configurations that still cannot start;
 * :mod:`~trainwright.config.messages`: pydantic's errors as one-line ConfigErrors.
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.plan` (policy names).

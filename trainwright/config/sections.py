@@ -1,6 +1,6 @@
 """The sections of the run configuration: one pydantic model per TOML section, a docstring
-under every field (pydantic keeps it as the field's description, and the README's
-configuration table is generated from it by ``tools/config_table.py``).
+under every field (pydantic keeps it as the field's description, and
+docs/configuration.md's table is generated from it by ``tools/config_table.py``).
 
 Types and per-field ranges are checked here (an int is accepted where a float is expected;
 a bool is not an int and a string is not a number); rules that involve several keys live
@@ -218,7 +218,7 @@ class MemoryConfig(Section):
     value per stage, ``"auto"`` (CUDA: device memory minus ``reserve``), or ``""`` for none.
     With several chunks per rank (``parallel.virtual_stages``): per rank, all its chunks."""
     planner: Literal["greedy", "optimal"] = "greedy"
-    """``"greedy"`` (seed 000's rule) or ``"optimal"`` (MILP, scipy HiGHS)."""
+    """``"greedy"`` (the adaptive pipeline's rule) or ``"optimal"`` (MILP, scipy HiGHS)."""
     policies: list[str] = []
     """Fixed per-layer policies (``"keep"``, ``"swap"``, ``"recompute"``), one per layer of
     the model, or one value for all; empty = planned from the limit."""
@@ -228,7 +228,7 @@ class MemoryConfig(Section):
     """With ``limit = "auto"`` on CUDA: device memory left for parameters, optimizer state
     and workspace."""
     peer_swap: bool = False
-    """Seed 004: plan every saved tensor at start (``trainwright plan``'s planner) and move
+    """Peer swap: plan every saved tensor at start (``trainwright plan``'s planner) and move
     those of stages over their ``limit`` to the spare memory of other stages, in chunks over
     point-to-point links, before recomputing or swapping to the host. Needs a ``limit``."""
     peer_bandwidth: Annotated[NonNegativeFloat, MEASURED] = 0.0
@@ -240,10 +240,10 @@ class SyncConfig(Section):
 
     strategy: Literal["dense", "hierarchical", "tokenring"] = "dense"
     """How data-parallel replicas agree on gradients: ``"dense"`` (bucketed all-reduce),
-    ``"hierarchical"`` (seed 003, slices sized by memory) or ``"tokenring"`` (seed 002,
-    plain data parallel without a barrier)."""
+    ``"hierarchical"`` (hierarchical sharded sync, slices sized by memory) or ``"tokenring"``
+    (the token ring, plain data parallel without a barrier)."""
     sparse: bool = False
-    """Send sparse (embedding) gradients as rows + height + values (seed 001)."""
+    """Send sparse (embedding) gradients as rows + height + values."""
     sparse_path: Literal["auto", "allgather", "broadcast", "dense"] = "auto"
     """With ``sparse``: ``"auto"`` (the cost model picks per parameter and step), or always
     ``"allgather"`` (padded to the largest count), ``"broadcast"`` (one per rank with rows)
@@ -263,7 +263,7 @@ class SyncConfig(Section):
 
 
 class HierarchicalConfig(Section):
-    """``[hierarchical]``: sharded sync over nodes (seed 003)."""
+    """``[hierarchical]``: hierarchical sharded sync over nodes."""
 
     ranks_per_node: Annotated[NonNegativeInt, Allowed(
         "must be 0 (ranks on one host form a node) or positive")] = 0
@@ -287,7 +287,7 @@ class HierarchicalConfig(Section):
 
 
 class TokenRingConfig(Section):
-    """``[tokenring]``: barrier-free data parallel over a token ring (seed 002)."""
+    """``[tokenring]``: barrier-free data parallel over a token ring."""
 
     close_fraction: Annotated[float, Field(gt=0, le=1), Allowed("must be in (0, 1]")] = 0.9
     """A step closes once the contributions taken cover this fraction of its samples."""
@@ -353,7 +353,7 @@ class TokenRingConfig(Section):
     """A step closes as soon as every member contributed; once the contributions meet
     ``close_fraction`` it closes after this many more seconds even without the rest, so a
     node that is only a little late is not thrown away (0 = close at the fraction at once,
-    the seed's plain rule). Set it to a small share of a step's compute time."""
+    the token ring's plain rule). Set it to a small share of a step's compute time."""
     slow_probability: Annotated[UNIT, Allowed("must be in [0, 1] (0 = no transient "
                                               "stragglers)")] = 0.0
     """Emulation (benchmarks): in every step every node is independently ``slow_factor``
@@ -384,10 +384,10 @@ class TokenRingConfig(Section):
 
 
 class RebalanceConfig(Section):
-    """``[rebalance]``: live layer migration between stages (seed 000)."""
+    """``[rebalance]``: the adaptive pipeline's live layer migration."""
 
     enabled: bool = False
-    """Detect unbalanced stages and migrate layers live (seed 000)."""
+    """Detect unbalanced stages and migrate layers live."""
     check_every: PositiveInt = 5
     """Steps between imbalance checks (each gathers the per-layer times on the last stage)."""
     threshold_rel: UNIT = 0.1

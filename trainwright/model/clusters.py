@@ -1,6 +1,6 @@
-"""Split a layer chain into clusters that a pipeline partition never cuts (seed 000).
+"""Split a layer chain into clusters that a pipeline partition never cuts.
 
-Seed 000 (paragraphs 73-76) walks the layers in execution order: a *cluster* starts at a
+The adaptive pipeline walks the layers in execution order: a *cluster* starts at a
 layer whose output feeds several layers (a fork), ends at the layer that joins them, and
 the straight runs outside such regions are clusters of their own. Here each straight-run
 layer is its own cluster (the finest choice, best for partitioning), and overlapping or
@@ -16,7 +16,7 @@ it *bypasses* layers ``p+1 .. c-1``. The rule (default, ``keep_fork=False``):
 i.e. iff a value made before layer ``i`` is used after it, so that the cut would carry
 the skip next to the main path. A cut right after the fork carries only the fork's
 output, as a chain cut does, so it stays allowed: the fork is the cluster's entry and the
-join its last layer. With ``keep_fork=True`` (the literal seed rule) the fork joins the
+join its last layer. With ``keep_fork=True`` (the literal rule) the fork joins the
 cluster as well (``p <= i < c``); in a residual network the layer that ends one block
 (the join, holding the add) is also the fork of the next, so this merges consecutive
 blocks into one cluster.
@@ -100,7 +100,7 @@ def clusters_from_layer_graph(n_layers: int, edges: Iterable[tuple[int, int]], *
         n_layers: number of layers, in execution order.
         edges: ``(producer, consumer)`` pairs, any order, duplicates allowed; producer
             ``-1`` (``INPUT``) is a model input.
-        keep_fork: keep each fork in the cluster of its join (the literal seed rule).
+        keep_fork: keep each fork in the cluster of its join (the literal rule).
 
     Returns:
         Lists of consecutive layer indices that together cover ``0 .. n_layers - 1``.

@@ -1,4 +1,4 @@
-"""Tensor-level profiling (seed 004, claim 2): every saved tensor's bytes and live times.
+"""Tensor-level profiling for the peer-swap planner: every saved tensor's bytes and live times.
 
 Extends :mod:`trainwright.observe.layer_profile` (per-layer costs) down to the tensors
 autograd saves: for each layer, in forward order, every *storage* it saves for backward (parameters,

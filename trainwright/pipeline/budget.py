@@ -2,7 +2,7 @@
 
 The planners themselves are pure (:mod:`trainwright.plan.memory`); this module feeds them
 the stage's measured cost table, applies the plan to the activation store, and re-plans
-when the seed's trigger fires (over the limit, or under it with a needless recompute) or
+when the re-plan trigger fires (over the limit, or under it with a needless recompute) or
 when the stage's layers change (:meth:`MemoryBudget.on_layers_changed`, called by
 rebalancing).
 """
@@ -196,13 +196,13 @@ class MemoryBudget:
 
     def replan(self, costs: list[LayerCost] | None = None, why: str = "",
                only_if_over: bool = False) -> MemoryPlan | None:
-        """Plan again if the seed's trigger fires; apply and return a changed plan, else None.
+        """Plan again if the re-plan trigger fires; apply and return a changed plan, else None.
 
         Args:
             costs: the stage's per-layer costs (default: the profiler's current table).
             why: context for the log line (e.g. "before step 1").
             only_if_over: re-plan only when the measured costs exceed the limit. Periodic
-                checks use this: the seed's other trigger (a recompute while under the
+                checks use this: the other trigger (a recompute while under the
                 limit) is meant for a changed partition, and would otherwise re-make a plan
                 that recomputes on purpose at every check.
         """

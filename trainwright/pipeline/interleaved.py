@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from trainwright.dist.comm import P2P
+from trainwright.dist.faults import FaultPoint
 from trainwright.model.build import loss_fn
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.runtime import Runtime, StepHooks
@@ -68,12 +69,12 @@ class InterleavedRuntime(Runtime):
         hooks: the trainer's ``SYNC`` and ``STEP``.
         rank_of: virtual stage -> global rank holding it.
         replica: this rank's data-parallel index; ``rank``: its pipeline index.
-        fault: ``(step, action_index, action) -> None`` hook before each action (testing).
+        fault: where a test's fault may strike (:mod:`trainwright.dist.faults`).
     """
 
     def __init__(self, view: Stage, chunks: dict[int, Stage], actions: list[Action], p2p: P2P,
                  hooks: StepHooks, *, rank_of: Callable[[int], int], replica: int = 0,
-                 rank: int = 0, fault: Callable[[int, int, Action], None] | None = None):
+                 rank: int = 0, fault: FaultPoint | None = None):
         super().__init__(view, actions, p2p, hooks, replica=replica, rank=rank, fault=fault)
         self.chunks, self.rank_of = chunks, rank_of
         self.last = max(a.stage for a in actions if a.kind == ActionKind.F)

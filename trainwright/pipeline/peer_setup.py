@@ -1,4 +1,4 @@
-"""``memory.peer_swap = true``: plan seed 004's peer swap for this job at start, then wire it in.
+"""``memory.peer_swap = true``: plan peer swap for this job at start, then wire it in.
 
 Rank 0 profiles every saved tensor of one micro-batch (:func:`~trainwright.observe.tensor_profile.
 profile_tensors`, on copies of the layers so training is untouched), and the tensor-level

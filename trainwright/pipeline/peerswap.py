@@ -1,4 +1,4 @@
-"""Runtime peer swap (seed 004): saved tensors go, in chunks, to other ranks' memory.
+"""Runtime peer swap: saved tensors go, in chunks, to other ranks' memory.
 
 The activation store's pack hook (:meth:`ActivationStore.capture`) hands every saved
 storage to :meth:`PeerSwap.pack`. If the plan names it (by layer and by the order of first
@@ -16,7 +16,7 @@ Every transfer is an action of both ranks' schedules
 which the runtime executes through :meth:`PeerSwap.extensions` and the simulator replays.
 Transfers use their own process group, so they never match a pipeline send by mistake.
 
-Metadata table (per tensor, seed claim 6): chunk count, chunk sizes, target ranks
+Metadata table (per tensor): chunk count, chunk sizes, target ranks
 (:class:`TensorMeta`). A tensor may also have host chunks (target :data:`HOST`, where the
 planner found no peer with room or a fast enough link for that piece): those bytes are
 copied to host memory at pack time and back into the tensor's buffer when it is fetched.

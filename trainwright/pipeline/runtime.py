@@ -14,8 +14,6 @@ chunks per rank.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,11 +22,12 @@ from typing import Any, Protocol
 import torch
 
 from trainwright.dist.comm import P2P
+from trainwright.dist.faults import FaultPoint
 from trainwright.pipeline.stage import Stage
 from trainwright.schedule.actions import COMPUTE, Action
 from trainwright.schedule.base import MIG_KINDS, ActionKind
 
-__all__ = ["StepStats", "StepHooks", "Runtime", "PipelineRuntime", "kill_self_at"]
+__all__ = ["StepStats", "StepHooks", "Runtime", "PipelineRuntime"]
 
 
 class LiveMigration(Protocol):
@@ -104,13 +103,13 @@ class Runtime:
         p2p: transfers to the other ranks of the pipeline.
         hooks: the trainer's ``SYNC`` and ``STEP``.
         replica / rank: this rank's data-parallel and pipeline index (for the stats).
-        fault: ``(step, action_index, action) -> None`` called before each action of the
-            step's list (fault injection in tests).
+        fault: where a test's fault may strike, checked before each action of the step's
+            list with ``(index, action)`` (:mod:`trainwright.dist.faults`; None: never).
     """
 
     def __init__(self, view: Stage, actions: list[Action], p2p: P2P, hooks: StepHooks, *,
                  replica: int = 0, rank: int = 0,
-                 fault: Callable[[int, int, Action], None] | None = None):
+                 fault: FaultPoint | None = None):
         self.view, self.actions, self.p2p, self.hooks = view, actions, p2p, hooks
         self.replica, self.stage_index, self.fault = replica, rank, fault
         self.split = view.options.split_backward
@@ -177,7 +176,7 @@ class Runtime:
         for j, a in enumerate(actions):
             self._index = None if offset is None else offset + j
             if self.fault is not None and self._index is not None:
-                self.fault(step, self._index, a)
+                self.fault.check(step, (self._index, a))
             t0 = time.perf_counter_ns()
             handler = self.handlers.get(a.kind)
             if handler is None:
@@ -234,7 +233,7 @@ class PipelineRuntime(Runtime):
         hooks: the trainer's ``SYNC`` and ``STEP``.
         prev_rank / next_rank: global ranks of the neighbours (None at the ends).
         replica: this rank's data-parallel index (for the stats).
-        fault: ``(step, action_index, action) -> None`` hook called before each action (testing).
+        fault: where a test's fault may strike (:mod:`trainwright.dist.faults`).
         extensions: handlers of action kinds beyond the built-in ones (e.g. the peer-swap
             actions of :mod:`trainwright.pipeline.peerswap`).
         after: called after every action (the peer swap's bookkeeping).
@@ -242,7 +241,7 @@ class PipelineRuntime(Runtime):
 
     def __init__(self, stage: Stage, actions: list[Action], p2p: P2P, hooks: StepHooks, *,
                  prev_rank: int | None, next_rank: int | None, replica: int = 0,
-                 fault: Callable[[int, int, Action], None] | None = None,
+                 fault: FaultPoint | None = None,
                  extensions: dict[ActionKind, Callable[[Action], None]] | None = None,
                  after: Callable[[Action], None] | None = None):
         super().__init__(stage, actions, p2p, hooks, replica=replica, rank=actions[0].stage,
@@ -321,15 +320,3 @@ class PipelineRuntime(Runtime):
         if self._migration is None:
             raise ValueError(f"action {a} outside a migration step")
         self._migration.run(a)
-
-
-def kill_self_at(kill_step: int, action_index: int,
-                 kind: str = "") -> Callable[[int, int, Action], None]:
-    """Fault hook that SIGKILLs this process in step ``kill_step``: before the first action
-    of ``kind`` when given (e.g. ``"MIG_RECV"``), else before action ``action_index``."""
-
-    def hook(step: int, i: int, action: Action) -> None:
-        if step == kill_step and (action.kind == kind if kind else i == action_index):
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return hook

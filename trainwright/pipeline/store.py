@@ -2,7 +2,7 @@
 
 A *segment* is one layer's forward for one micro-batch: its detached input, its output
 (which owns the autograd graph) and what autograd saved for backward. Each layer has a
-policy (seed 000, paragraphs 105-121):
+policy (chosen by :mod:`trainwright.pipeline.budget`):
 
 - ``keep``: the saved tensors stay on the device;
 - ``swap``: ``saved_tensors_hooks`` copy them to host memory during forward
@@ -116,7 +116,7 @@ class ActivationStore:
         self.host_bytes = 0
         self.peak_host_bytes = 0
         self.peer = None
-        """Seed 004 peer swap (:class:`~trainwright.pipeline.peerswap.PeerSwap`), or None."""
+        """Peer swap (:class:`~trainwright.pipeline.peerswap.PeerSwap`), or None."""
         self.chunk_of: dict[int, int] = {}
         """Layer -> model chunk, with several chunks per rank: the micro-batch peak then
         counts ``(chunk, micro-batch)`` pairs, each a chunk's own activations."""

@@ -1,11 +1,12 @@
 """Planning: numbers in, plans out. Pure modules: no ``torch.distributed``, no CLI, no plots.
 
 * :mod:`~trainwright.plan.memory`: per-layer keep / swap / recompute under a stage's limit;
-* :mod:`~trainwright.plan.partition`: clusters -> k pipeline stages (seed 000's threshold
-  rule with least communication, and the min-max optimum);
+* :mod:`~trainwright.plan.partition`: clusters -> k pipeline stages (the adaptive pipeline's
+  threshold rule with least communication, and the min-max optimum);
 * :mod:`~trainwright.plan.devices`: device topologies (presets, ``nvidia-smi`` text);
 * :mod:`~trainwright.plan.placement`, :mod:`~trainwright.plan.planner`,
-  :mod:`~trainwright.plan.simulate`: seed 004's device mapping, planner and event simulator;
+  :mod:`~trainwright.plan.simulate`: the peer-swap planner: device mapping,
+  planner and event simulator;
 * :mod:`~trainwright.plan.choose`: ``trainwright plan --schedule auto``'s candidate
   schedules (several chunks per rank included) and the best of their plans.
 

@@ -1,6 +1,6 @@
 """Devices and the links between them: memory per device, a bandwidth matrix, presets.
 
-The planner of seed 004 needs to know, for every pair of devices, how fast tensors move
+The peer-swap planner needs to know, for every pair of devices, how fast tensors move
 between them (NVLink is several times faster than PCIe to the host, and a GPU has several
 NVLinks to different peers), and how much memory each device has. A
 :class:`DeviceTopology` is that table: ``bandwidth[i][j]`` bytes/s from device ``i`` to

@@ -262,7 +262,7 @@ def added_time(layers: list[LayerMem], policies: dict[int, str], host_bandwidth:
 
 def needs_optimising(layers: list[LayerMem], policies: dict[int, str], in_flight: int,
                      limit_bytes: int | None) -> str | None:
-    """The seed's trigger: over the limit, or a needless recompute below it.
+    """The adaptive pipeline's trigger: over the limit, or a needless recompute below it.
 
     Args:
         layers, policies, in_flight, limit_bytes: see the module.
@@ -320,7 +320,7 @@ def _require_feasible(layers: list[LayerMem], in_flight: int, limit_bytes: int |
 
 def greedy_plan(layers: list[LayerMem], in_flight: int, limit_bytes: int | None,
                 host_bandwidth: float, reason: str = "") -> MemoryPlan:
-    """The seed's rule: swap by descending swap/recompute cost ratio, then recompute.
+    """The adaptive pipeline's rule: swap by descending swap/recompute cost ratio, then recompute.
 
     Layers saving nothing stay kept. The others are sorted by ``swap_cost / forward_s``
     descending (``forward_s == 0`` first; ties in the order of ``layers``) and swapped one by
@@ -445,7 +445,7 @@ def optimal_plan(layers: list[LayerMem], in_flight: int, limit_bytes: int | None
 def plan_stage(layers: list[LayerMem], in_flight: int, limit_bytes: int | None,
                host_bandwidth: float, planner: str = "greedy",
                current: dict[int, str] | None = None) -> MemoryPlan | None:
-    """Re-plan a stage's policies when the seed's trigger fires.
+    """Re-plan a stage's policies when the trigger fires (:func:`needs_optimising`).
 
     Args:
         layers, in_flight, limit_bytes, host_bandwidth: see the module.

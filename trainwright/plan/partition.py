@@ -1,4 +1,4 @@
-"""Split a pipeline model's clusters, in order, into contiguous stages (seed 000, 78-80).
+"""Split a pipeline model's clusters, in order, into contiguous stages.
 
 A *cluster* is a run of consecutive layers that must stay on one stage (a residual block's
 fork..join, or a straight run between such blocks). A partition of ``n`` clusters into ``k``
@@ -13,7 +13,7 @@ stages is fixed by its ``k - 1`` cuts. Cost model, per micro-batch:
   unbalanced partition balanced); a threshold left as None is not checked.
 
 Two rules: :func:`minmax_partition` (least largest stage time) and :func:`seed_partition` (the
-seed's: least communication among balanced partitions, else the min-max one). Pure: no torch.
+threshold rule: least communication among balanced partitions, else min-max). Pure: no torch.
 Shared arguments: ``clusters`` (:class:`ClusterCost` rows in model order), ``k`` (stages,
 ``1 <= k <= len(clusters)``), ``link_bandwidth`` (bytes/s between neighbouring stages).
 """
@@ -56,7 +56,7 @@ class Partition:
         stage_times: seconds per micro-batch of each stage (``math.fsum`` of its clusters).
         comm_s: ``comm_bytes / link_bandwidth``: seconds per micro-batch on the ``k - 1`` cuts.
         max_time: the largest stage time.
-        rule: ``"threshold"`` (the seed rule found a balanced partition) or ``"minmax"``.
+        rule: ``"threshold"`` (the threshold rule found a balanced partition) or ``"minmax"``.
         sizes: clusters per stage.
         comm_bytes: bytes crossing the ``k - 1`` cuts.
     """
@@ -109,7 +109,7 @@ def _balanced(lo: float, hi: float, threshold_s: float | None,
 
 def within_threshold(stage_times: Sequence[float], threshold_s: float | None = None,
                      threshold_rel: float | None = None) -> bool:
-    """The seed's balance test (see the module): do all stage times pairwise differ little?
+    """The threshold rule's balance test (see the module): do stage times pairwise differ little?
 
     Args:
         stage_times: seconds per stage.
@@ -240,7 +240,7 @@ def minmax_partition(clusters: Sequence[ClusterCost], k: int,
 def seed_partition(clusters: Sequence[ClusterCost], k: int, link_bandwidth: float,
                    threshold_s: float | None = None,
                    threshold_rel: float | None = None) -> Partition:
-    """The seed's rule: least communication among balanced partitions, else min-max.
+    """The adaptive pipeline's rule: least communication among balanced partitions, else min-max.
 
     Among all partitions into ``k`` stages whose stage times are balanced (see the module), take
     the one of least ``comm_bytes``; ties go to the least ``max_time``, then to the earliest

@@ -1,4 +1,4 @@
-"""Seed 004: per-tensor memory policies with peer-device swap, and the stage-to-device mapping.
+"""Per-tensor memory policies with peer-device swap, and the stage-to-device mapping.
 
 Pure: numbers in, plans out (no torch). Units: bytes, seconds, bytes/s.
 
@@ -8,10 +8,10 @@ and the layer's input excluded, views of one storage counted once), with its byt
 from the liveness analysis over the schedule (:func:`trainwright.plan.simulate.liveness`).
 
 **Policies** (per tensor): ``keep``; ``peer`` (split into chunks held by other devices over
-direct links, the seed's D2D swap); ``host`` (swap to host memory); ``recompute`` (a whole
+direct links: device-to-device swap); ``host`` (swap to host memory); ``recompute`` (a whole
 layer: its forward runs again before its backward, so every tensor of the layer is freed).
 
-**Rules** (:class:`Rules`), in the seed's order (claims 1 and 3):
+**Rules** (:class:`Rules`), in this order:
 
 1. ``interval < short_s`` -> peer swap; ``interval > long_s`` -> host swap; in between, peer
    if it can be placed, else host. Defaults (None) are per tensor: ``short_s`` = the
@@ -255,7 +255,7 @@ def _added(st: StageMem, plans: dict, host_bandwidth: float) -> float:
 
 def place(stages: list[StageMem], mapping: list[int], bandwidth: list[list[float]],
           host_bandwidth: float, rules: Rules = Rules()) -> Placement:
-    """Choose every tensor's policy for a given stage-to-device mapping (the seed's rules).
+    """Choose every tensor's policy for a given stage-to-device mapping (the rules above).
 
     Args:
         stages: one :class:`StageMem` per stage, in stage order.
@@ -304,7 +304,7 @@ def place(stages: list[StageMem], mapping: list[int], bandwidth: list[list[float
 def _place_stage(st: StageMem, dev: int, peers: list[int], free: dict[int, int],
                  held_for: dict[int, int], bandwidth: list[list[float]], host_bandwidth: float,
                  rules: Rules) -> dict[tuple[int, int], TensorPlan]:
-    """The seed's rules on one over-budget stage; updates ``free`` and ``held_for``."""
+    """The rules on one over-budget stage; updates ``free`` and ``held_for``."""
     placer = _StagePlacer(st, dev, peers, free, held_for, bandwidth, host_bandwidth, rules)
     return placer.run()
 
@@ -429,7 +429,7 @@ def _excess_spare(stages: list[StageMem]) -> tuple[list[int], list[int]]:
 
 def mapping_score(mapping: tuple[int, ...] | list[int], excess: list[int], spare: list[int],
                   bandwidth: list[list[float]]) -> float:
-    """The seed's score of a stage-to-device mapping (see the module); higher is better."""
+    """The planner's score of a stage-to-device mapping (see the module); higher is better."""
     n = len(mapping)
     total = 0.0
     for s in range(n):

@@ -1,4 +1,4 @@
-"""The seed 004 planner end to end: partition, device mapping, tensor policies, simulation.
+"""The peer-swap planner end to end: partition, device mapping, tensor policies, simulation.
 
 :func:`make_plan` takes per-layer tensor profiles (:mod:`trainwright.observe.tensor_profile`, real
 or meta), a schedule, a device topology and memory budgets, and returns a
@@ -17,7 +17,7 @@ or meta), a schedule, a device topology and memory budgets, and returns a
 5. **placement** (:func:`trainwright.plan.placement.place`) for the best mappings, each
    **simulated** with its peer-swap actions; the best plan is the one where most stages
    fit, then the shortest simulated step;
-6. **iterate** (seed claim 4): with peer swap, also try the interval thresholds scaled by
+6. **iterate**: with peer swap, also try the interval thresholds scaled by
    4, 16 and infinity (peers first) and keep the best simulated; then re-derive the live
    intervals from the chosen plan's replay, place again, simulate again; stop when the
    step time no longer improves.
@@ -407,7 +407,7 @@ def make_plan(req: PlanRequest) -> PlanResult:
                            "fits": sum(sp.fits for sp in r[0].stages)})
             if rank(r) < rank(best):
                 best, best_scale = r, scale
-    for _ in range(req.max_rounds):  # seed claim 4: simulate, refine, until no better
+    for _ in range(req.max_rounds):  # simulate, refine, until no better
         placement, costs, _, sim, _ = best
         intervals = liveness(sim, costs, parts)
         mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals,

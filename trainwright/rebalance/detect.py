@@ -6,7 +6,7 @@ re-partition. Three things keep noise from causing thrashing:
 
 - **smoothing**: stage times are an exponential moving average over checks;
 - **hysteresis**: imbalance is declared only when the last ``patience`` observations were
-  each out of balance (the seed's pairwise test,
+  each out of balance (the adaptive pipeline's pairwise test,
   :func:`~trainwright.plan.partition.within_threshold`) *and* the smoothed times are too:
   one slow step (a pause, a noisy neighbour) moves the average but not the strike count;
 - **quiet periods**: no decision while a migration is under way, and none for

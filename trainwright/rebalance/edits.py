@@ -1,4 +1,4 @@
-"""Dynamic models: insert or remove layers between steps (seed 000's architecture search).
+"""Dynamic models: insert or remove layers between steps (architecture search).
 
 The model changes on every rank at once: the hook named by ``rebalance.edits``
 (``"module:function"``) is called before each step with the step number and returns a list

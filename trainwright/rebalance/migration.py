@@ -1,4 +1,4 @@
-"""Live layer migration: the runtime side of a re-partition (seed 000, paragraphs 95-104).
+"""Live layer migration: the runtime side of a re-partition.
 
 :class:`Migration` executes the ``MIG_*`` actions that
 :func:`~trainwright.rebalance.moves.migration_schedule` put into one step's action

@@ -1,10 +1,10 @@
-"""Deciding and sequencing re-partitions while training runs (seed 000, paragraphs 64-94).
+"""Deciding and sequencing re-partitions while training runs.
 
 :class:`Rebalancer` lives on every rank. At check steps every stage's per-layer
 forward+backward times reach the last stage (they are averaged over the data-parallel
 replicas first, so every replica decides the same); the last stage feeds its stage times
 to an :class:`~trainwright.rebalance.detect.ImbalanceDetector` and, on imbalance, partitions
-the model's fork/join clusters with the seed's rule
+the model's fork/join clusters with the threshold rule
 (:func:`~trainwright.plan.partition.seed_partition`). The plan then travels back along
 the backward path, stage by stage, on the control group. From the next step on, the
 layers move with :mod:`~trainwright.rebalance.migration` (one hop per step; a plan needing

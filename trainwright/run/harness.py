@@ -4,7 +4,7 @@ memory policies.
 :func:`run_gpt_pipeline` trains the built-in GPT through
 :class:`~trainwright.run.trainer.Trainer` as one rank of an initialised default
 process group (one stage per rank, ``dp = 1``), with per-layer policies (keep / swap /
-recompute) and, optionally, seed 004 peer swap from a plan in the JSON form ``trainwright
+recompute) and, optionally, peer swap from a plan in the JSON form ``trainwright
 plan`` writes. It returns what the caller compares: the stage's parameters, the measured
 per-step wall time and activation peak (the store's bytes, chunks held for peers included),
 and the per-layer profile (:class:`~trainwright.observe.layer_profile.LayerProfiler`) the

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from trainwright.config import Config
 from trainwright.dist import collective as coll
 from trainwright.dist.comm import P2P
+from trainwright.dist.faults import pipeline_fault
 from trainwright.dist.topology import Topology
 from trainwright.errors import PeerLost
 from trainwright.model.build import (
@@ -36,7 +37,7 @@ from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.interleaved import InterleavedRuntime, chunk_stages
 from trainwright.pipeline.peer_setup import attach as attach_peer_swap
-from trainwright.pipeline.runtime import PipelineRuntime, StepHooks, StepStats, kill_self_at
+from trainwright.pipeline.runtime import PipelineRuntime, StepHooks, StepStats
 from trainwright.pipeline.stage import Stage, StageOptions, StepMode
 from trainwright.pipeline.store import ActivationStore
 from trainwright.pipeline.tied import (
@@ -194,11 +195,9 @@ class Trainer:
 
     def _runtime(self, fault_rank: int | None) -> PipelineRuntime | InterleavedRuntime:
         """The executor of this rank's actions (several chunks: the interleaved one)."""
-        topo, s, f = self.topo, self.topo.stage, self.cfg.fault
+        topo, s = self.topo, self.topo.stage
         hooks = StepHooks(sync=self.sync_gradients, update=self.update_weights)
-        fault = None
-        if fault_rank is not None and f.kill_rank == fault_rank:
-            fault = kill_self_at(f.kill_step, len(self.actions) // 2, f.kill_before)
+        fault = pipeline_fault(self.cfg.fault, fault_rank, self.actions)
         if self.chunks is not None:
             return InterleavedRuntime(
                 self.stage, self.chunks, self.actions, self._p2p(topo.pp_group), hooks,

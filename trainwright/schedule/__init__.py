@@ -9,7 +9,7 @@
 * :mod:`~trainwright.schedule.carry`: the weight passes a step may leave to the next;
 * :mod:`~trainwright.schedule.dryrun`: the dry-run deadlock check of any schedule (live
   migration's ``MIG_*`` actions included; where they go is :mod:`trainwright.rebalance.moves`);
-* :mod:`~trainwright.schedule.peer`: seed 004's peer-swap actions woven into a schedule;
+* :mod:`~trainwright.schedule.peer`: the peer-swap actions woven into a schedule;
 * :mod:`~trainwright.schedule.occupancy`: what each model chunk of a rank holds over a
   step (the per-chunk in-flight counts of interleaved 1F1B and ZB-V).
 

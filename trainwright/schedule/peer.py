@@ -1,6 +1,6 @@
 """Peer-swap transfers as schedule actions, in the owner's and the peers' action lists (pure).
 
-Seed 004 moves saved tensors of a heavy stage ``s`` (the *owner*) to the spare memory of
+Peer swap moves saved tensors of a heavy stage ``s`` (the *owner*) to the spare memory of
 later stages ``t > s`` (its *peers*). With gloo a send completes only once the matching
 receive is posted, so every transfer must appear at a point of *both* ranks' schedules
 where neither can wait on the other in a cycle. :func:`with_peer_swap` inserts, for owner

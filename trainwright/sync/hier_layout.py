@@ -1,4 +1,4 @@
-"""Seed 003's nodes and slices: which ranks form a node, their process groups, and how the
+"""Hierarchical sync's nodes and slices: which ranks form a node, their process groups, and how the
 flat gradient is cut into one slice per local rank in proportion to free memory (and
 optionally speed). :mod:`trainwright.sync.hierarchical` runs the sync over them.
 """

@@ -1,4 +1,4 @@
-"""The shard files of seed 003's hierarchical sync: writing one rank's slice and its
+"""The shard files of the hierarchical sync: writing one rank's slice and its
 optimizer state (:func:`write_shard`), reading the parts that overlap another slice
 (:func:`read_overlap`, so a run may resume at another rank count), which shards tile the
 flat parameter vector, and the full vector rebuilt in one process.

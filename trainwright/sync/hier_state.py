@@ -1,4 +1,4 @@
-"""Seed 003's sharded optimizer state, cut along parameters so it can leave the shards.
+"""Hierarchical sync's sharded optimizer state, cut along parameters so it can leave the shards.
 
 The owned slice of the flat parameter vector is held as *sub-shards*: one per (piece,
 parameter) overlap, so every sub-shard lies inside one model parameter and has its own

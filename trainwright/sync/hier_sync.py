@@ -1,4 +1,4 @@
-"""Seed 003's sync itself: :class:`HierarchicalSync`, the intra-node reduce-scatter,
+"""The hierarchical sync itself: :class:`HierarchicalSync`, the intra-node reduce-scatter,
 inter-node all-reduce, sharded update and intra-node all-gather over flat buffers.
 
 The method and its front ends
@@ -44,7 +44,7 @@ OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 # ----------------------------------------------------------------------------- the sync
 
 class HierarchicalSync(GradSync):
-    """Seed 003 as a :class:`GradSync`: ``sync`` reduce-scatters inside the node and
+    """Hierarchical sync as a :class:`GradSync`: ``sync`` reduce-scatters inside the node and
     all-reduces each slice between nodes; ``step`` updates the owned slice with a sharded
     optimizer and all-gathers the slices inside the node.
 

@@ -1,4 +1,4 @@
-"""Seed 003: hierarchical sharded gradient sync, slices sized by each device's memory.
+"""Hierarchical sharded gradient sync, slices sized by each device's memory.
 
 Ranks that share a host form a *node* (under torchrun: ranks of one agent, ``GROUP_RANK``;
 ``hierarchical.ranks_per_node`` overrides that, to emulate nodes on one host). Every node
@@ -60,7 +60,7 @@ __all__ = ["NodeLayout", "HierGroups", "node_layout", "create_groups", "slice_bo
 # ----------------------------------------------------------------------------- front ends
 
 class HierarchicalDataParallel(nn.Module):
-    """Plain data parallel with seed 003's sync: wrap a model, run forward/backward as
+    """Plain data parallel with the hierarchical sync: wrap a model, run forward/backward as
     usual, then ``sync()`` and ``step()`` (instead of ``optimizer.step()``).
 
     Every rank of ``members`` (default: the whole job) must build it, with the same

@@ -1,4 +1,4 @@
-"""The row-sparse triple *rows + height + values* (seed 001) and one rank's rows of a gradient.
+"""The row-sparse triple *rows + height + values* and one rank's rows of a gradient.
 
 :class:`RowSparse` is PaddlePaddle's SelectedRows: sorted unique row ids, the table's
 height, one value row per id. :class:`LocalRows` is what a rank has before the exchange,

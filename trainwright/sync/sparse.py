@@ -1,4 +1,4 @@
-"""Sparse gradient synchronisation as *rows + height + values* (seed 001).
+"""Sparse gradient synchronisation as *rows + height + values*.
 
 An embedding table touched by a few thousand ids out of millions has a gradient that is
 almost all zeros. :class:`RowSparse` keeps only the touched rows: the sorted, unique row

@@ -1,4 +1,4 @@
-"""Cost model of the sparse exchange (seed 001): which collective is cheapest for given counts.
+"""Cost model of the sparse exchange: which collective is cheapest for given counts.
 
 :class:`LinkModel` predicts each path's time from four constants that :func:`calibrate`
 measures once with a micro-benchmark (and averages over the group, so every rank takes the

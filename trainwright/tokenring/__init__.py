@@ -1,4 +1,4 @@
-"""Seed 002's straggler-tolerant token ring: the ring's state machine, its wire format and
+"""The straggler-tolerant token ring: the ring's state machine, its wire format and
 membership (rendezvous, standby, rejoin), over ZeroMQ rather than a process group.
 
 * :mod:`~trainwright.tokenring.ring`: :class:`~trainwright.tokenring.ring.TokenRing`, the

@@ -1,4 +1,4 @@
-"""The token ring as the trainer's gradient exchange (seed 002).
+"""The token ring as the trainer's gradient exchange.
 
 :class:`RingExchange` is a :class:`~trainwright.sync.base.GradSync`: the trainer's one step
 loop computes a node's gradient, ``SYNC`` offers it to the ring and waits for the step to
@@ -8,16 +8,14 @@ step already closed skips its compute (:meth:`RingExchange.begin_step`); one tha
 behind applies several closed steps at once (:meth:`RingExchange.applied_through`).
 
 Emulation for benchmarks (``tokenring.slow_node``, ``slow_probability``, ``slow_factor``,
-``pace_s``) and fault
-injection (``kill_step``, ``kill_nodes``) live here too, since they act around the exchange.
+``pace_s``) lives here too, since it acts around the exchange; a test's ``kill_*`` fault
+strikes at :attr:`RingExchange.fault` (:mod:`trainwright.dist.faults`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import random
-import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from trainwright.config import TokenRingConfig
+from trainwright.dist.faults import ring_fault
 from trainwright.sync.base import GradSync, LayerOptimizers, WeightUpdate
 from trainwright.tokenring.ring import TokenRing, sum_canonical
 from trainwright.tokenring.state import snapshot
@@ -71,6 +70,8 @@ class RingExchange(GradSync):
     def __init__(self, cfg: TokenRingConfig, index: int, restarted: bool = False,
                  on_applied: Callable[[int, list], None] | None = None):
         self.cfg, self.index, self.restarted = cfg, index, restarted
+        self.fault = ring_fault(cfg, index, restarted)
+        """Where a test's ``tokenring.kill_*`` fault strikes (None: nowhere)."""
         self.on_applied = on_applied
         self.ring: TokenRing | None = None
         self.hashes: dict[int, str] = {}
@@ -120,8 +121,8 @@ class RingExchange(GradSync):
         if r.pace_s:  # pad forward+backward to the target time, as on a dedicated device
             target = r.pace_s * (r.slow_factor if is_slow(r, self.index, step) else 1.0)
             ring.wait_closed(step, target - compute)
-        if step == r.kill_step and self.index in r.kill_nodes and not self.restarted:
-            os.kill(os.getpid(), getattr(signal, r.kill_signal))
+        if self.fault is not None:
+            self.fault.check(step)
         if not ring.closed(step):
             ring.offer(step, grads)
         ring.wait_close(step)

@@ -1,4 +1,4 @@
-"""Token-ring membership (seed 002): rendezvous, formation, epochs, staggered failure time-outs.
+"""Token-ring membership: rendezvous, formation, epochs, staggered failure time-outs.
 
 * **Rendezvous and formation.** The node that binds the rendezvous address hosts it (a
   ZeroMQ ROUTER; joiners use a DEALER, so every reply reaches the one who asked). Nodes

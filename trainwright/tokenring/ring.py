@@ -1,10 +1,10 @@
-"""Token-ring gradient exchange (seed 002): the token, broadcasts, step closing, receiver thread.
+"""Token-ring gradient exchange: the token, broadcasts, step closing, receiver thread.
 
 A token circulates over the ring members. Only its holder broadcasts: a holder whose
 gradient for the token's step is ready sends it to every member as raw tensor frames and
 adds itself to the token's contributions; a holder not ready passes the token at once.
 When every member has contributed, the holder closes the step at once; when the
-contributions cover ``close_fraction`` of the members (the seed's rule: the floor), it closes
+contributions cover ``close_fraction`` of the members (the plain rule: the floor), it closes
 it once ``close_grace_s`` has passed since that quorum, so a node only a little late is not
 thrown away:
 ``close(step, contributors)`` travels inside every later token (a window of recent closes),

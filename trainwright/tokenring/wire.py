@@ -1,4 +1,4 @@
-"""The token ring's messages on the wire (seed 002): one JSON header frame, then each
+"""The token ring's messages on the wire: one JSON header frame, then each
 tensor's raw bytes; and the standby node's wait for its welcome. The protocol itself is
 :mod:`trainwright.tokenring.ring`.
 """
