@@ -80,7 +80,7 @@ def step_record(stats: list, samples: int) -> dict:
         cuda = [s.cuda_max_allocated_bytes for s in mine if s.cuda_max_allocated_bytes]
         if cuda:
             stages[-1]["cuda_max_allocated_bytes"] = max(cuda)
-    update = next((s.update for s in stats if getattr(s, "update", None)), {})
+    update = next((s.update for s in stats if s.update), {})
     return {
         "step": stats[0].step,
         "loss": statistics.fmean(losses) if losses else None,
