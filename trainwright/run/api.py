@@ -25,7 +25,7 @@ from trainwright.pipeline.stage import LayerSlot
 from trainwright.pipeline.tied import check_ties
 from trainwright.run import checkpoint
 from trainwright.run.edited import edited_layers
-from trainwright.run.launch import create_run_dir, in_torchrun
+from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
 
 __all__ = ["fit", "load_model", "load_run_config", "run_job", "RunOutcome"]
 
@@ -156,16 +156,12 @@ def _preflight(cfg: Config) -> None:
 
 def _launch(cfg: Config, run_dir: Path, resume: Path | None) -> RunOutcome:
     """The local launcher: ``pp x dp`` ranks on this host."""
-    from trainwright.run.launch import launch_local
     from trainwright.run.worker import resume_hint
 
     result = launch_local(cfg, run_dir, resume=resume is not None)
     if not result.ok:
-        others = [r for r in range(len(result.returncodes)) if r != result.first_failure]
-        error = (f"{result.describe(result.first_failure)}; "
-                 + ", ".join(result.describe(r) for r in others)
-                 + f". Partial outputs are in {run_dir}. {resume_hint(run_dir)}")
-        return RunOutcome(1, run_dir, error=error)
+        return RunOutcome(1, run_dir, error=f"{result.message()}. Partial outputs are in "
+                                            f"{run_dir}. {resume_hint(run_dir)}")
     return RunOutcome(0, run_dir, names_outputs=True, report=_report(cfg, run_dir))
 
 
