@@ -39,9 +39,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if outcome.error:
         print(f"error: {outcome.error}", file=sys.stderr)
         return outcome.code
-    if outcome.ok:
-        for line in outcome.warnings:
-            print(f"warning: {line}", file=sys.stderr)
+    for line in outcome.warnings:  # nodes the ring dropped from a run that succeeded
+        print(f"warning: {line}", file=sys.stderr)
     if outcome.names_outputs:
         if outcome.model is not None:
             print(f"model: {outcome.model}")
