@@ -130,7 +130,7 @@ def run_job(cfg: Config, resume: Path | None = None, *, via: str = "fit",
     check_start(cfg, via="torchrun" if torchrun else via, resume=resume is not None,
                 run_dir=resume)
     _preflight(cfg)
-    ring = cfg.sync.strategy == "tokenring"  # its own launcher: no process group (seed 002)
+    ring = cfg.sync.strategy == "tokenring"  # its own launcher: no process group
     if torchrun:
         return _ring_node(cfg, resume) if ring else _rank(cfg, resume)
     run_dir = create_run_dir(cfg, resume)
