@@ -134,6 +134,36 @@ def test_joins_a_torchrun_job(tmp_path):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.timeout(60)
+def test_torchrun_rank_reads_and_validates_the_config_once(tmp_path, monkeypatch, capsys):
+    """Under torchrun the command reads and validates the config file once in each process
+    and hands that Config to the rank (which does not load it again)."""
+    import trainwright.run.worker as worker
+    from trainwright.config import Config
+
+    path = tmp_path / "run.toml"
+    path.write_text(load_config(None, tiny_overrides(tmp_path / "runs")).to_toml())
+    reads, built, given = [], [], []
+    read_text, from_dict = Path.read_text, Config.from_dict.__func__
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        reads.append(self) if self == path else None) or read_text(self, *a, **k))
+    monkeypatch.setattr(Config, "from_dict", classmethod(
+        lambda cls, data: built.append(data) or from_dict(cls, data)))
+
+    def one_rank(cfg, run_dir, resume=False):
+        given.append(cfg)
+        return 0, tmp_path / "runs" / "r"
+
+    monkeypatch.setattr(worker, "run_worker", one_rank)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["run", str(path)]) == 0
+    assert len(reads) == 1 and len(built) == 1, (reads, len(built))
+    assert len(given) == 1 and isinstance(given[0], Config)
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"run directory: {tmp_path / 'runs' / 'r'}"
+
+
 def _assert_run_outputs(run_dir: Path) -> list[float]:
     for name in ("metrics.jsonl", "trace.json", "report.html", "config.toml"):
         assert (run_dir / name).exists(), name

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -22,10 +21,11 @@ EXIT_CONFIG = 2
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from trainwright.config.combinations import check_start
-    from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
-    from trainwright.run.worker import resume_hint
+    """``trainwright run``: the Python API's :func:`~trainwright.run.api.run_job`, printing
+    the start line, what failed, and where the outputs are."""
+    from trainwright.run.api import load_run_config, run_job
 
+    resume_dir = None
     if args.resume:
         resume_dir = Path(args.resume)
         if not (resume_dir / "config.toml").exists():
@@ -34,75 +34,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR (the run keeps its config; "
                               "change keys with --set)")
-        cfg = _load(resume_dir / "config.toml", args.set)
-    else:
-        resume_dir = None
-        cfg = _load(args.config, args.set)
+    cfg = load_run_config(args.config, args.set, resume_dir)
+    outcome = run_job(cfg, resume_dir, via="cli", on_start=_start_line)
+    if outcome.error:
+        print(f"error: {outcome.error}", file=sys.stderr)
+        return outcome.code
+    for line in outcome.warnings:  # nodes the ring dropped from a run that succeeded
+        print(f"warning: {line}", file=sys.stderr)
+    if outcome.names_outputs:
+        if outcome.model is not None:
+            print(f"model: {outcome.model}")
+        if outcome.report is not None:
+            print(f"report: {outcome.report}")
+        print(f"run directory: {outcome.run_dir}")
+    return outcome.code
 
-    check_start(cfg, via="torchrun" if in_torchrun() else "cli", resume=resume_dir is not None,
-                run_dir=resume_dir)
-    if cfg.sync.strategy == "tokenring":  # its own launcher: no process group
-        return _run_tokenring(cfg, resume_dir)
-    _preflight(cfg)
-    if in_torchrun():  # torchrun / SLURM started us: be one rank of that job
-        from trainwright.run.worker import run_worker
-        run_dir = create_run_dir(cfg, resume_dir) if resume_dir else None
-        code, run_dir = run_worker(cfg, run_dir, resume=resume_dir is not None)
-        if code == 0 and os.environ["RANK"] == "0":
-            _finish_message(cfg, run_dir)
-        return code
 
-    run_dir = create_run_dir(cfg, resume_dir)
+def _start_line(cfg, run_dir: Path) -> None:
+    """What a local launch says before its processes start (the launcher logs from here on)."""
+    if cfg.sync.strategy == "tokenring":
+        r = cfg.tokenring
+        print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
+              f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
+        return
     setup_logging("[launcher]", logging.INFO)
     dp = cfg.parallel.dp
     print(f"trainwright: {cfg.world_size} ranks ({cfg.parallel.pp} stages x {dp} "
           f"{'replica' if dp == 1 else 'replicas'}), {cfg.train.schedule}, "
           f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
-    result = launch_local(cfg, run_dir, resume=resume_dir is not None)
-    if not result.ok:
-        others = [r for r in range(len(result.returncodes)) if r != result.first_failure]
-        print(f"error: {result.describe(result.first_failure)}; "
-              + ", ".join(result.describe(r) for r in others)
-              + f". Partial outputs are in {run_dir}. {resume_hint(run_dir)}", file=sys.stderr)
-        return 1
-    _finish_message(cfg, run_dir)
-    return 0
-
-
-def _load(path, overrides: list[str]):
-    """The run's configuration (under torchrun a token ring has a node per process)."""
-    from trainwright.config import load_config
-    from trainwright.run.launch import in_torchrun
-
-    if in_torchrun():
-        from trainwright.run.ring_torchrun import load_torchrun_config
-        return load_torchrun_config(path, overrides)
-    return load_config(path, overrides)
-
-
-def _preflight(cfg) -> None:
-    """Checks that need the model built: layer count of a factory model, memory limits."""
-    from trainwright.model.build import check_data
-
-    check_data(cfg)
-    if not cfg.model.factory and not any(v is not None for v in cfg.stage_limits()):
-        return
-    from trainwright.model.build import build_layers
-    from trainwright.pipeline.budget import check_limits
-    from trainwright.pipeline.tied import check_ties
-
-    named = build_layers(cfg)
-    cfg.check_layers(len(named))
-    check_limits(cfg, named)
-    check_ties(cfg, named)
-
-
-def _finish_message(cfg, run_dir: Path | None) -> None:
-    if run_dir is None:
-        return
-    if cfg.run.report:
-        print(f"report: {run_dir / 'report.html'}")
-    print(f"run directory: {run_dir}")
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -172,35 +131,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     print(json.dumps(cmd_simulate(args)))
     if args.png:
         print(f"wrote {args.png}")
-    return 0
-
-
-def _run_tokenring(cfg, resume_dir: Path | None) -> int:
-    """``trainwright run`` for ``sync.strategy = "tokenring"``: its own node launcher, or one
-    node per process under torchrun."""
-    from trainwright.run.launch import create_run_dir, in_torchrun
-    from trainwright.run.ring_launch import launch_ring
-
-    if in_torchrun():
-        from trainwright.run.ring_torchrun import run_torchrun_node
-        code, saved_in = run_torchrun_node(cfg, resume_dir)
-        if saved_in is not None:  # the node that saved the model names the outputs
-            print(f"model: {saved_in / 'model.pt'}")
-            print(f"run directory: {saved_in}")
-        return code
-    run_dir = create_run_dir(cfg, resume_dir)
-    r = cfg.tokenring
-    print(f"trainwright: token ring of {r.nodes} nodes, close_fraction {r.close_fraction}, "
-          f"{cfg.train.steps} steps -> {run_dir}", file=sys.stderr)
-    result = launch_ring(cfg, run_dir, resume=resume_dir is not None)
-    if not result.ok:
-        print(f"error: token ring run failed: {result.message()}. Outputs are in {run_dir}",
-              file=sys.stderr)
-        return 1
-    for line in result.warnings():
-        print(f"warning: {line}", file=sys.stderr)
-    print(f"model: {run_dir / 'model.pt'}")
-    print(f"run directory: {run_dir}")
     return 0
 
 

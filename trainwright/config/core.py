@@ -55,7 +55,8 @@ else:  # pragma: no cover
 
 __all__ = ["Config", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig", "MemoryConfig",
            "SyncConfig", "HierarchicalConfig", "TokenRingConfig", "RebalanceConfig",
-           "RunConfig", "RuntimeConfig", "FaultConfig", "load_config", "parse_bytes"]
+           "RunConfig", "RuntimeConfig", "FaultConfig", "load_config", "read_config",
+           "parse_bytes"]
 
 
 class Config(BaseModel):
@@ -351,6 +352,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     Raises:
         ConfigError: unreadable file, unknown key, wrong type, or an invalid combination.
     """
+    return Config.from_dict(read_config(path, overrides))
+
+
+def read_config(path: str | Path | None = None,
+                overrides: list[str] | None = None) -> dict[str, Any]:
+    """The sections of a TOML file (optional) with the overrides applied, not yet validated
+    (:func:`load_config` validates them; a torchrun job edits them first).
+
+    Raises:
+        ConfigError: unreadable file, or a malformed override.
+    """
     data: dict[str, dict[str, Any]] = {}
     if path is not None:
         try:
@@ -366,7 +378,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(data[section], dict):
             raise ConfigError(f"[{section}] must be a table of keys")
         data[section][name] = value
-    return Config.from_dict(data)
+    return data
 
 
 def parse_bytes(text: str | int) -> int:

@@ -72,6 +72,13 @@ class LaunchResult:
             return f"rank {rank} was killed by {signal.Signals(-rc).name}"
         return f"rank {rank} exited with code {rc}"
 
+    def message(self) -> str:
+        """The first failure, then every other rank: ``"rank 2 was killed by SIGKILL; rank
+        0 exited with code 3, rank 1 exited with code 3"``."""
+        others = [r for r in range(len(self.returncodes)) if r != self.first_failure]
+        return (f"{self.describe(self.first_failure)}; "
+                + ", ".join(self.describe(r) for r in others))
+
 
 def launch_local(cfg: Config, run_dir: Path, resume: bool = False,
                  extra_env: dict[str, str] | None = None) -> LaunchResult:

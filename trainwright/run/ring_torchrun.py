@@ -28,7 +28,8 @@ from pathlib import Path
 
 import zmq
 
-from trainwright.config import Config, load_config
+from trainwright.config import Config
+from trainwright.config.core import read_config
 from trainwright.errors import ConfigError
 from trainwright.run.ring_node import RingNode
 from trainwright.run.worker import DistEnv, _agree_run_dir
@@ -98,21 +99,24 @@ def torchrun_config(cfg: Config, world_size: int) -> Config:
 def load_torchrun_config(path, overrides: list[str]) -> Config:
     """:func:`~trainwright.config.load_config` for a process of a torchrun job: a token ring
     is validated with ``tokenring.nodes = WORLD_SIZE`` (one node per process); any other
-    configuration is loaded as written.
+    configuration is loaded as written. The file is read once and, when valid, validated
+    once.
 
     Raises:
         ConfigError: as ``load_config``; a ring error says the node count came from torchrun.
     """
-    world = os.environ["WORLD_SIZE"]
+    world = int(os.environ["WORLD_SIZE"])
+    data = read_config(path, overrides)
+    sync, ring = data.get("sync"), data.get("tokenring", {})
+    if not (isinstance(sync, dict) and sync.get("strategy") == "tokenring"
+            and isinstance(ring, dict)):
+        return Config.from_dict(data)  # another strategy (the default is "dense"): as written
     try:
-        cfg = load_config(path, [*overrides, f"tokenring.nodes={world}"])
+        return Config.from_dict({**data, "tokenring": {**ring, "nodes": world}})
     except ConfigError as exc:
-        plain = load_config(path, overrides)  # raises the error of a non-ring config itself
-        if plain.sync.strategy != "tokenring":
-            return plain
+        Config.from_dict(data)  # an error of the config as written is reported as itself
         raise ConfigError(f"under torchrun every process is a token-ring node, so "
                           f"tokenring.nodes = WORLD_SIZE = {world}: {exc}") from None
-    return cfg if cfg.sync.strategy == "tokenring" else load_config(path, overrides)
 
 
 def _rendezvous(cfg: Config, env: DistEnv, store) -> tuple[str, str]:
@@ -131,12 +135,12 @@ def _rendezvous(cfg: Config, env: DistEnv, store) -> tuple[str, str]:
     return store.get(RDZV_KEY).decode(), ""
 
 
-def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> tuple[int, Path | None]:
+def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> tuple[int, Path, bool]:
     """Be node ``RANK`` of a token ring spread over the torchrun job.
 
     Returns:
-        The exit code, and the run directory when this node saved the model (the one node
-        that announces the outputs), else None.
+        The exit code, the run directory, and whether this node saved the model (the one
+        node that announces the outputs).
 
     Args:
         cfg: the validated configuration (``tokenring.nodes`` is replaced by WORLD_SIZE).
@@ -167,5 +171,5 @@ def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> tuple[int, Path |
             end_dropped_here(store, node)
         except Exception as exc:  # the store's host may be gone already: nothing to end
             log.warning("could not look for dropped nodes on this host: %s", exc)
-    saved = code == 0 and node.rings and node.index == node.rings[-1].epoch.first()
-    return code, run_dir if saved else None
+    saved = code == 0 and bool(node.rings) and node.index == node.rings[-1].epoch.first()
+    return code, run_dir, saved

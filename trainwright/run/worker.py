@@ -82,12 +82,12 @@ def _agree_run_dir(store, env: DistEnv, run_dir: Path | None, cfg: Config) -> Pa
     return Path(store.get("tw/run_dir").decode())
 
 
-def run_worker(cfg: Config | None, run_dir: Path | None,
-               resume: bool = False) -> tuple[int, Path | None]:
+def run_worker(cfg: Config, run_dir: Path | None,
+               resume: bool = False) -> tuple[int, Path]:
     """Train as one rank of the job described by the environment.
 
     Args:
-        cfg: the configuration (None: read ``run_dir/config.toml``).
+        cfg: the configuration, read once by whoever started this process.
         run_dir: the run directory (None under torchrun: rank 0 creates one).
         resume: continue from the run directory's latest checkpoint.
 
@@ -95,8 +95,6 @@ def run_worker(cfg: Config | None, run_dir: Path | None,
         The process exit code (0 on success) and the run directory.
     """
     env = DistEnv.from_env()
-    if cfg is None:
-        cfg = load_config(Path(run_dir) / "config.toml")
     rt = cfg.runtime
     setup_logging(f"[rank {env.rank} stage {env.rank % cfg.parallel.pp}]",
                   logging.INFO if env.rank == 0 else logging.WARNING)
@@ -177,10 +175,12 @@ def train(cfg: Config, run_dir: Path, *, device: torch.device | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainwright.run.worker RUN_DIR [--resume]``: one locally spawned rank."""
+    """``python -m trainwright.run.worker RUN_DIR [--resume]``: one locally spawned rank
+    (the launcher wrote ``RUN_DIR/config.toml``; this process reads it, once)."""
     import sys
     args = sys.argv[1:] if argv is None else argv
-    return run_worker(None, Path(args[0]), resume="--resume" in args)[0]
+    run_dir = Path(args[0])
+    return run_worker(load_config(run_dir / "config.toml"), run_dir, resume="--resume" in args)[0]
 
 
 if __name__ == "__main__":
