@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["COLLECTIVES", "backend_device", "all_reduce", "all_gather", "all_gather_into_tensor",
+__all__ = ["gather_to_first", "all_gather_objects", "COLLECTIVES", "backend_device", "all_reduce", "all_gather", "all_gather_into_tensor",
            "reduce", "broadcast", "send", "recv", "isend", "irecv", "barrier",
            "all_gather_object", "broadcast_object_list", "gather_object"]
 
@@ -187,3 +187,23 @@ def gather_object(obj, object_gather_list: list | None = None, dst: int = 0,
                   group=None) -> None:
     """``torch.distributed.gather_object`` (torch places the bytes itself)."""
     dist.gather_object(obj, object_gather_list, dst=dst, group=group)
+
+
+def gather_to_first(obj, world: int, rank: int) -> list | None:
+    """``obj`` of every rank of the default group on rank 0 (None elsewhere); without a
+    process group, ``[obj]``."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list | None = [None] * world if rank == 0 else None
+    gather_object(obj, out, dst=0)
+    return out
+
+
+def all_gather_objects(obj, size: int, group=None) -> list:
+    """``obj`` of every member of ``group`` (of ``size`` members), in rank order; without a
+    process group, ``[obj]``."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list = [None] * size
+    all_gather_object(out, obj, group=group)
+    return out

@@ -239,6 +239,14 @@ class MemoryBudget:
         """Re-planning hook: the stage gained or lost layers (rebalancing)."""
         return self.replan(why="after a change of layers")
 
+    def record(self) -> dict:
+        """The current plan as the metrics row's ``memory_plan`` (call with a plan)."""
+        plan = self.plan
+        return {"planner": plan.planner, "reason": plan.reason,
+                "required_bytes": plan.required_bytes, "limit_bytes": plan.limit_bytes,
+                "added_time_s": plan.added_time_s, "host_bandwidth": self.host_bandwidth,
+                "layers": self.rows()}
+
     def rows(self) -> list[dict]:
         """The current plan per layer, for the metrics and the report."""
         if self.plan is None:

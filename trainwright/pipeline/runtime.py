@@ -198,6 +198,10 @@ class Runtime:
         self.p2p.wait_sends()
         self.hooks.sync(False)
 
+    def flush(self) -> None:  # noqa: B027 - only executors that carry work override it
+        """Run what the last step left to the next (nothing here): call before anything
+        reads this rank's weights or gradients between steps."""
+
     # what each executor adds ------------------------------------------------------
     def _before_step(self, step: int, events: list, trace: bool) -> int:
         """Work that runs before the step's own list; returns its compute nanoseconds."""

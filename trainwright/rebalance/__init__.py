@@ -12,6 +12,8 @@
   (``LayerCatalog``), from which a receiver builds the layers it gets;
 * :mod:`~trainwright.rebalance.rebalancer`: ``Rebalancer``, on every rank: imbalance checks,
   the plan's way back along the pipeline, the migration schedule of each step;
+* :mod:`~trainwright.rebalance.live`: ``LiveRebalancing``, the trainer's side of it: the
+  edits and the migration of each step, and what the rank adopts after them;
 * :mod:`~trainwright.rebalance.edits`: model edits between steps (insert / remove layers,
   the ``rebalance.edits`` hook) and an edited run's layers rebuilt for ``load_model``.
 

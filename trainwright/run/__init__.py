@@ -3,12 +3,14 @@
 single-process reference.
 
 * :mod:`~trainwright.run.launch`, :mod:`~trainwright.run.worker`: start a job, one rank;
-* :mod:`~trainwright.run.trainer` (+ ``trainer_setup``): the one trainer and its set-up;
-* :mod:`~trainwright.run.update` (+ ``precision``, ``clip``, ``lr``): the optimizer step
-  with loss scaling, clipping and the learning rate;
+* :mod:`~trainwright.run.trainer` (+ ``trainer_setup``): the one trainer, its step, and the
+  parts it is built from; :mod:`~trainwright.run.records`: a step's figures on their way to
+  rank 0 (metrics, trace, report);
+* :mod:`~trainwright.run.update` (+ ``precision``, ``lr``): the optimizer step's rules:
+  loss scaling, clipping and the learning rate;
 * :mod:`~trainwright.run.evaluate`, :mod:`~trainwright.run.checkpoint`: evaluation, checkpoints;
-* :mod:`~trainwright.run.api`, :mod:`~trainwright.run.export`, :mod:`~trainwright.run.edited`:
-  ``fit``, ``load_model``, ``trainwright export`` and edited models rebuilt for loading;
+* :mod:`~trainwright.run.api`, :mod:`~trainwright.run.export`: the Python API (``fit``,
+  ``load_model``, the ``run_job`` that ``trainwright run`` calls too), ``trainwright export``;
 * :mod:`~trainwright.run.ring_launch`, :mod:`~trainwright.run.ring_torchrun`,
   :mod:`~trainwright.run.ring_node`: token-ring nodes, local or under torchrun;
 * :mod:`~trainwright.run.reference`: the single-process oracle; :mod:`~trainwright.run.harness`:

@@ -42,8 +42,8 @@ import torch.distributed.checkpoint as dcp
 
 from trainwright.pipeline.stage import LayerSlot
 
-__all__ = ["layer_state", "rng_state", "extra_state", "save", "write_meta", "read_meta",
-           "mark_latest", "latest_step", "load_layers", "load_state", "prune"]
+__all__ = ["layer_state", "rng_state", "extra_state", "save", "save_rank", "write_meta",
+           "read_meta", "mark_latest", "latest_step", "load_layers", "load_state", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,22 @@ def save(run_dir: Path, step: int, state: dict) -> Path:
         warnings.filterwarnings("ignore", message=".*single process")
         dcp.save(state, checkpoint_id=d, no_dist=not dist.is_initialized())
     return d
+
+
+def save_rank(run_dir: Path, step: int, layers: dict, objects: dict[str, tuple[object, bool]],
+              topo, partition: list[int], rebalance_target: list[int] | None) -> None:
+    """One rank's part of the checkpoint of ``step``: its ``layers`` (:func:`layer_state`),
+    RNG states and registered ``objects`` (DCP, collective); rank 0 then records the mesh
+    and the partition and moves ``latest``."""
+    state = dict(layers)
+    state.update(rng_state(topo.rank))
+    state.update(extra_state(objects, topo.rank))
+    save(run_dir, step, state)
+    if topo.rank == 0:
+        write_meta(run_dir, step, dict(pp=topo.pp, dp=topo.dp, world_size=topo.world_size,
+                                       partition=partition, rebalance_target=rebalance_target))
+        mark_latest(run_dir, step)
+        prune(run_dir)
 
 
 def write_meta(run_dir: Path, step: int, meta: dict) -> None:

@@ -68,7 +68,7 @@ def evaluate(trainer, step: int) -> dict | None:
     finally:
         for s, mode in zip(trainer.stage.slots, was_training, strict=True):
             s.module.train(mode)
-    gathered = trainer._gather(losses)
+    gathered = trainer.records.gather(losses)
     if gathered is None:
         return None
     per_replica = [sum(v) / len(v) for v in gathered if v]
@@ -87,6 +87,6 @@ def maybe_evaluate(trainer, step: int) -> dict | None:
     if not every or (step % every and step != last):
         return None
     row = evaluate(trainer, step)
-    if row is not None and trainer.recorder is not None:
-        trainer.recorder.eval(row)
+    if row is not None and trainer.records.recorder is not None:
+        trainer.records.recorder.eval(row)
     return row

@@ -22,10 +22,8 @@ import torch.distributed as dist
 
 from trainwright.config import Config
 from trainwright.dist import collective as coll
-from trainwright.dist.comm import P2P
 from trainwright.dist.faults import pipeline_fault
 from trainwright.dist.topology import Topology
-from trainwright.errors import PeerLost
 from trainwright.model.build import (
     build_data,
     build_layers,
@@ -35,26 +33,23 @@ from trainwright.model.build import (
 )
 from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.pipeline.interleaved import InterleavedRuntime, chunk_stages
+from trainwright.pipeline.interleaved import chunk_stages
 from trainwright.pipeline.peer_setup import attach as attach_peer_swap
-from trainwright.pipeline.runtime import PipelineRuntime, StepHooks, StepStats
+from trainwright.pipeline.runtime import StepHooks, StepStats
 from trainwright.pipeline.stage import Stage, StageOptions, StepMode
 from trainwright.pipeline.store import ActivationStore
 from trainwright.pipeline.tied import (
-    counts_after,
     duplicate_copies,
-    expect_partition,
     prepare_ties,
     wrap_tied,
 )
-from trainwright.rebalance.catalog import LayerCatalog
-from trainwright.rebalance.edits import load_edit_hook
+from trainwright.rebalance.live import LiveRebalancing
 from trainwright.rebalance.migration import Migration
-from trainwright.rebalance.rebalancer import Rebalancer
 from trainwright.run import checkpoint
 from trainwright.run import trainer_setup as setup
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
+from trainwright.run.records import StepRecords
 from trainwright.run.trainer_setup import TrainerOptions
 from trainwright.run.update import UpdateRules
 from trainwright.schedule.actions import build_schedule, stage_ranks
@@ -160,68 +155,39 @@ class Trainer:
         self.last_update: dict = {}
         """What the last optimizer step did (``lr``, ``grad_norm``, ``loss_scale``...)."""
 
-        # 7. the runtime: the executor of this rank's actions, talking to its neighbours
-        self.runtime = self._runtime(o.fault_rank)
+        # 7. the runtime: the executor of this rank's actions, talking to its neighbours;
+        # its SYNC and STEP call sync_gradients and update_weights (below)
+        self.p2p = setup.P2PFactory(topo, cfg.runtime, self.device, o.watchdog)
+        self.runtime = setup.make_runtime(
+            self.stage, self.chunks, self.actions, self.p2p(topo.pp_group), topo,
+            self.stage_ranks, StepHooks(sync=self.sync_gradients, update=self.update_weights),
+            fault=pipeline_fault(cfg.fault, o.fault_rank, self.actions), peer=self.peer_swap)
 
-        # 8. rebalancing: the detector, partitioner and live migration, when layers can move
-        rb = cfg.rebalance
-        self.rebalancer = self.catalog = self.edit_hook = None
-        if rb.enabled or rb.at_step or rb.edits:
-            self.edit_hook = load_edit_hook(rb.edits) if rb.edits else None
-            self.catalog = LayerCatalog(named)
-            clusters = setup.layer_clusters(named) if topo.stage == topo.pp - 1 else []
-            self.rebalancer = Rebalancer(cfg, topo, self.parts, clusters, self.schedules,
-                                         self._p2p(topo.ctrl_group))
-
-        # 9. the memory budget, planned before step 1 when a limit is set
+        # 8. the memory budget, planned before step 1 when a limit is set
         self.budget = setup.memory_budget(cfg, self.stage, topo.stage, self.device,
                                           sum(self.parts), self.peer_plan, self.chunk_layers,
                                           self.build_layers)
+
+        # 9. rebalancing: model edits and live migrations, when layers can move
+        rb = cfg.rebalance
+        self.rebalancing = None
+        if rb.enabled or rb.at_step or rb.edits:
+            self.rebalancing = LiveRebalancing(
+                cfg, topo, named, self.parts, self.schedules, self.p2p(topo.ctrl_group),
+                stage=self.stage, sync=self.sync, budget=self.budget,
+                make_optimizer=self.make_optimizer, device=self.device)
 
         # 10. telemetry: rank 0 records metrics, trace and report
         self.trace_events: list = []
         self.pipeline_costs: list[dict] = []
         """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
-        self.mailbox = setup.stats_mailbox(topo)
-        self.recorder = None
-        if topo.rank == 0 and self.outputs:
-            self.recorder = setup.run_recorder(cfg, topo, self.run_dir, [n for n, _ in named],
-                                               self.stage_of, self.start)
+        self.records = StepRecords(cfg, topo, self.run_dir, [n for n, _ in named],
+                                   self.stage_of, self.start, self.outputs)
 
         # 11. the resumed state, once everything that holds some exists
         if self.resumed is not None:
             setup.load_resumed(self.run_dir, self.resumed, self.stage.slots, self.checkpointed,
-                               topo, self.rebalancer)
-
-    def _runtime(self, fault_rank: int | None) -> PipelineRuntime | InterleavedRuntime:
-        """The executor of this rank's actions (several chunks: the interleaved one)."""
-        topo, s = self.topo, self.topo.stage
-        hooks = StepHooks(sync=self.sync_gradients, update=self.update_weights)
-        fault = pipeline_fault(self.cfg.fault, fault_rank, self.actions)
-        if self.chunks is not None:
-            return InterleavedRuntime(
-                self.stage, self.chunks, self.actions, self._p2p(topo.pp_group), hooks,
-                rank_of=lambda k: topo.rank_of(self.stage_ranks[k]), replica=topo.replica,
-                rank=s, fault=fault)
-        return PipelineRuntime(
-            self.stage, self.actions, self._p2p(topo.pp_group), hooks,
-            prev_rank=topo.rank_of(s - 1) if s > 0 else None,
-            next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
-            replica=topo.replica, fault=fault,
-            extensions=self.peer_swap.extensions() if self.peer_swap else None,
-            after=self.peer_swap.after if self.peer_swap else None)
-
-    def _p2p(self, group) -> P2P:
-        topo, rt = self.topo, self.cfg.runtime
-        return P2P(group, topo.rank, rt.p2p_timeout_s, self.device, topo.describe,
-                   on_failure=self._peer_lost)
-
-    def _peer_lost(self, exc: Exception) -> PeerLost | None:
-        """Which peer's loss caused ``exc``, when the watchdog knows."""
-        if self.watchdog is None:
-            return None
-        verdict = self.watchdog.verdict(2 * self.cfg.runtime.peer_timeout_s)
-        return None if verdict is None else PeerLost(verdict[0], verdict[1])
+                               topo, self.rebalancing.rebalancer if self.rebalancing else None)
 
     def make_optimizer(self, params: list) -> torch.optim.Optimizer | None:
         """The configured optimizer over ``params`` (layers created or moved later too)."""
@@ -281,8 +247,7 @@ class Trainer:
                 step = self.sync.applied_through(step) + 1
         finally:
             self._fitting = False
-        if isinstance(self.runtime, InterleavedRuntime):  # the last step's carried passes
-            self.runtime.flush()
+        self.runtime.flush()  # a step's carried passes (interleaved schedules)
         return self.finish()
 
     def train_step(self, step: int) -> StepStats | None:
@@ -298,7 +263,8 @@ class Trainer:
             self.update_weights()
             return None
         self._apply_model_edits(step)
-        migration = self._migration_for(step)
+        migration = (self.rebalancing.migration_for(step) if self.rebalancing is not None
+                     else None)
         x, y = self._batch(step)
         fast = self._fast_step(step, migration)
         # a profile step samples every layer's costs on one micro-batch; the rest stay fused
@@ -313,7 +279,7 @@ class Trainer:
             trace=step - self.start < self.cfg.run.trace_steps, migration=migration,
             carry=self._carry(step))
         if step == self.start and self.budget.plan is not None:
-            stats.memory_plan = self._plan_record()
+            stats.memory_plan = self.budget.record()
         if migration is not None:
             self._after_migration(stats, migration)
         self.trace_events += [(step, *e) for e in stats.events]
@@ -371,7 +337,7 @@ class Trainer:
         too, but for one micro-batch (:attr:`Stage.measured_mb`)."""
         return not (step == self.start
                     or self.budget.limit is not None
-                    or self.peer_plan is not None or self.rebalancer is not None
+                    or self.peer_plan is not None or self.rebalancing is not None
                     or migration is not None)
 
     def _profile_step(self, step: int) -> bool:
@@ -391,42 +357,21 @@ class Trainer:
 
     def _apply_model_edits(self, step: int) -> None:
         """Insert or remove layers as the config's edit hook asks for this step."""
-        edits = self.edit_hook(step) if self.edit_hook is not None else []
-        if not edits:
+        edits = self.rebalancing.apply_edits(step) if self.rebalancing is not None else None
+        if edits is None:
             return
-        self.sync.layers_changing(self.stage.slots)
-        self.parts = self.rebalancer.apply_edits(
-            edits, stage=self.stage, stage_index=self.topo.stage, catalog=self.catalog,
-            device=self.device, seed=self.cfg.train.seed + step,
-            make_optimizer=self.make_optimizer)
-        self.sync.attach([slot.module for slot in self.stage.slots])
-        self.budget.on_layers_changed()
-        if self.recorder is not None:
-            self.recorder.write("model_edit", step=step, partition=self.parts,
-                                edits=[repr(e) for e in edits],
-                                layer_names=list(self.catalog.names))
-
-    def _migration_for(self, step: int) -> Migration | None:
-        """The live migration this step performs, if the rebalancer planned one."""
-        if self.rebalancer is None:
-            return None
-        ms = self.rebalancer.migration_for(step)
-        if ms is None:
-            return None
-        expect_partition(self.sync, counts_after(self.rebalancer.counts, ms.moves))
-        if any(self.topo.stage in (m.giver, m.receiver) for m in ms.moves):
-            self.sync.layers_changing(self.stage.slots)  # optimizer state travels with layers
-        return Migration(ms, self.topo.stage, self.stage, self.rebalancer.ctrl,
-                         self.topo.rank_of, self.catalog, self.make_optimizer, self.device)
+        self.parts = list(self.rebalancing.rebalancer.counts)
+        self.records.write("model_edit", step=step, partition=self.parts,
+                           edits=[repr(e) for e in edits],
+                           layer_names=list(self.rebalancing.catalog.names))
 
     def _after_migration(self, stats: StepStats, migration: Migration) -> None:
-        """Adopt the partition the migration reached; re-plan memory if our layers changed."""
-        old, self.parts = self.rebalancer.step_done()
+        """Adopt the partition the migration reached (memory re-planned if our layers
+        changed)."""
+        old, self.parts, replanned = self.rebalancing.adopt(migration)
         stats.migration.update(old=old, new=self.parts)
-        if any(self.topo.stage in (m.giver, m.receiver) for m in migration.plan.moves):
-            self.sync.attach([slot.module for slot in self.stage.slots])
-            if self.budget.on_layers_changed() is not None:  # seed 000: re-plan after a move
-                stats.memory_plan = self._plan_record()
+        if replanned:
+            stats.memory_plan = self.budget.record()
 
     def _profile_and_check(self, step: int, stats: StepStats) -> bool:
         """At check steps every stage learns every layer's costs and the last stage decides
@@ -434,11 +379,11 @@ class Trainer:
         re-planned. Returns: a profile step whose costs :meth:`_record` should write."""
         cfg, rb = self.cfg, self.cfg.rebalance
         profile_now = self._profile_step(step)
-        check_now = (self.rebalancer is not None and rb.enabled
+        check_now = (self.rebalancing is not None and rb.enabled
                      and step % rb.check_every == 0 and step < cfg.train.steps)
         table = [c.to_dict() for c in self.profiler.table()] if profile_now or check_now else None
-        if check_now or (profile_now and self.mailbox is None):
-            tables = self._all_gather_pipeline(table)
+        if check_now or (profile_now and self.records.needs_collective):
+            tables = coll.all_gather_objects(table, self.topo.pp, self.topo.pp_group)
             self.pipeline_costs = [c for table in tables for c in table]
         elif profile_now and self.topo.replica == 0:
             # only rank 0's row needs them: they ride with the stats through the mailbox,
@@ -446,47 +391,20 @@ class Trainer:
             stats.layer_costs = table
         if profile_now and self.budget.replan(why=f"after step {step}",
                                               only_if_over=True) is not None:
-            stats.memory_plan = self._plan_record()
+            stats.memory_plan = self.budget.record()
         if check_now:
-            stats.decision = self.rebalancer.check(step, self.pipeline_costs)
+            stats.decision = self.rebalancing.rebalancer.check(step, self.pipeline_costs)
         return profile_now
 
     def _record(self, step: int, stats: StepStats, costs_fresh: bool) -> None:
-        """Every rank's stats to rank 0, which writes the metrics row (with the pipeline's
-        per-layer costs at profile steps). Through the mailbox the ranks do not wait for each
-        other: rank 0 writes the row when its next row is due (:meth:`RunRecorder.step_later`),
-        from the other ranks' stats sent a step earlier."""
+        """Every rank's stats to rank 0 (with the pipeline's per-layer costs at profile
+        steps), which writes the metrics row."""
         costs = self.pipeline_costs if costs_fresh and stats.layer_costs is None else None
-        if self.mailbox is None:
-            gathered = self._gather(stats)
-            if self.recorder is not None:
-                self.recorder.step(step, gathered, costs, self.stage_of)
-            return
-        self.mailbox.post(stats)
-        if self.topo.rank != 0:
-            return
-        mailbox, world = self.mailbox, self.topo.world_size
-        others = lambda: [mailbox.take(r) for r in range(1, world)]  # noqa: E731
-        if self.recorder is not None:
-            self.recorder.step_later(step, stats, others, costs, list(self.stage_of))
-        else:
-            others()
+        self.records.step(step, stats, costs, self.stage_of)
 
     def finish(self) -> float | None:
         """Gather the trace and write the report (rank 0); every rank waits for the end."""
-        if self.recorder is not None:
-            self.recorder.settle()
-        if self.mailbox is not None:
-            self.mailbox.close()
-            self.mailbox = None
-        all_events = self._gather(self.trace_events)
-        if self.recorder is not None:
-            self.recorder.finish(dict(enumerate(all_events)),
-                                 {r: self.topo.describe(r) for r in range(self.topo.world_size)},
-                                 self.cfg.run.report)
-        if dist.is_initialized():
-            coll.barrier()
-        return self.recorder.loss if self.recorder is not None else None
+        return self.records.finish(self.trace_events)
 
     def close(self) -> None:
         """Release the process groups this trainer created (not a ``mesh`` it was given);
@@ -494,43 +412,11 @@ class Trainer:
         if self._own_mesh and dist.is_initialized():
             self.topo.destroy()
 
-    # ------------------------------------------------------------------ helpers
-    def _gather(self, obj) -> list | None:
-        """``obj`` of every rank on rank 0 (None elsewhere); a lone rank keeps its own."""
-        if not dist.is_initialized():
-            return [obj]
-        out: list | None = [None] * self.topo.world_size if self.topo.rank == 0 else None
-        coll.gather_object(obj, out, dst=0)
-        return out
-
-    def _all_gather_pipeline(self, obj) -> list:
-        """``obj`` of every stage of this rank's pipeline, in stage order."""
-        if not dist.is_initialized():
-            return [obj]
-        out: list = [None] * self.topo.pp
-        coll.all_gather_object(out, obj, group=self.topo.pp_group)
-        return out
-
-    def _plan_record(self) -> dict:
-        plan, budget = self.budget.plan, self.budget
-        return {"planner": plan.planner, "reason": plan.reason,
-                "required_bytes": plan.required_bytes, "limit_bytes": plan.limit_bytes,
-                "added_time_s": plan.added_time_s, "host_bandwidth": budget.host_bandwidth,
-                "layers": budget.rows()}
-
     def save_checkpoint(self, step: int) -> None:
-        """Every rank writes its layers' state, RNG states and registered objects (DCP,
-        collective); rank 0 then records the partition and moves ``latest``."""
-        topo = self.topo
+        """Every rank writes its layers' state (the exchange's sharded state gathered first),
+        RNG states and registered objects; rank 0 then records the partition."""
         with self.sync.full_state(self.stage.slots):
-            state = checkpoint.layer_state(self.stage.slots)
-        state.update(checkpoint.rng_state(topo.rank))
-        state.update(checkpoint.extra_state(self.checkpointed, topo.rank))
-        checkpoint.save(self.run_dir, step, state)
-        if topo.rank == 0:
-            target = self.rebalancer.target if self.rebalancer is not None else None
-            checkpoint.write_meta(self.run_dir, step, dict(
-                pp=topo.pp, dp=topo.dp, world_size=topo.world_size, partition=self.parts,
-                rebalance_target=target))
-            checkpoint.mark_latest(self.run_dir, step)
-            checkpoint.prune(self.run_dir)
+            layers = checkpoint.layer_state(self.stage.slots)
+        checkpoint.save_rank(self.run_dir, step, layers, self.checkpointed, self.topo,
+                             self.parts,
+                             self.rebalancing.rebalancer.target if self.rebalancing else None)

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from trainwright.config import Config
-from trainwright.dist.comm import Watchdog
-from trainwright.dist.mailbox import Mailbox
+from trainwright.dist.comm import P2P, Watchdog
+from trainwright.dist.faults import FaultPoint
 from trainwright.dist.topology import Topology
+from trainwright.errors import PeerLost
 from trainwright.model.build import split_microbatches
-from trainwright.model.clusters import model_clusters
 from trainwright.observe.layer_profile import LayerProfiler
-from trainwright.observe.telemetry import RunRecorder, atomic_write_text
+from trainwright.observe.telemetry import atomic_write_text
 from trainwright.pipeline.budget import (
     MemoryBudget,
     measure_host_bandwidth,
@@ -31,15 +31,17 @@ from trainwright.pipeline.budget import (
     resolve_limit,
     stage_in_flight,
 )
+from trainwright.pipeline.interleaved import InterleavedRuntime
 from trainwright.pipeline.peer_setup import agree_plan, runtime_policies
+from trainwright.pipeline.peerswap import PeerSwap
+from trainwright.pipeline.runtime import PipelineRuntime, Runtime, StepHooks
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.tied import owned_parameters
 from trainwright.run import checkpoint
 from trainwright.sync import GradSync
 
-__all__ = ["NamedLayers", "TrainerOptions", "place_layers", "resumed_partition",
-           "plan_peer_swap", "layer_clusters", "memory_budget", "run_recorder", "stats_mailbox",
-           "load_resumed"]
+__all__ = ["NamedLayers", "TrainerOptions", "P2PFactory", "make_runtime", "place_layers",
+           "resumed_partition", "plan_peer_swap", "memory_budget", "load_resumed"]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,46 @@ def place_layers(named: NamedLayers, parts: list[int], stages: list[int],
     return slots
 
 
+class P2PFactory:
+    """Point-to-point transfers on a group of this rank's, every one naming a lost peer when
+    the heartbeat watchdog knows it (``watchdog`` None: the failure alone is reported)."""
+
+    def __init__(self, topo: Topology, runtime_cfg, device: torch.device,
+                 watchdog: Watchdog | None):
+        self.topo, self.cfg, self.device, self.watchdog = topo, runtime_cfg, device, watchdog
+
+    def __call__(self, group) -> P2P:
+        topo = self.topo
+        return P2P(group, topo.rank, self.cfg.p2p_timeout_s, self.device, topo.describe,
+                   on_failure=self._peer_lost)
+
+    def _peer_lost(self, exc: Exception) -> PeerLost | None:
+        """Which peer's loss caused ``exc``, when the watchdog knows."""
+        if self.watchdog is None:
+            return None
+        verdict = self.watchdog.verdict(2 * self.cfg.peer_timeout_s)
+        return None if verdict is None else PeerLost(verdict[0], verdict[1])
+
+
+def make_runtime(stage: Stage, chunks: dict[int, Stage] | None, actions: list, p2p: P2P,
+                 topo: Topology, stage_ranks: list[int], hooks: StepHooks,
+                 fault: FaultPoint | None, peer: PeerSwap | None) -> Runtime:
+    """The executor of this rank's actions: the interleaved one with several chunks, else
+    the one-stage runtime talking to its two neighbours (with the peer swap's actions)."""
+    s = topo.stage
+    if chunks is not None:
+        return InterleavedRuntime(stage, chunks, actions, p2p, hooks,
+                                  rank_of=lambda k: topo.rank_of(stage_ranks[k]),
+                                  replica=topo.replica, rank=s, fault=fault)
+    return PipelineRuntime(
+        stage, actions, p2p, hooks,
+        prev_rank=topo.rank_of(s - 1) if s > 0 else None,
+        next_rank=topo.rank_of(s + 1) if s < topo.pp - 1 else None,
+        replica=topo.replica, fault=fault,
+        extensions=peer.extensions() if peer is not None else None,
+        after=peer.after if peer is not None else None)
+
+
 def resumed_partition(run_dir: Path, step: int | None, n_stages: int, n_layers: int,
                       topo: Topology) -> list[int] | None:
     """The partition the resumed run had reached (a migration may have moved layers),
@@ -126,16 +168,6 @@ def plan_peer_swap(cfg: Config, named: NamedLayers, parts: list[int], topo: Topo
     return plan
 
 
-def layer_clusters(named: NamedLayers) -> list[list[int]]:
-    """Fork/join clusters of the model (one per layer when the graph cannot be read)."""
-    try:
-        return model_clusters([m for _, m in named])
-    except Exception as exc:  # an opaque layer the tracer cannot read: cut anywhere
-        log.warning("could not read the layer graph (%s); every layer is its own cluster",
-                    str(exc).splitlines()[0][:200])
-        return [[i] for i in range(len(named))]
-
-
 def memory_budget(cfg: Config, stage: Stage, stage_index: int, device: torch.device,
                   n_layers: int, peer_plan: dict | None, chunk_layers,
                   build_layers: Callable[[], NamedLayers]) -> MemoryBudget:
@@ -154,23 +186,6 @@ def memory_budget(cfg: Config, stage: Stage, stage_index: int, device: torch.dev
     if limit is not None and fixed is None:
         budget.replan(costs=profile_model(cfg, build_layers()), why="before step 1")
     return budget
-
-
-def run_recorder(cfg: Config, topo: Topology, run_dir: Path, layer_names: list[str],
-                 stage_of: list[int], start: int) -> RunRecorder:
-    """Rank 0's recorder: metrics rows, progress bar, trace and report at the end."""
-    t = cfg.train
-    meta = dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp, dp=topo.dp,
-                schedule=t.schedule, layer_names=layer_names,
-                partition=[[i for i, r in enumerate(stage_of) if r == k]
-                           for k in range(topo.pp)])
-    return RunRecorder(run_dir, meta, stage_of, t.batch_size, t.steps, start, cfg.run.progress)
-
-
-def stats_mailbox(topo: Topology) -> Mailbox | None:
-    """Carries every rank's per-step stats to rank 0 without a collective per step."""
-    return None if topo.stats_group is None else Mailbox(topo.stats_group, topo.rank,
-                                                         topo.world_size)
 
 
 def load_resumed(run_dir: Path, step: int, slots: list[LayerSlot], objects: dict,
