@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,7 +94,7 @@ class StepHooks:
     """Unscale and clip the synced gradients, step the optimizers and the learning rate."""
 
 
-class Runtime:
+class Runtime(ABC):
     """The step loop every executor shares: runs a rank's action list through a dispatch
     table keyed by action kind, timing and tracing every action.
 
@@ -207,17 +208,17 @@ class Runtime:
         """Work that runs before the step's own list; returns its compute nanoseconds."""
         return 0
 
+    @abstractmethod
     def _begin(self, inputs, targets, migration: LiveMigration | None) -> None:
         """Take the step's inputs and targets (and migration)."""
-        raise NotImplementedError
 
     def _step_actions(self, migration, carry: bool) -> list[Action]:
         """The list this step runs."""
         return self.actions
 
+    @abstractmethod
     def _losses(self) -> list[torch.Tensor]:
         """The micro-batch losses the step computed here (last stage only)."""
-        raise NotImplementedError
 
     def _traced(self, a: Action) -> bool:
         """Whether ``a`` is traced even when the step is not."""
