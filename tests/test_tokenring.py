@@ -15,44 +15,13 @@ import torch
 import zmq
 from torch import nn
 
-from trainwright.config import load_config
+from tests.helpers import assert_identical_replicas, ring_cfg, run_ring
 from trainwright.errors import ConfigError
 from trainwright.model.build import build_data, build_layers, loss_fn
-from trainwright.run.launch import create_run_dir
-from trainwright.run.ring_launch import launch_ring
 from trainwright.run.ring_node import param_hash
 from trainwright.tokenring.membership import Epoch, announce_delay, ring_distance
 from trainwright.tokenring.ring import contributors_needed, sum_canonical
 from trainwright.tokenring.wire import pack, unpack
-
-
-def ring_cfg(tmp_path, **extra):
-    """4 nodes, an MLP on synthetic data, plain SGD, time-outs short enough for tests."""
-    base = {
-        "sync.strategy": '"tokenring"', "train.optimizer": '"sgd"', "model.name": '"mlp"',
-        "model.d_in": 16, "model.d_model": 32, "model.n_blocks": 2, "train.batch_size": 32,
-        "train.steps": 5, "train.lr": 0.1, "run.dir": f'"{tmp_path / "runs"}"',
-        "tokenring.close_fraction": 1.0, "tokenring.token_timeout_s": 0.5,
-        "tokenring.succession_s": 0.3, "tokenring.close_timeout_s": 20.0,
-        "tokenring.standby_timeout_s": 30.0, "tokenring.formation_quiet_s": 10.0,
-    }
-    base.update(extra)
-    return load_config(None, [f"{k}={v}" for k, v in base.items()])
-
-
-def run_ring(cfg, timeout_s=50):
-    run_dir = create_run_dir(cfg)
-    t0 = time.monotonic()
-    result = launch_ring(cfg, run_dir, timeout_s=timeout_s)
-    assert time.monotonic() - t0 < timeout_s, "the ring ran into the launcher's deadline"
-    return result
-
-
-def assert_identical_replicas(reports: dict, steps: range) -> None:
-    """Every node that applied a step has the same parameter hash after it."""
-    for s in steps:
-        seen = {k: r["hashes"][str(s)] for k, r in reports.items() if str(s) in r["hashes"]}
-        assert len(set(seen.values())) == 1, f"replicas differ after step {s}: {seen}"
 
 
 # ---------------------------------------------------------------- no processes

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.test_tokenring import assert_identical_replicas, ring_cfg, run_ring
+from tests.helpers import assert_identical_replicas, ring_cfg, run_ring
 from trainwright.run.reference import train_reference
 
 ADAMW = {"train.optimizer": '"adamw"', "train.lr": 0.01, "train.weight_decay": 0.05}
