@@ -31,13 +31,19 @@ from trainwright.run.reference import train_reference
 
 
 class FakeClock:
-    """A monotonic clock that moves only when the test says so; pass it as ``clock=``."""
+    """A monotonic clock that moves only when the test says so; pass it as ``clock=``.
 
-    def __init__(self, start: float = 0.0):
-        self.now = start
+    With ``tick``, every reading also moves it on by ``tick`` seconds (for a loop under test
+    that polls the clock: its n-th reading is ``start + n * tick``, however slow the host).
+    """
+
+    def __init__(self, start: float = 0.0, tick: float = 0.0):
+        self.now, self.tick = start, tick
 
     def __call__(self) -> float:
-        return self.now
+        now = self.now
+        self.now += self.tick
+        return now
 
     def advance(self, seconds: float) -> None:
         self.now += seconds

@@ -8,14 +8,13 @@ parameter hash at every step, and the no-fault run against single-process SGD.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 import zmq
 from torch import nn
 
-from tests.helpers import assert_identical_replicas, ring_cfg, run_ring
+from tests.helpers import FakeClock, assert_identical_replicas, ring_cfg, run_ring
 from trainwright.errors import ConfigError
 from trainwright.model.build import build_data, build_layers, loss_fn
 from trainwright.run.ring_node import param_hash
@@ -114,14 +113,19 @@ def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
     pull = ctx.socket(zmq.PULL)
     pull.bind("tcp://127.0.0.1:*")
     epoch = Epoch((0, 0), {i: f"tcp://127.0.0.1:{9000 + i}" for i in range(4)})
+    clock = FakeClock(100.0)
     ring = TokenRing(ctx, 0, pull, epoch, close_fraction=0.5, min_nodes=2, total_steps=10,
-                     times=RingTimes(close_grace_s=0.3))
+                     times=RingTimes(close_grace_s=0.25), clock=clock)
     try:
         assert not ring._may_close(Token(1, [0], 0, 1))  # below the fraction: never
+        clock.advance(60)
+        assert not ring._may_close(Token(1, [0], 0, 1))
         assert ring._may_close(Token(2, [0, 1, 2, 3], 0, 1))  # everyone in: at once
         half = Token(3, [0, 2], 0, 1)
         assert not ring._may_close(half)  # the fraction is met: the grace starts now
-        time.sleep(0.35)
+        clock.advance(0.125)
+        assert not ring._may_close(half)  # half the grace
+        clock.advance(0.125)
         assert ring._may_close(half)  # ... and closes the step without the late nodes
     finally:
         pull.close(0)
@@ -141,22 +145,30 @@ def test_a_token_the_dead_holder_sent_to_some_members_only_is_relayed_to_its_suc
     members = {0: f"tcp://127.0.0.1:{ports[0]}", 2: "tcp://127.0.0.1:1", 3:
                f"tcp://127.0.0.1:{ports[3]}"}
     epoch = Epoch((1, 2), members)
-    times = RingTimes(token_timeout_s=0.2, succession_s=0.3)
+    times = RingTimes(token_timeout_s=0.25, succession_s=0.5)
     closes = {1: [0, 1, 2, 3]}
+    clock = FakeClock()
     rings = {i: TokenRing(ctx, i, pulls[i], epoch, close_fraction=0.75, min_nodes=2,
                           total_steps=10, times=times, closes=closes,
-                          token=Token(2, [0, 3], 2, 4, 0), applied=1) for i in (0, 3)}
+                          token=Token(2, [0, 3], 2, 4, 0), applied=1, clock=clock)
+             for i in (0, 3)}
     try:
         last = {"t": "tok", "ep": epoch.to_json(), "step": 3, "contribs": [], "holder": 3,
                 "hop": 5, "idle": 0, "closes": {"1": [0, 1, 2, 3], "2": [0, 2, 3]},
                 "retx": False, "src": 2, "inc": 7, "sq": 1}
         rings[0]._handle([zmq.Frame(bytes(f)) for f in pack(last, [])])
         assert rings[0].closes[2] == [0, 2, 3] and rings[0].tok.holder == 3
-        time.sleep(times.token_timeout_s + 0.05)  # quiet, but before any announcement
+        clock.advance(times.token_timeout_s)  # not yet silent for longer than the time-out
         with rings[0].cv:
             rings[0]._check_silence()
+        assert rings[0].stats.retransmissions == 0
+        # quiet past the time-out, before node 0 (holder 3's successor) would announce it
+        clock.advance(times.succession_s / 2)
+        with rings[0].cv:
+            rings[0]._check_silence()
+        assert rings[0].stats.retransmissions == 1
         assert rings[0].epoch.key == (1, 2)  # node 0 is not node 2's successor
-        assert pulls[3].poll(5000), "node 0 did not relay the token"
+        assert pulls[3].poll(30_000), "node 0 did not relay the token"
         rings[3]._handle(pulls[3].recv_multipart(copy=False))
         assert rings[3].epoch.key == (1, 2) and rings[3].tok.holder == 3
         assert rings[3].tok.step == 3 and rings[3].closes[2] == [0, 2, 3]
@@ -165,6 +177,29 @@ def test_a_token_the_dead_holder_sent_to_some_members_only_is_relayed_to_its_suc
             r.links.close()
         for s in pulls.values():
             s.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_formation_closes_after_quiet_s_without_a_join_and_fails_past_its_deadline():
+    from trainwright.errors import CommError
+    from trainwright.tokenring.membership import Rendezvous
+
+    ctx = zmq.Context()
+    try:
+        # 1 s per reading of the clock: quiet_s = 10 passes after a dozen polls of the socket
+        rdzv = Rendezvous(ctx, "tcp://127.0.0.1:*", 4, quiet_s=10.0, clock=FakeClock(tick=1.0))
+        assert rdzv.form(0, "tcp://127.0.0.1:1", min_nodes=1, deadline_s=1000) == {
+            0: "tcp://127.0.0.1:1"}
+        assert rdzv.formed and 10 < rdzv.clock() < 40
+        rdzv.close()
+        rdzv = Rendezvous(ctx, "tcp://127.0.0.1:*", 4, quiet_s=10.0, clock=FakeClock(tick=1.0))
+        with pytest.raises(CommError, match=r"only 1 node\(s\) joined in 30 s, need "
+                                            r"tokenring.min_nodes = 2"):
+            rdzv.form(0, "tcp://127.0.0.1:1", min_nodes=2, deadline_s=30)
+        assert not rdzv.formed
+        rdzv.close()
+    finally:
         ctx.term()
 
 
