@@ -141,14 +141,18 @@ def assert_bitwise(a: Path, b: Path, label: str) -> None:
 
 
 # ---------------------------------------------------------------- token ring runs
+RING_TIMEOUTS = {"tokenring.token_timeout_s": 1.5, "tokenring.succession_s": 0.5}
+"""Short enough that a killed node is dropped in 2 s, long enough that a live node the host
+leaves unscheduled for a moment is not (0.5 s dropped live nodes on 2 loaded cores)."""
+
+
 def ring_cfg(tmp_path, **extra):
     """4 nodes, an MLP on synthetic data, plain SGD, time-outs short enough for tests."""
     base = {
         "sync.strategy": '"tokenring"', "train.optimizer": '"sgd"', "model.name": '"mlp"',
         "model.d_in": 16, "model.d_model": 32, "model.n_blocks": 2, "train.batch_size": 32,
         "train.steps": 5, "train.lr": 0.1, "run.dir": f'"{tmp_path / "runs"}"',
-        "tokenring.close_fraction": 1.0, "tokenring.token_timeout_s": 0.5,
-        "tokenring.succession_s": 0.3, "tokenring.close_timeout_s": 20.0,
+        "tokenring.close_fraction": 1.0, **RING_TIMEOUTS, "tokenring.close_timeout_s": 20.0,
         "tokenring.standby_timeout_s": 30.0, "tokenring.formation_quiet_s": 10.0,
     }
     base.update(extra)

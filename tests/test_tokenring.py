@@ -264,10 +264,9 @@ def test_straggler_is_left_out_and_replicas_stay_identical(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_killed_node_is_dropped_and_rejoins_with_current_weights(tmp_path):
-    # token_timeout_s 1.5, not 0.5: with this model a live holder busy computing on 2 shared
-    # cores was once silent for 0.8 s and dropped, a second "lost" the test does not expect
+    # RING_TIMEOUTS: with 0.5 s a live holder busy computing on 2 shared cores was once
+    # silent for 0.8 s and dropped, a second "lost" the test does not expect
     cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75, "tokenring.kill_nodes": [2],
-                                "tokenring.token_timeout_s": 1.5,
                                 "tokenring.kill_step": 3, "tokenring.restart_killed": "true",
                                 "tokenring.batch_steps": 5, "train.steps": 40,
                                 "model.d_in": 64, "model.d_model": 256,
