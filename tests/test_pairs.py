@@ -130,7 +130,7 @@ def test_peer_swap_pairs_equal_the_reference(tiny, tmp_path):
     _check_all(runs, dirs)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     """R x T, S x T: each ring node is a one-stage trainer, and ``memory.policies`` apply to
     its layers (the store of the node's trainer holds them); trained with recompute and swap,
@@ -158,7 +158,7 @@ def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_ring_trains_a_tied_model_like_the_reference(tmp_path):
     """Tied weights x T: every ring node holds the whole model, so the shared weight is one
     parameter, stepped once; the ring equals the single-process reference. A node that
