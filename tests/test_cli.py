@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
+from tests.helpers import run_dir_from_stdout
 from trainwright.cli import main
 from trainwright.config import load_config
 from trainwright.dist.ports import free_port
@@ -65,10 +66,6 @@ def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def _run_dir(stdout: str) -> Path:
-    return Path(stdout.strip().splitlines()[-1].removeprefix("run directory: "))
-
-
 @pytest.mark.timeout(300)
 def test_resume_equals_uninterrupted(tmp_path):
     sets = tiny_overrides(tmp_path / "runs", **{"train.optimizer": '"adamw"', "train.lr": 0.01,
@@ -77,7 +74,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     argv = [x for s in sets for x in ("--set", s)]
     first = _cli("run", *argv)
     assert first.returncode == 0, first.stderr
-    run_dir = _run_dir(first.stdout)
+    run_dir = run_dir_from_stdout(first.stdout)
     second = _cli("run", "--resume", str(run_dir), "--set", "train.steps=3")
     assert second.returncode == 0, second.stderr
     cfg = load_config(run_dir / "config.toml")
@@ -126,7 +123,7 @@ def test_joins_a_torchrun_job(tmp_path):
                            *[x for s in sets for x in ("--set", s)]],
                           capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr
-    run_dir = _run_dir(proc.stdout)
+    run_dir = run_dir_from_stdout(proc.stdout)
     assert (run_dir / "metrics.jsonl").exists() and (run_dir / "trace.json").exists()
     cfg = load_config(run_dir / "config.toml")
     ref, _ = train_reference(cfg)
@@ -185,9 +182,9 @@ def test_run_writes_outputs_and_the_loss_falls(tmp_path):
     proc = _cli("run", *[x for s in sets for x in ("--set", s)])
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("run directory: ")
-    losses = _assert_run_outputs(_run_dir(proc.stdout))
+    losses = _assert_run_outputs(run_dir_from_stdout(proc.stdout))
     assert len(losses) == 30 and losses[-1] < 0.8 * losses[0]
-    again = _cli("report", str(_run_dir(proc.stdout)))
+    again = _cli("report", str(run_dir_from_stdout(proc.stdout)))
     assert again.returncode == 0 and again.stdout.strip().endswith("report.html")
 
 
@@ -206,7 +203,7 @@ def test_default_run_under_three_minutes(tmp_path):
                           capture_output=True, text=True, timeout=380)
     took = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
-    losses = _assert_run_outputs(_run_dir(proc.stdout))
+    losses = _assert_run_outputs(run_dir_from_stdout(proc.stdout))
     assert losses[-1] < losses[0] - 2.0
     assert took < 180, f"default run took {took:.0f} s"
 

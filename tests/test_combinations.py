@@ -148,7 +148,7 @@ def test_pairs_without_a_test_of_their_own_equal_the_reference(tiny):
     """Pairs of docs/combinations.md that no other test trains: GPipe with sparse and with
     hierarchical sync, fixed recompute / swap policies with live migration and with sparse or
     hierarchical sync; each run equals the single-process reference."""
-    from tests.test_pipeline import _check_against_reference, _train_jobs
+    from tests.helpers import check_against_reference, train_jobs
     from trainwright.dist.testing import run_workers
     from trainwright.run.launch import create_run_dir
 
@@ -162,9 +162,9 @@ def test_pairs_without_a_test_of_their_own_equal_the_reference(tiny):
                  **{"memory.policies": '["swap", "keep", "recompute", "keep"]',
                     "rebalance.at_step": 2, "rebalance.to": "[3, 1]"})]
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_train_jobs, 4, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=280)
+    run_workers(train_jobs, 4, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=280)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
-        _check_against_reference(cfg, run_dir)
+        check_against_reference(cfg, run_dir)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         moves = [r["new"] for r in rows if r["kind"] == "repartition"]
         assert moves == ([cfg.rebalance.to] if cfg.rebalance.at_step else []), moves

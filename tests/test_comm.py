@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import datetime
-import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import FakeClock
 from trainwright.dist.comm import P2P, Watchdog, pack_header, unpack_header
-from trainwright.dist.testing import free_port, run_workers
+from trainwright.dist.testing import run_workers
 from trainwright.errors import CommError
 from trainwright.sync.dense import BucketedAllReduce, naive_all_reduce
 
@@ -35,15 +35,23 @@ def _mismatch(rank, world):
     dist.barrier()
 
 
-def _deadline(rank, world):
+def _deadline(rank, world, signal_dir):
+    """Rank 0 stays alive and silent until rank 1's receive has given up, so only a deadline
+    ends that receive: P2P's 1 s one, well inside the bound (the group's own 60 s time-out,
+    run_workers', would not be)."""
     p2p = P2P(dist.group.WORLD, rank, timeout_s=1.0, device=torch.device("cpu"))
+    gave_up = Path(signal_dir, "rank1_gave_up")
     if rank == 1:
         t0 = time.monotonic()
         with pytest.raises(CommError, match="act header with rank 0 failed: .*Timed out"):
             p2p.recv(0, "act", 0)
-        assert time.monotonic() - t0 < 2.5
+        assert time.monotonic() - t0 < 30
+        gave_up.touch()
     else:  # alive but silent past the deadline (a timed-out gloo pair is unusable after)
-        time.sleep(3)
+        deadline = time.monotonic() + 90
+        while not gave_up.exists():
+            assert time.monotonic() < deadline, "rank 1's receive never timed out"
+            time.sleep(0.05)
 
 
 def _round_trip(rank, world):
@@ -100,11 +108,11 @@ def _ahead_disagreement(rank, world):
     dist.barrier()
 
 
-@pytest.mark.timeout(90)
-def test_p2p_checks_and_deadlines():
+@pytest.mark.timeout(300)  # five groups of two spawned ranks: ~40 s on 2 shared cores
+def test_p2p_checks_and_deadlines(tmp_path):
     run_workers(_round_trip, 2)
     run_workers(_mismatch, 2)
-    run_workers(_deadline, 2)
+    run_workers(_deadline, 2, str(tmp_path))
     run_workers(_posted_ahead, 2)
     run_workers(_ahead_disagreement, 2)
 
@@ -139,75 +147,87 @@ def _dense(rank, world):
         torch.testing.assert_close(p.grad, e)
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_bucketed_all_reduce_equals_naive():
     run_workers(_dense, 4)
 
 
+def _dogs(n: int, timeout_s: float, clock: FakeClock):
+    """``n`` watchdogs on one in-process store, driven by the test (no thread): each one's
+    first verdict lands in ``verdicts[rank]``."""
+    store = dist.HashStore()
+    verdicts: dict[int, tuple[int, str]] = {}
+    dogs = [Watchdog(lambda: store, r, n, timeout_s,
+                     lambda lost, why, me=r: verdicts.setdefault(me, (lost, why)), clock=clock)
+            for r in range(n)]
+    return store, dogs, verdicts
+
+
+def _beat_at(clock: FakeClock, t: float, store, dogs) -> None:
+    clock.now = t
+    for d in dogs:
+        d.beat(store)
+
+
 @pytest.mark.timeout(30)
 def test_watchdog_names_the_silent_rank():
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
-
-    def client():
-        return dist.TCPStore("127.0.0.1", port, 3, is_master=False,
-                             timeout=datetime.timedelta(seconds=5))
-
-    verdicts: dict[int, tuple] = {}
-    found = threading.Event()
-
-    def on_lost(me):
-        def record(rank, reason):
-            verdicts[me] = (rank, reason)
-            found.set()
-        return record
-
-    dogs = [Watchdog(client, r, 3, 0.5, on_lost(r)).start() for r in range(3)]
-    time.sleep(0.5)
-    dogs[2]._stop.set()  # rank 2 goes silent without saying it is done
-    assert found.wait(10)
-    time.sleep(0.5)
+    clock = FakeClock()
+    store, dogs, verdicts = _dogs(3, 0.5, clock)
+    for t in (0.0, 0.125, 0.25):
+        _beat_at(clock, t, store, dogs)
+    # rank 2 goes silent without saying it is done; it beat after ranks 0 and 1 at 0.25, so
+    # they see that beat at 0.375
+    for t in (0.375, 0.625, 0.875):  # unchanged for 0.5 s at most: not lost yet
+        _beat_at(clock, t, store, dogs[:2])
+    assert verdicts == {}
+    _beat_at(clock, 1.0, store, dogs[:2])
+    assert verdicts == {0: (2, verdicts[0][1]), 1: (2, verdicts[1][1])}
     for r in (0, 1):
-        assert verdicts[r][0] == 2 and "no heartbeat" in verdicts[r][1]
-    for d in dogs:
-        d.stop()
-    del server
+        assert verdicts[r][1].startswith("no heartbeat for 0.6 s"), verdicts[r]
 
 
 @pytest.mark.timeout(30)
 def test_watchdog_ignores_finished_ranks_and_reports_failures():
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 3, is_master=True, wait_for_workers=False)
-    client = lambda: dist.TCPStore("127.0.0.1", port, 3, is_master=False)  # noqa: E731
-    seen: list = []
-    dogs = [Watchdog(client, r, 3, 0.5, lambda r, why: seen.append((r, why))).start()
-            for r in range(3)]
-    time.sleep(0.4)
-    dogs[1].stop()  # finished cleanly: nobody complains
-    time.sleep(1.5)
-    assert seen == []
+    clock = FakeClock()
+    store, dogs, verdicts = _dogs(3, 0.5, clock)
+    _beat_at(clock, 0.0, store, dogs)
+    dogs[1].stop()  # finished cleanly: nobody complains, however long it stays silent
+    for t in (1.0, 2.0, 60.0):
+        _beat_at(clock, t, store, [dogs[0], dogs[2]])
+    assert verdicts == {}
     dogs[2].stop(failed="ValueError: bad shape")
-    time.sleep(0.5)
-    assert seen and seen[0][0] == 2 and "bad shape" in seen[0][1]
-    dogs[0].stop()
-    del server
+    assert not dogs[0].beat(store)
+    assert verdicts == {0: (2, "it failed: ValueError: bad shape")}
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_watchdog_names_a_rank_that_dies_before_its_first_period():
     """A rank killed within its first heartbeat period (a fast set-up, an early fault step)
     has still beaten once, so the others declare it lost instead of waiting forever."""
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    clock = FakeClock()
+    store, (watcher, doomed), verdicts = _dogs(2, 2.5, clock)
+    watcher.beat(store)  # sees rank 1 at 0 beats: not started yet, never declared so
+    doomed.start()
+    doomed._stop.set()  # stopped (silent) before its first period of 0.5 s ends
+    doomed._thread.join(30)
+    assert not doomed._thread.is_alive()
+    for t in (1.0, 3.5):  # the watcher sees its one beat at 1.0; 2.5 s later: not yet
+        _beat_at(clock, t, store, [watcher])
+    assert verdicts == {}
+    _beat_at(clock, 3.75, store, [watcher])
+    assert verdicts[0][0] == 1 and "no heartbeat" in verdicts[0][1], \
+        "rank 1 died before its first period and was never declared lost"
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_thread_declares_a_silent_rank_over_a_tcp_store():
+    """The heartbeat thread, on the real clock and the store clients workers use."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    port = server.port
     client = lambda: dist.TCPStore("127.0.0.1", port, 2, is_master=False)  # noqa: E731
-    seen: list = []
-    found = threading.Event()
-    watcher = Watchdog(client, 0, 2, 2.5, lambda r, why: (seen.append((r, why)), found.set()))
-    doomed = Watchdog(client, 1, 2, 2.5, lambda r, why: None).start()  # period: 0.5 s
-    watcher.start()
-    time.sleep(0.2)
-    doomed._stop.set()  # silent from now on, without saying it is done
-    assert found.wait(8), "rank 1 died before its first period and was never declared lost"
-    assert seen[0][0] == 1 and "no heartbeat" in seen[0][1]
-    watcher.stop()
+    dogs = [Watchdog(client, r, 2, 0.5, lambda r, why: None).start() for r in range(2)]
+    dogs[1]._stop.set()  # silent from now on, without saying it is done
+    verdict = dogs[0].verdict(30)  # 0.5 s idle; the deadline is for a loaded machine
+    assert verdict is not None and verdict[0] == 1 and "no heartbeat" in verdict[1], verdict
+    dogs[0].stop()
     del server

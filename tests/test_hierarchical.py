@@ -171,16 +171,9 @@ def test_node_layout_from_hosts_and_bad_sizes():
         node_layout([0, 1, 2], 0, hosts=["a", "a", "b"])
 
 
-def _pipeline_jobs(rank: int, world: int, jobs) -> None:
-    from trainwright.run.worker import train
-
-    for cfg, run_dir in jobs:
-        train(cfg, Path(run_dir))
-
-
 @pytest.mark.timeout(240)
 def test_pipeline_with_hierarchical_sync_equals_single_process(tiny):
-    from tests.test_pipeline import _check_against_reference
+    from tests.helpers import check_against_reference, train_jobs
     from trainwright.run.launch import create_run_dir
 
     base = {"parallel.pp": 2, "parallel.dp": 2, "sync.strategy": '"hierarchical"',
@@ -191,10 +184,10 @@ def test_pipeline_with_hierarchical_sync_equals_single_process(tiny):
             tiny(**base, **{"hierarchical.ranks_per_node": 2, "train.optimizer": '"adamw"',
                             "train.lr": 0.01, "model.name": '"mlp"', "model.n_blocks": 3})]
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_pipeline_jobs, 4, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=200)
+    run_workers(train_jobs, 4, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=200)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         try:
-            _check_against_reference(cfg, run_dir)
+            check_against_reference(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"ranks_per_node={cfg.hierarchical.ranks_per_node} "
                                  f"{cfg.train.optimizer}: {exc}") from exc

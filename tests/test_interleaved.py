@@ -114,15 +114,15 @@ def _il(tiny, pp: int, v: int = 2, schedule: str = IL, **extra):
 
 
 def _train_and_compare(cfgs, world: int, timeout_s: int) -> list:
-    from tests.test_pipeline import _check_against_reference, _train_jobs
+    from tests.helpers import check_against_reference, train_jobs
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)),
+    run_workers(train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)),
                 timeout_s=timeout_s)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         label = (f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} v={cfg.parallel.virtual_stages} "
                  f"m={cfg.train.micro_batches} {cfg.memory.policies}")
         try:
-            _check_against_reference(cfg, run_dir)
+            check_against_reference(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc
     return dirs
@@ -152,18 +152,19 @@ def test_interleaved_trains_equal_to_single_process_pp4_and_dp2(tiny):
 
 @pytest.mark.timeout(400)
 def test_interleaved_and_zb_v_resume_equal_the_uninterrupted_run(tmp_path):
-    from tests.test_resume import _assert_bitwise, _jobs, _pair
+    from tests.helpers import assert_bitwise, resume_pair, train_recording_sparse
     from trainwright.run import checkpoint
     pairs, jobs = [], []
     for schedule in (IL, "zb-v"):
         kw = {"parallel.pp": 2, "parallel.virtual_stages": 2, "train.schedule": f'"{schedule}"',
               "train.micro_batches": 4, "train.steps": 4, "train.momentum": 0.9}
-        (_, d_full, d_cut), more = _pair(tmp_path / schedule, 2, **kw)
+        (_, d_full, d_cut), more = resume_pair(tmp_path / schedule, 2, **kw)
         pairs.append((schedule, d_full, d_cut))
         jobs += more
-    run_workers(_jobs, 2, [(c, str(d), r) for c, d, r in jobs], str(tmp_path), timeout_s=380)
+    run_workers(train_recording_sparse, 2, [(c, str(d), r) for c, d, r in jobs], str(tmp_path),
+                timeout_s=380)
     for schedule, d_full, d_cut in pairs:
-        _assert_bitwise(d_full, d_cut, f"{schedule} resume")
+        assert_bitwise(d_full, d_cut, f"{schedule} resume")
         assert len(checkpoint.read_meta(d_cut, 2)["partition"]) == 4  # pp * virtual_stages
 
 

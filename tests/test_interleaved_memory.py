@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
+from tests.helpers import check_against_reference, step_rows, train_jobs
 from trainwright.dist.testing import run_workers
 from trainwright.model.build import build_layers
 from trainwright.pipeline.budget import (
@@ -76,18 +76,18 @@ def test_memory_limit_plans_chunks_and_trains_like_the_reference(tiny):
         limits.append(limit)
         cfgs.append(_cfg(tiny, schedule, limit, planner))
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_train_jobs, 2, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=380)
+    run_workers(train_jobs, 2, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=380)
     for cfg, run_dir, limit in zip(cfgs, dirs, limits, strict=True):
         label = cfg.train.schedule
         try:
-            _check_against_reference(cfg, run_dir)
+            check_against_reference(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc
         plans = _plans(run_dir)
         policies = [r["policy"] for p in plans for r in p["layers"]]
         assert set(policies) - {"keep"}, (label, plans)
         sched = build_schedule(cfg.train.schedule, 2, 4, 2)
-        for row in _steps(run_dir):
+        for row in step_rows(run_dir):
             for st in row["stages"]:
                 assert st["activation_peak_bytes"] <= limit, (label, row["step"], st, limit)
                 # the store counts what memory holds: (chunk, micro-batch) pairs

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
+from tests.helpers import check_against_reference, step_rows, train_jobs
 from trainwright.cli import main
 from trainwright.config import Config
 from trainwright.dist.testing import run_workers
@@ -48,8 +48,8 @@ def _plans(run_dir: Path) -> list[dict]:
 def _unconstrained_peaks(tiny, world: int, tmp: Path) -> list[int]:
     cfg = _limited(tiny, world, "greedy", 0)  # limit 0 = none
     run_dir = create_run_dir(cfg)
-    run_workers(_train_jobs, world, [(cfg, str(run_dir))], timeout_s=200)
-    return [st["activation_peak_bytes"] for st in _steps(run_dir)[-1]["stages"]]
+    run_workers(train_jobs, world, [(cfg, str(run_dir))], timeout_s=200)
+    return [st["activation_peak_bytes"] for st in step_rows(run_dir)[-1]["stages"]]
 
 
 @pytest.mark.timeout(600)
@@ -60,17 +60,17 @@ def test_every_policy_mix_equals_keep_and_planned_stages_fit(tiny, world, tmp_pa
     limited = [_limited(tiny, world, p, limit) for p in ("greedy", "optimal")]
     cfgs = _policy_matrix(tiny, world) + limited
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=560)
+    run_workers(train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=560)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         label = f"{cfg.train.schedule} pp={world} {cfg.memory.policies or cfg.memory.planner}"
         try:
-            _check_against_reference(cfg, run_dir)
+            check_against_reference(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc
     for cfg, run_dir in zip(limited, dirs[-2:], strict=True):
         plans = _plans(run_dir)
         assert {p["stage"] for p in plans} >= {0}, "stage 0 must have been planned"
-        for row in _steps(run_dir):
+        for row in step_rows(run_dir):
             for st in row["stages"]:
                 assert st["activation_peak_bytes"] <= limit, (cfg.memory.planner, row["step"], st)
         policies = [r["policy"] for p in plans for r in p["layers"]]

@@ -112,7 +112,7 @@ def test_token_ring_on_two_hosts_with_two_nodes_each(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_torchrun_pipeline_with_hierarchical_sync_on_two_hosts(tmp_path):
-    from tests.test_pipeline import _check_against_reference
+    from tests.helpers import check_against_reference
     from trainwright.bench.netns import TwoTierNetwork
 
     keys = {"parallel.pp": 2, "parallel.dp": 2, "sync.strategy": "hierarchical",
@@ -130,4 +130,4 @@ def test_torchrun_pipeline_with_hierarchical_sync_on_two_hosts(tmp_path):
     run_dir = tmp_path / "runs" / "pipe"
     cfg = load_config(run_dir / "config.toml")
     assert cfg.hierarchical.ranks_per_node == 0
-    _check_against_reference(cfg, run_dir)
+    check_against_reference(cfg, run_dir)

@@ -1,7 +1,7 @@
 """Pairs of docs/combinations.md that no test of their own trains, several per run.
 
 Every run is pp = 2 x dp = 2 (four gloo ranks) and is compared with the plain-torch
-reference of ``tests/test_train_extras.py`` (which applies ``rebalance.edits`` as the trainer
+reference of ``tests/torch_reference.py`` (which applies ``rebalance.edits`` as the trainer
 does, and autocast / clipping / lr schedules / evaluation), or, for a resume, bit for bit
 with the uninterrupted run (which is itself compared with the reference).
 """
@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_pipeline import _steps
-from tests.test_resume import _assert_bitwise, _pair, _run
-from tests.test_train_extras import _check
+from tests.helpers import assert_bitwise, resume_pair, run_recording_sparse, step_rows
+from tests.torch_reference import check_against_torch
 from trainwright.config import Config
 from trainwright.run.launch import create_run_dir
 
@@ -35,14 +34,14 @@ BF16_TOL = {"loss_rtol": 1e-3, "param_tol": 2e-2}  # as test_bf16_with_recompute
 
 
 def _resume_pair(root: Path, **kw) -> tuple[tuple, list]:
-    """:func:`tests.test_resume._pair` stopped after step 2 of BASE's 4."""
-    return _pair(root, 2, **{**BASE, "train.momentum": 0.9, **kw})
+    """:func:`tests.helpers.resume_pair` stopped after step 2 of BASE's 4."""
+    return resume_pair(root, 2, **{**BASE, "train.momentum": 0.9, **kw})
 
 
 def _peer_limits(keep_dir: Path, share: float = 0.6) -> str:
     """``memory.limit`` per stage: stage 0 gets ``share`` of what keeping needs, stage 1 room
     for all of stage 0's activations besides its own (as in test_peerswap)."""
-    peaks = [st["activation_peak_bytes"] for st in _steps(keep_dir)[-1]["stages"]]
+    peaks = [st["activation_peak_bytes"] for st in step_rows(keep_dir)[-1]["stages"]]
     return json.dumps([int(share * peaks[0]), peaks[1] + peaks[0]])
 
 
@@ -56,7 +55,8 @@ def _check_all(runs: dict[str, Config], dirs: dict[str, Path]) -> None:
     """Each run equal to the reference (bf16 within its tolerance); peer-swap runs lent."""
     for label, cfg in runs.items():
         try:
-            _check(cfg, dirs[label], **(BF16_TOL if cfg.train.precision == "bf16" else {}))
+            check_against_torch(cfg, dirs[label],
+                                **(BF16_TOL if cfg.train.precision == "bf16" else {}))
             if cfg.memory.peer_swap:
                 assert _lent(dirs[label]) > 0, "stage 0 lent nothing to its peer"
         except AssertionError as exc:
@@ -66,7 +66,7 @@ def _check_all(runs: dict[str, Config], dirs: dict[str, Path]) -> None:
 def _with_resumes(runs: dict, dirs: dict, resumes: dict) -> None:
     """Resumed runs bit for bit equal to their uninterrupted runs, which join ``runs``."""
     for label, ((full, d_full, d_cut), _) in resumes.items():
-        _assert_bitwise(d_full, d_cut, label)
+        assert_bitwise(d_full, d_cut, label)
         runs[label], dirs[label] = full, d_full
 
 
@@ -96,7 +96,7 @@ def test_more_pairs_equal_the_reference(tiny, tmp_path):
             "train.schedule": '"zb-h1"'}),
         "tied": _resume_pair(tmp_path / "r3", **TIED),
     }
-    _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()]
+    run_recording_sparse(tmp_path, [(c, dirs[k], False) for k, c in runs.items()]
          + [j for _, more in resumes.values() for j in more], 600)
     _with_resumes(runs, dirs, resumes)
     _check_all(runs, dirs)
@@ -112,7 +112,7 @@ def test_peer_swap_pairs_equal_the_reference(tiny, tmp_path):
     keep = {"gpt": tiny(**BASE, **{"train.schedule": '"gpipe"'}),
             "tied": tiny(**BASE, **TIED, **{"train.schedule": '"gpipe"'})}
     keep_dirs = {k: create_run_dir(c) for k, c in keep.items()}
-    _run(tmp_path, [(c, keep_dirs[k], False) for k, c in keep.items()], 300)
+    run_recording_sparse(tmp_path, [(c, keep_dirs[k], False) for k, c in keep.items()], 300)
     peer = {"memory.peer_swap": "true", "memory.limit": _peer_limits(keep_dirs["gpt"]),
             "train.schedule": '"gpipe"', "memory.peer_bandwidth": 1e11,
             "memory.host_bandwidth": 1e4}
@@ -124,18 +124,18 @@ def test_peer_swap_pairs_equal_the_reference(tiny, tmp_path):
     }
     dirs = {k: create_run_dir(c) for k, c in runs.items()}
     resumes = {"peer sparse": _resume_pair(tmp_path / "r1", **peer, **SPARSE)}
-    _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()]
+    run_recording_sparse(tmp_path, [(c, dirs[k], False) for k, c in runs.items()]
          + resumes["peer sparse"][1], 600)
     _with_resumes(runs, dirs, resumes)
     _check_all(runs, dirs)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     """R x T, S x T: each ring node is a one-stage trainer, and ``memory.policies`` apply to
     its layers (the store of the node's trainer holds them); trained with recompute and swap,
     the ring equals the single-process reference."""
-    from tests.test_tokenring import ring_cfg, run_ring
+    from tests.helpers import ring_cfg, run_ring
     from trainwright.dist.topology import Topology
     from trainwright.model.build import build_layers
     from trainwright.run.reference import train_reference
@@ -159,12 +159,12 @@ def test_ring_nodes_recompute_and_swap_as_configured(tmp_path):
     torch.testing.assert_close(torch.load(result.run_dir / "model.pt"), model.state_dict())
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_ring_trains_a_tied_model_like_the_reference(tmp_path):
     """Tied weights x T: every ring node holds the whole model, so the shared weight is one
     parameter, stepped once; the ring equals the single-process reference. A node that
     fails names its error (the launcher used to report only an exit code)."""
-    from tests.test_tokenring import ring_cfg, run_ring
+    from tests.helpers import ring_cfg, run_ring
     from trainwright.run.reference import train_reference
 
     tied = {"tokenring.nodes": 2, "train.steps": 3, "model.name": '"gpt"', "model.d_model": 16,
@@ -184,14 +184,14 @@ def _torchrun(*args: str) -> Path:
     import subprocess
     import sys
 
-    from tests.test_cli import _run_dir
+    from tests.helpers import run_dir_from_stdout
     from trainwright.dist.ports import free_port
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "4", "--master-port", str(free_port()), "-m", "trainwright.cli",
                            "run", *args], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return _run_dir(proc.stdout)
+    return run_dir_from_stdout(proc.stdout)
 
 
 def _sets(tmp_path: Path, **kw) -> list[str]:
@@ -218,8 +218,8 @@ def test_torchrun_jobs_with_many_features_equal_the_reference(tmp_path):
     assert _torchrun("--resume", str(zb), "--set", "train.steps=4") == zb
     tied = _torchrun(*_sets(tmp_path, **TIED, **{"memory.policies": '["swap"]'}))
     _check_runs(many, edited, zb, tied)
-    assert [r["step"] for r in _steps(zb)] == [1, 2, 3, 4]
-    assert [r["step"] for r in _steps(edited)] == [1, 2, 3, 4]
+    assert [r["step"] for r in step_rows(zb)] == [1, 2, 3, 4]
+    assert [r["step"] for r in step_rows(edited)] == [1, 2, 3, 4]
     moves = [json.loads(x) for x in (many / "metrics.jsonl").read_text().splitlines()]
     assert [r["new"] for r in moves if r["kind"] == "repartition"] == [[1, 3]]
 
@@ -236,7 +236,7 @@ def test_interleaved_pairs_equal_the_reference(tiny, tmp_path):
     runs = {"interleaved sparse clip cosine": tiny(**BASE, **SPARSE, **il, **clip_cosine),
             "zb-v hierarchical bf16": tiny(**BASE, **HIER, **zbv, **BF16)}
     dirs = {k: create_run_dir(c) for k, c in runs.items()}
-    _run(tmp_path, [(c, dirs[k], False) for k, c in runs.items()], 600)
+    run_recording_sparse(tmp_path, [(c, dirs[k], False) for k, c in runs.items()], 600)
     _check_all(runs, dirs)
     _check_runs(_torchrun(*_sets(tmp_path, **HIER, **zbv)),
                 _torchrun(*_sets(tmp_path, **SPARSE, **il)))

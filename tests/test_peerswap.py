@@ -140,27 +140,27 @@ def test_peer_swap_from_the_config_trains_like_the_reference_within_limits(tiny)
     equal the single-process reference, every stage under its limit, stage 0 lends to peers."""
     import json
 
-    from tests.test_pipeline import _check_against_reference, _steps, _train_jobs
+    from tests.helpers import check_against_reference, step_rows, train_jobs
     from trainwright.run.launch import create_run_dir
 
     base = {"parallel.pp": 4, "train.schedule": '"1f1b"', "train.micro_batches": 4,
             "model.n_blocks": 4, "model.d_model": 64, "model.context": 32}
     keep = tiny(**base)
     keep_dir = create_run_dir(keep)
-    run_workers(_train_jobs, 4, [(keep, str(keep_dir))], timeout_s=200)
-    peaks = [st["activation_peak_bytes"] for st in _steps(keep_dir)[-1]["stages"]]
+    run_workers(train_jobs, 4, [(keep, str(keep_dir))], timeout_s=200)
+    peaks = [st["activation_peak_bytes"] for st in step_rows(keep_dir)[-1]["stages"]]
     limits = [int(0.6 * peaks[0])] + [p + peaks[0] for p in peaks[1:]]
     # fast peer links and a slow host link: the planner must prefer peers (as on NVLink);
     # at 1e8 B/s one CI run on a loaded host got a plan of host pieces only on stage 0
     cfg = tiny(**base, **{"memory.peer_swap": "true", "memory.limit": json.dumps(limits),
                           "memory.peer_bandwidth": 1e11, "memory.host_bandwidth": 1e6})
     run_dir = create_run_dir(cfg)
-    run_workers(_train_jobs, 4, [(cfg, str(run_dir))], timeout_s=200)
-    _check_against_reference(cfg, run_dir)
+    run_workers(train_jobs, 4, [(cfg, str(run_dir))], timeout_s=200)
+    check_against_reference(cfg, run_dir)
     plan = json.loads((run_dir / "peer_plan.json").read_text())
     assert plan["policy_counts"][0].get("peer"), plan["policy_counts"]
     assert plan["peers"].get("0"), plan["peers"]
-    for row in _steps(run_dir):
+    for row in step_rows(run_dir):
         for s, st in enumerate(row["stages"]):
             assert st["activation_peak_bytes"] <= limits[s], (row["step"], s, st, limits)
 

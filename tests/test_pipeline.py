@@ -7,42 +7,19 @@ groups per job, so nothing leaks from one configuration to the next.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.helpers import check_against_reference, step_rows, train_jobs
 from trainwright.config import Config
 from trainwright.dist.testing import run_workers
-from trainwright.run.api import load_model
 from trainwright.run.launch import create_run_dir
-from trainwright.run.reference import train_reference
-from trainwright.run.worker import train
-
-
-def _train_jobs(rank: int, world: int, jobs: list[tuple[Config, str]]) -> None:
-    for cfg, run_dir in jobs:
-        train(cfg, Path(run_dir))
-
-
-def _steps(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == "step"]
-
-
-def _check_against_reference(cfg: Config, run_dir: Path) -> None:
-    ref, ref_losses = train_reference(cfg)
-    got = load_model(run_dir)
-    for (name, a), (_, b) in zip(got.named_parameters(), ref.named_parameters(), strict=True):
-        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")
-    losses = [r["loss"] for r in _steps(run_dir)]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
 
 
 def _check_held_microbatches(cfg: Config, run_dir: Path) -> None:
     p, m = cfg.parallel.pp, cfg.train.micro_batches
-    for row in _steps(run_dir):
+    for row in step_rows(run_dir):
         for st in row["stages"]:
             held = st["held_microbatches_peak"]
             if cfg.train.schedule == "1f1b":
@@ -80,12 +57,12 @@ def _factory_matrix(tiny, world: int) -> list[Config]:
 def test_pipeline_equals_single_process(tiny, world):
     cfgs = _matrix(tiny, world) + _factory_matrix(tiny, world)
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=400)
+    run_workers(train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=400)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         label = (f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} {cfg.train.schedule} "
                  f"m={cfg.train.micro_batches} {cfg.train.optimizer} {cfg.model.factory}")
         try:
-            _check_against_reference(cfg, run_dir)
+            check_against_reference(cfg, run_dir)
             _check_held_microbatches(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc

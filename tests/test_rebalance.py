@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.test_pipeline import _check_against_reference, _train_jobs
+from tests.helpers import check_against_reference as _check_against_reference
+from tests.helpers import train_jobs as _train_jobs
 from trainwright.dist.testing import run_workers
 from trainwright.errors import PlanError
 from trainwright.rebalance.migration import Migration

@@ -12,16 +12,19 @@ Each test spawns one group of four gloo ranks and runs its jobs one after anothe
 from __future__ import annotations
 
 import json
-import logging
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
-from tests.test_pipeline import _check_against_reference, _steps
+from tests.helpers import (
+    assert_bitwise,
+    check_against_reference,
+    resume_pair,
+    run_recording_sparse,
+    step_rows,
+    tiny_config,
+)
 from trainwright.config import Config, load_config
-from trainwright.dist.testing import run_workers
 from trainwright.run import checkpoint
 from trainwright.run.api import load_model
 from trainwright.run.launch import create_run_dir
@@ -37,89 +40,31 @@ SPARSE = {"model.factory": '"tests.factories:token_model"', "sync.sparse": "true
 PP2DP2 = {"parallel.pp": 2, "parallel.dp": 2}
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def _jobs(rank: int, world: int, jobs: list[tuple[Config, str, bool]], out: str) -> None:
-    """Train each job; record on which steps this rank's sparse sync sent row-sparse
-    gradients (``out/sparse_RANK.json``)."""
-    from trainwright.run.worker import train
-
-    sparse_log = logging.getLogger("trainwright.sync.sparse")
-    sparse_log.setLevel(logging.INFO)
-    seen = {}
-    for i, (cfg, run_dir, resume) in enumerate(jobs):
-        lines = _Lines()
-        sparse_log.addHandler(lines)
-        train(cfg, Path(run_dir), resume=resume)
-        sparse_log.removeHandler(lines)
-        seen[i] = [int(m.split()[3].rstrip(":")) for m in lines.lines
-                   if m.startswith("sparse sync step")]
-    Path(out, f"sparse_{rank}.json").write_text(json.dumps(seen))
-
-
-def _cfg(tmp_path: Path, **kw) -> Config:
-    return load_config(None, tiny_overrides(tmp_path / "runs", **kw))
-
-
-def _run(tmp_path: Path, jobs: list[tuple[Config, Path, bool]], timeout_s: int) -> dict:
-    run_workers(_jobs, 4, [(c, str(d), r) for c, d, r in jobs], str(tmp_path),
-                timeout_s=timeout_s)
-    return {r: json.loads((tmp_path / f"sparse_{r}.json").read_text()) for r in range(4)}
-
-
-def _pair(tmp_path: Path, stop: int, resume_cfg: dict | None = None, **kw):
-    """An uninterrupted run, and one stopped after ``stop`` steps then resumed (optionally
-    with other keys): returns the configs, the directories and the jobs."""
-    full = _cfg(tmp_path, **kw)
-    first = _cfg(tmp_path, **{**kw, "train.steps": stop})
-    resumed = _cfg(tmp_path, **{**kw, **(resume_cfg or {})})
-    d_full, d_cut = create_run_dir(full), create_run_dir(first)
-    create_run_dir(resumed, d_cut)  # what `trainwright run --resume` writes
-    jobs = [(full, d_full, False), (first, d_cut, False), (resumed, d_cut, True)]
-    return (full, d_full, d_cut), jobs
-
-
-def _assert_bitwise(a: Path, b: Path, label: str) -> None:
-    for (name, p), (_, q) in zip(load_model(a).named_parameters(),
-                                 load_model(b).named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda m, n=name: f"{label} {n}: {m}")
-    last = {r["step"]: r["loss"] for r in _steps(b)}  # a resumed step is logged once more
-    full = {r["step"]: r["loss"] for r in _steps(a)}
-    assert last == full, (label, full, last)
-
-
 @pytest.mark.timeout(480)
 def test_hierarchical_and_sparse_sync_follow_a_live_migration(tmp_path):
     mig = {"rebalance.at_step": 2, "train.steps": 4, **PP2DP2}
-    hier_adamw = _cfg(tmp_path, **MLP_ADAMW, **HIER, **mig, **{"rebalance.to": "[1, 3]"})
-    hier_2nodes = _cfg(tmp_path, **{**HIER, **mig,  # GPT, 2 nodes x 1, layers move back
+    hier_adamw = tiny_config(tmp_path, **MLP_ADAMW, **HIER, **mig, **{"rebalance.to": "[1, 3]"})
+    hier_2nodes = tiny_config(tmp_path, **{**HIER, **mig,  # GPT, 2 nodes x 1, layers move back
         "hierarchical.ranks_per_node": 1, "hierarchical.weights": '"equal"',
         "train.optimizer": '"sgd"', "train.momentum": 0.9, "train.micro_batches": 2,
         "parallel.partition": "[1, 3]", "rebalance.to": "[3, 1]"})
-    sparse = _cfg(tmp_path, **SPARSE, **mig, **{"rebalance.to": "[1, 4]"})
+    sparse = tiny_config(tmp_path, **SPARSE, **mig, **{"rebalance.to": "[1, 4]"})
     # a model edit (a layer inserted into stage 0 before step 3): hierarchical vs dense sync
     edit = {**PP2DP2, "train.steps": 6, "train.micro_batches": 2, "train.momentum": 0.9,
             "rebalance.edits": '"tests.factories:insert_heavy"'}
-    edits = [_cfg(tmp_path, **edit), _cfg(tmp_path, **HIER, **edit)]
+    edits = [tiny_config(tmp_path, **edit), tiny_config(tmp_path, **HIER, **edit)]
     cfgs = [hier_adamw, hier_2nodes, sparse]
     dirs = [create_run_dir(c) for c in cfgs + edits]
-    seen = _run(tmp_path, [(c, d, False) for c, d in zip(cfgs + edits, dirs, strict=True)],
-                460)
-    dense_losses, hier_losses = ([r["loss"] for r in _steps(d)] for d in dirs[3:])
+    seen = run_recording_sparse(
+        tmp_path, [(c, d, False) for c, d in zip(cfgs + edits, dirs, strict=True)], 460)
+    dense_losses, hier_losses = ([r["loss"] for r in step_rows(d)] for d in dirs[3:])
     assert len(hier_losses) == 6
     torch.testing.assert_close(torch.tensor(hier_losses), torch.tensor(dense_losses))
     for cfg, run_dir in zip(cfgs, dirs[:3], strict=True):
         reps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         reps = [r for r in reps if r["kind"] == "repartition"]
         assert reps and reps[-1]["new"] == cfg.rebalance.to, reps
-        _check_against_reference(cfg, run_dir)
+        check_against_reference(cfg, run_dir)
     # the position table moved to stage 1 in step 2: from that step's SYNC on, stage 1 sends
     # it row-sparse (stage 0 keeps the token table, synced sparse every step)
     for rank in range(4):
@@ -139,12 +84,12 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
     jobs, checks = [], []
     for label, kw in cases.items():
         stop = 3 if "rebalance.at_step" in kw else 2
-        (full, d_full, d_cut), more = _pair(tmp_path / label.replace(" ", "_"), stop, **kw)
+        (full, d_full, d_cut), more = resume_pair(tmp_path / label.replace(" ", "_"), stop, **kw)
         jobs += more
         checks.append((label, full, d_full, d_cut, stop))
-    _run(tmp_path, jobs, 580)
+    run_recording_sparse(tmp_path, jobs, 580)
     for label, full, d_full, d_cut, stop in checks:
-        _assert_bitwise(d_full, d_cut, label)
+        assert_bitwise(d_full, d_cut, label)
         if full.rebalance.at_step:  # resumed at the partition the migration reached
             assert checkpoint.read_meta(d_cut, stop)["partition"] == [1, 3]
             runs = [json.loads(x) for x in (d_cut / "metrics.jsonl").read_text().splitlines()]
@@ -168,11 +113,11 @@ def test_resume_at_another_pipeline_and_replica_count(tmp_path):
     # sync at pp=4 x dp=1: each stage takes its layers' entries by name
     kw = dict(**MLP_ADAMW, **HIER, **PP2DP2, **{"train.steps": 4})
     other = {"parallel.pp": 4, "parallel.dp": 1, "sync.strategy": '"dense"'}
-    (full, d_full, d_cut), jobs = _pair(tmp_path, 2, resume_cfg=other, **kw)
-    _run(tmp_path, jobs[1:], 460)
+    (full, d_full, d_cut), jobs = resume_pair(tmp_path, 2, resume_cfg=other, **kw)
+    run_recording_sparse(tmp_path, jobs[1:], 460)
     resumed = load_config(d_cut / "config.toml")
     assert (resumed.parallel.pp, resumed.parallel.dp) == (4, 1)
-    _check_against_reference(resumed, d_cut)
+    check_against_reference(resumed, d_cut)
     # and the optimizer state really came along: without it, steps 3-4 differ
     ref, _ = train_reference(resumed)
     fresh = _restart_without_optimizer_state(resumed)
@@ -203,7 +148,7 @@ def test_checkpoint_round_trips_layers_registered_objects_and_rng(tmp_path):
     from trainwright.model.build import build_layers, build_optimizer
     from trainwright.pipeline.stage import LayerSlot
 
-    cfg = _cfg(tmp_path, **MLP_ADAMW)
+    cfg = tiny_config(tmp_path, **MLP_ADAMW)
 
     def stage():
         slots = [LayerSlot(i, n, m, build_optimizer(cfg, list(m.parameters())))

@@ -8,51 +8,19 @@ parameter hash at every step, and the no-fault run against single-process SGD.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
 import zmq
 from torch import nn
 
-from trainwright.config import load_config
+from tests.helpers import FakeClock, assert_identical_replicas, ring_cfg, run_ring
 from trainwright.errors import ConfigError
 from trainwright.model.build import build_data, build_layers, loss_fn
-from trainwright.run.launch import create_run_dir
-from trainwright.run.ring_launch import launch_ring
 from trainwright.run.ring_node import param_hash
 from trainwright.tokenring.membership import Epoch, announce_delay, ring_distance
 from trainwright.tokenring.ring import contributors_needed, sum_canonical
 from trainwright.tokenring.wire import pack, unpack
-
-
-def ring_cfg(tmp_path, **extra):
-    """4 nodes, an MLP on synthetic data, plain SGD, time-outs short enough for tests."""
-    base = {
-        "sync.strategy": '"tokenring"', "train.optimizer": '"sgd"', "model.name": '"mlp"',
-        "model.d_in": 16, "model.d_model": 32, "model.n_blocks": 2, "train.batch_size": 32,
-        "train.steps": 5, "train.lr": 0.1, "run.dir": f'"{tmp_path / "runs"}"',
-        "tokenring.close_fraction": 1.0, "tokenring.token_timeout_s": 0.5,
-        "tokenring.succession_s": 0.3, "tokenring.close_timeout_s": 20.0,
-        "tokenring.standby_timeout_s": 30.0, "tokenring.formation_quiet_s": 10.0,
-    }
-    base.update(extra)
-    return load_config(None, [f"{k}={v}" for k, v in base.items()])
-
-
-def run_ring(cfg, timeout_s=50):
-    run_dir = create_run_dir(cfg)
-    t0 = time.monotonic()
-    result = launch_ring(cfg, run_dir, timeout_s=timeout_s)
-    assert time.monotonic() - t0 < timeout_s, "the ring ran into the launcher's deadline"
-    return result
-
-
-def assert_identical_replicas(reports: dict, steps: range) -> None:
-    """Every node that applied a step has the same parameter hash after it."""
-    for s in steps:
-        seen = {k: r["hashes"][str(s)] for k, r in reports.items() if str(s) in r["hashes"]}
-        assert len(set(seen.values())) == 1, f"replicas differ after step {s}: {seen}"
 
 
 # ---------------------------------------------------------------- no processes
@@ -145,14 +113,19 @@ def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
     pull = ctx.socket(zmq.PULL)
     pull.bind("tcp://127.0.0.1:*")
     epoch = Epoch((0, 0), {i: f"tcp://127.0.0.1:{9000 + i}" for i in range(4)})
+    clock = FakeClock(100.0)
     ring = TokenRing(ctx, 0, pull, epoch, close_fraction=0.5, min_nodes=2, total_steps=10,
-                     times=RingTimes(close_grace_s=0.3))
+                     times=RingTimes(close_grace_s=0.25), clock=clock)
     try:
         assert not ring._may_close(Token(1, [0], 0, 1))  # below the fraction: never
+        clock.advance(60)
+        assert not ring._may_close(Token(1, [0], 0, 1))
         assert ring._may_close(Token(2, [0, 1, 2, 3], 0, 1))  # everyone in: at once
         half = Token(3, [0, 2], 0, 1)
         assert not ring._may_close(half)  # the fraction is met: the grace starts now
-        time.sleep(0.35)
+        clock.advance(0.125)
+        assert not ring._may_close(half)  # half the grace
+        clock.advance(0.125)
         assert ring._may_close(half)  # ... and closes the step without the late nodes
     finally:
         pull.close(0)
@@ -172,22 +145,30 @@ def test_a_token_the_dead_holder_sent_to_some_members_only_is_relayed_to_its_suc
     members = {0: f"tcp://127.0.0.1:{ports[0]}", 2: "tcp://127.0.0.1:1", 3:
                f"tcp://127.0.0.1:{ports[3]}"}
     epoch = Epoch((1, 2), members)
-    times = RingTimes(token_timeout_s=0.2, succession_s=0.3)
+    times = RingTimes(token_timeout_s=0.25, succession_s=0.5)
     closes = {1: [0, 1, 2, 3]}
+    clock = FakeClock()
     rings = {i: TokenRing(ctx, i, pulls[i], epoch, close_fraction=0.75, min_nodes=2,
                           total_steps=10, times=times, closes=closes,
-                          token=Token(2, [0, 3], 2, 4, 0), applied=1) for i in (0, 3)}
+                          token=Token(2, [0, 3], 2, 4, 0), applied=1, clock=clock)
+             for i in (0, 3)}
     try:
         last = {"t": "tok", "ep": epoch.to_json(), "step": 3, "contribs": [], "holder": 3,
                 "hop": 5, "idle": 0, "closes": {"1": [0, 1, 2, 3], "2": [0, 2, 3]},
                 "retx": False, "src": 2, "inc": 7, "sq": 1}
         rings[0]._handle([zmq.Frame(bytes(f)) for f in pack(last, [])])
         assert rings[0].closes[2] == [0, 2, 3] and rings[0].tok.holder == 3
-        time.sleep(times.token_timeout_s + 0.05)  # quiet, but before any announcement
+        clock.advance(times.token_timeout_s)  # not yet silent for longer than the time-out
         with rings[0].cv:
             rings[0]._check_silence()
+        assert rings[0].stats.retransmissions == 0
+        # quiet past the time-out, before node 0 (holder 3's successor) would announce it
+        clock.advance(times.succession_s / 2)
+        with rings[0].cv:
+            rings[0]._check_silence()
+        assert rings[0].stats.retransmissions == 1
         assert rings[0].epoch.key == (1, 2)  # node 0 is not node 2's successor
-        assert pulls[3].poll(5000), "node 0 did not relay the token"
+        assert pulls[3].poll(30_000), "node 0 did not relay the token"
         rings[3]._handle(pulls[3].recv_multipart(copy=False))
         assert rings[3].epoch.key == (1, 2) and rings[3].tok.holder == 3
         assert rings[3].tok.step == 3 and rings[3].closes[2] == [0, 2, 3]
@@ -196,6 +177,29 @@ def test_a_token_the_dead_holder_sent_to_some_members_only_is_relayed_to_its_suc
             r.links.close()
         for s in pulls.values():
             s.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_formation_closes_after_quiet_s_without_a_join_and_fails_past_its_deadline():
+    from trainwright.errors import CommError
+    from trainwright.tokenring.membership import Rendezvous
+
+    ctx = zmq.Context()
+    try:
+        # 1 s per reading of the clock: quiet_s = 10 passes after a dozen polls of the socket
+        rdzv = Rendezvous(ctx, "tcp://127.0.0.1:*", 4, quiet_s=10.0, clock=FakeClock(tick=1.0))
+        assert rdzv.form(0, "tcp://127.0.0.1:1", min_nodes=1, deadline_s=1000) == {
+            0: "tcp://127.0.0.1:1"}
+        assert rdzv.formed and 10 < rdzv.clock() < 40
+        rdzv.close()
+        rdzv = Rendezvous(ctx, "tcp://127.0.0.1:*", 4, quiet_s=10.0, clock=FakeClock(tick=1.0))
+        with pytest.raises(CommError, match=r"only 1 node\(s\) joined in 30 s, need "
+                                            r"tokenring.min_nodes = 2"):
+            rdzv.form(0, "tcp://127.0.0.1:1", min_nodes=2, deadline_s=30)
+        assert not rdzv.formed
+        rdzv.close()
+    finally:
         ctx.term()
 
 
@@ -214,7 +218,7 @@ def test_transient_straggler_pattern_is_seeded_and_shared(tmp_path):
 
 
 # ---------------------------------------------------------------- 4 node processes
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # 4-10 s idle: 4 node processes start on a shared host
 def test_no_faults_equals_synchronous_data_parallel(tmp_path):
     cfg = ring_cfg(tmp_path)
     result = run_ring(cfg)
@@ -238,7 +242,7 @@ def test_no_faults_equals_synchronous_data_parallel(tmp_path):
     torch.testing.assert_close(saved, model.state_dict())
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # 4-10 s idle: 4 node processes start on a shared host
 def test_straggler_is_left_out_and_replicas_stay_identical(tmp_path):
     # the plain closing rule (no grace): the node a few ms late is left out at once
     cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75, "tokenring.slow_node": 3,
@@ -258,12 +262,11 @@ def test_straggler_is_left_out_and_replicas_stay_identical(tmp_path):
     assert len(reps["3"]["contributed"]) <= 4
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # 4-10 s idle: 4 node processes start on a shared host
 def test_killed_node_is_dropped_and_rejoins_with_current_weights(tmp_path):
-    # token_timeout_s 1.5, not 0.5: with this model a live holder busy computing on 2 shared
-    # cores was once silent for 0.8 s and dropped, a second "lost" the test does not expect
+    # RING_TIMEOUTS: with 0.5 s a live holder busy computing on 2 shared cores was once
+    # silent for 0.8 s and dropped, a second "lost" the test does not expect
     cfg = ring_cfg(tmp_path, **{"tokenring.close_fraction": 0.75, "tokenring.kill_nodes": [2],
-                                "tokenring.token_timeout_s": 1.5,
                                 "tokenring.kill_step": 3, "tokenring.restart_killed": "true",
                                 "tokenring.batch_steps": 5, "train.steps": 40,
                                 "model.d_in": 64, "model.d_model": 256,
@@ -291,7 +294,7 @@ def test_killed_node_is_dropped_and_rejoins_with_current_weights(tmp_path):
         assert reps[k]["events"][-1]["members"] == [0, 1, 2, 3]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)  # 4-10 s idle: 4 node processes start on a shared host
 def test_three_of_four_killed_survivor_saves_and_the_command_fails(tmp_path, capfd):
     from trainwright.cli import main
 

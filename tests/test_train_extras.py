@@ -1,151 +1,28 @@
 """Mixed precision, clipping, LR schedules, evaluation and text data against plain torch.
 
-The reference here is written with torch alone (``torch.autocast``,
-``clip_grad_norm_``, ``lr_scheduler`` built explicitly, a forward under ``no_grad`` for the
-held-out loss) on ``nn.Sequential`` of the same layers and the same global batches; the
-pipeline runs spawn gloo workers and several configurations share one group.
+The reference (``tests/torch_reference.py``) is written with torch alone on
+``nn.Sequential`` of the same layers and the same global batches; the pipeline runs spawn
+gloo workers and several configurations share one group.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from torch.optim import lr_scheduler as sched
 
 from tests.conftest import tiny_overrides
+from tests.helpers import train_jobs
+from tests.torch_reference import check_against_torch, metric_rows, reference, torch_scheduler
 from trainwright.config import load_config
 from trainwright.dist.testing import run_workers
-from trainwright.model.build import build_data, build_layers, build_optimizer, loss_fn
 from trainwright.run.api import load_model
 from trainwright.run.launch import create_run_dir
 from trainwright.run.lr import LRClock
 from trainwright.run.trainer import Trainer
 from trainwright.run.worker import train
-
-# ----------------------------------------------------------------------------- reference
-
-
-def _torch_scheduler(t, opt):
-    """The schedule written out with torch's classes, independently of run/lr.py."""
-    w, last = t.warmup_steps, max(t.steps - t.warmup_steps - 1, 1)
-    main = {"cosine": lambda: sched.CosineAnnealingLR(opt, T_max=last, eta_min=t.min_lr),
-            "linear": lambda: sched.LinearLR(opt, 1.0, t.min_lr / t.lr, total_iters=last),
-            "constant": lambda: sched.LambdaLR(opt, lambda s: 1.0)}[t.lr_schedule]()
-    if w < 2:
-        return main
-    return sched.SequentialLR(opt, [sched.LinearLR(opt, 1.0 / w, 1.0, total_iters=w - 1), main],
-                              milestones=[w])
-
-
-def _autocast(cfg):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
-
-
-def _eval_loss(model, data, cfg, criterion) -> float:
-    model.eval()
-    with torch.no_grad(), _autocast(cfg):
-        losses = [criterion(model(x).float(), y).item() for x, y in
-                  (data.eval_batch(i, cfg.train.batch_size) for i in range(cfg.eval.batches))]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def _apply_edits(cfg, model: nn.Sequential, opt, step: int) -> None:
-    """``rebalance.edits`` on the one-process model: each inserted layer built under
-    ``torch.manual_seed(train.seed + step)`` as the trainer documents, its parameters a new
-    group of the optimizer."""
-    from trainwright.rebalance.edits import InsertLayer, load_edit_hook
-
-    for edit in load_edit_hook(cfg.rebalance.edits)(step) if cfg.rebalance.edits else []:
-        assert isinstance(edit, InsertLayer), edit
-        torch.manual_seed(cfg.train.seed + step)
-        module = edit.build()
-        model.insert(edit.at, module)
-        opt.add_param_group({"params": list(module.parameters())})
-
-
-def reference(cfg) -> dict:
-    """Plain-torch training of the configured model (with its ``rebalance.edits``): losses,
-    lrs, grad norms, eval losses."""
-    model = nn.Sequential(*(layer for _, layer in build_layers(cfg)))
-    opt = build_optimizer(cfg, list(model.parameters()))
-    # the schedule drives a one-parameter clock whose lr every group takes (an edit adds groups)
-    clock = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.train.lr)
-    lrs = _torch_scheduler(cfg.train, clock)
-    data, criterion, t = build_data(cfg), loss_fn(cfg), cfg.train
-    scaler = torch.amp.GradScaler("cpu", enabled=t.precision == "fp16")
-    out = {"model": model, "loss": [], "lr": [], "grad_norm": [], "eval": {}}
-    for step in range(1, t.steps + 1):
-        _apply_edits(cfg, model, opt, step)
-        x, y = data.batch(step, t.batch_size)
-        with _autocast(cfg):
-            logits = model(x)
-        loss = criterion(logits.float() if t.precision != "fp32" else logits, y)
-        opt.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        if t.clip_norm:
-            out["grad_norm"].append(
-                float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.clip_norm)))
-        for group in opt.param_groups:
-            group["lr"] = clock.param_groups[0]["lr"]
-        out["lr"].append(opt.param_groups[0]["lr"])
-        scaler.step(opt)
-        scaler.update()
-        clock.step()  # no gradient: only keeps the scheduler's order of calls
-        lrs.step()
-        out["loss"].append(loss.item())
-        if cfg.eval.every and (step % cfg.eval.every == 0 or step == t.steps):
-            out["eval"][step] = _eval_loss(model, data, cfg, criterion)
-    return out
-
-
-def _rows(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["kind"] == kind]
-
-
-def _check(cfg, run_dir: Path, loss_rtol: float | None = None, param_tol: float | None = None):
-    ref = reference(cfg)
-    steps = _rows(run_dir, "step")
-    got_loss = torch.tensor([r["loss"] for r in steps])
-    if loss_rtol is None:
-        torch.testing.assert_close(got_loss, torch.tensor(ref["loss"]))
-    else:
-        torch.testing.assert_close(got_loss, torch.tensor(ref["loss"]), rtol=loss_rtol, atol=0)
-    torch.testing.assert_close(torch.tensor([r["lr"] for r in steps], dtype=torch.float64),
-                               torch.tensor(ref["lr"], dtype=torch.float64))
-    if cfg.train.clip_norm:
-        got = torch.tensor([r["grad_norm"] for r in steps])
-        torch.testing.assert_close(got, torch.tensor(ref["grad_norm"]),
-                                   rtol=loss_rtol or 1.3e-6, atol=1e-6)
-        assert any(n > cfg.train.clip_norm for n in ref["grad_norm"]), "clipping never acted"
-    if cfg.eval.every:
-        evals = {r["step"]: r for r in _rows(run_dir, "eval")}
-        assert sorted(evals) == sorted(ref["eval"])
-        torch.testing.assert_close(torch.tensor([evals[s]["loss"] for s in sorted(evals)]),
-                                   torch.tensor([ref["eval"][s] for s in sorted(evals)]),
-                                   rtol=loss_rtol or 1.3e-6, atol=1e-5)
-        for r in evals.values():
-            if cfg.train.loss == "cross_entropy":
-                assert r["perplexity"] == pytest.approx(math.exp(r["loss"]))
-    tol = {} if param_tol is None else {"rtol": param_tol, "atol": param_tol}
-    got = load_model(run_dir)
-    for (name, a), (_, b) in zip(got.named_parameters(), ref["model"].named_parameters(),
-                                 strict=True):
-        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}", **tol)
-
-
-def _jobs(rank: int, world: int, jobs: list) -> None:
-    for cfg, run_dir in jobs:
-        train(cfg, Path(run_dir))
-
 
 # ----------------------------------------------------------------------------- pipelines
 
@@ -213,33 +90,33 @@ def test_fp32_clip_cosine_eval_equal_plain_torch(pp2_runs):
     per step, eval losses and parameters equal the torch reference; the report shows eval."""
     from trainwright.observe.report import write_report
 
-    _check(*pp2_runs["fp32"])
+    check_against_torch(*pp2_runs["fp32"])
     html = write_report(pp2_runs["fp32"][1]).read_text()
     assert "last eval loss" in html
 
 
 @pytest.mark.timeout(480)
 def test_text_folder_run_equals_plain_torch(pp2_runs):
-    _check(*pp2_runs["text"])
+    check_against_torch(*pp2_runs["text"])
 
 
 @pytest.mark.timeout(480)
 def test_bf16_with_recompute_equals_autocast_reference(pp2_runs):
     """Autocast in every layer's forward and in its recompute: loss within 1e-3 relative."""
-    _check(*pp2_runs["bf16"], loss_rtol=1e-3, param_tol=2e-2)
+    check_against_torch(*pp2_runs["bf16"], loss_rtol=1e-3, param_tol=2e-2)
 
 
 @pytest.mark.timeout(480)
 def test_fp16_with_loss_scaling_equals_gradscaler_reference(pp2_runs):
     """fp16 autocast + GradScaler on the reference, agreed scaling in the pipeline."""
-    _check(*pp2_runs["fp16_clip"], loss_rtol=1e-3, param_tol=2e-2)
+    check_against_torch(*pp2_runs["fp16_clip"], loss_rtol=1e-3, param_tol=2e-2)
 
 
 @pytest.mark.timeout(480)
 def test_schedule_survives_a_live_migration(pp2_runs):
     cfg, run_dir = pp2_runs["migrated"]
-    _check(cfg, run_dir)
-    assert [r["step"] for r in _rows(run_dir, "repartition")] == [2]
+    check_against_torch(cfg, run_dir)
+    assert [r["step"] for r in metric_rows(run_dir, "repartition")] == [2]
 
 
 @pytest.mark.timeout(480)
@@ -247,7 +124,7 @@ def test_resume_continues_the_schedule(pp2_runs):
     """Resumed from step 2 of 4: steps 3-4 get the same lr (and loss) as the first time, and
     the final weights equal the reference's."""
     cfg, run_dir = pp2_runs["resumed"]
-    rows = _rows(run_dir, "step")
+    rows = metric_rows(run_dir, "step")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 3, 4]
     for a, b in ((rows[2], rows[4]), (rows[3], rows[5])):
         assert a["lr"] == b["lr"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -278,9 +155,9 @@ def test_clip_norm_over_replicas_with_dense_sparse_and_hierarchical_sync(tiny):
     training equals it, with dense, sparse (row) and hierarchical (sharded) gradients; a
     Dataset from data.factory trains and evaluates as the reference does."""
     jobs = [(cfg, str(create_run_dir(cfg))) for cfg in _dp2_configs(tiny)]
-    run_workers(_jobs, 4, jobs, timeout_s=450)
+    run_workers(train_jobs, 4, jobs, timeout_s=450)
     for cfg, run_dir in jobs:
-        _check(cfg, Path(run_dir))
+        check_against_torch(cfg, Path(run_dir))
 
 
 def _fp16_inf_job(rank: int, world: int, cfg, run_dir: str) -> None:
@@ -311,7 +188,7 @@ def _fp16_inf_job(rank: int, world: int, cfg, run_dir: str) -> None:
 def test_fp16_overflow_on_one_stage_skips_the_step_everywhere(pp2_runs):
     """An inf injected into stage 1's gradient in step 2: no stage steps (checked inside the
     workers), every scaler backs off, and the metrics say so."""
-    rows = _rows(pp2_runs["fp16"][1], "step")
+    rows = metric_rows(pp2_runs["fp16"][1], "step")
     assert [r["skipped"] for r in rows] == [False, True, False]
     assert rows[1]["loss_scale"] == 2.0 * rows[2]["loss_scale"]
 
@@ -324,7 +201,7 @@ def test_lr_clock_equals_torch_scheduler_and_resumes(schedule, warmup):
     cfg = load_config(None, [f"train.lr_schedule={schedule}", f"train.warmup_steps={warmup}",
                              "train.steps=12", "train.lr=0.1", "train.min_lr=0.001"])
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    ref, clock, want, got = _torch_scheduler(cfg.train, opt), LRClock(cfg.train), [], []
+    ref, clock, want, got = torch_scheduler(cfg.train, opt), LRClock(cfg.train), [], []
     for step in range(1, 13):
         want.append(opt.param_groups[0]["lr"])
         got.append(clock.lr)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -201,12 +200,6 @@ def test_simulated_zero_bubble_has_less_bubble_than_1f1b():
         assert step["1f1b"] == pytest.approx(3 * m + 3 * (p - 1))
 
 
-def _train_jobs(rank: int, world: int, jobs: list[tuple[Config, str]]) -> None:
-    from trainwright.run.worker import train
-    for cfg, run_dir in jobs:
-        train(cfg, Path(run_dir))
-
-
 def _zb_matrix(tiny, world: int) -> list[Config]:
     two = {"train.steps": 3, "train.micro_batches": 4}  # step 2 is a fast (fused) step
     cfgs = [tiny(**two, **{"parallel.pp": world, "train.schedule": f'"{s}"'}) for s in ZB]
@@ -224,17 +217,17 @@ def _zb_matrix(tiny, world: int) -> list[Config]:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zero_bubble_trains_equal_to_single_process(tiny, world):
-    from tests.test_pipeline import _check_against_reference, _steps
+    from tests.helpers import check_against_reference, step_rows, train_jobs
     cfgs = _zb_matrix(tiny, world)
     dirs = [create_run_dir(c) for c in cfgs]
-    run_workers(_train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=380)
+    run_workers(train_jobs, world, list(zip(cfgs, map(str, dirs), strict=True)), timeout_s=380)
     for cfg, run_dir in zip(cfgs, dirs, strict=True):
         label = (f"pp={cfg.parallel.pp} dp={cfg.parallel.dp} {cfg.train.schedule} "
                  f"{cfg.memory.policies}")
         try:
-            _check_against_reference(cfg, run_dir)
+            check_against_reference(cfg, run_dir)
             sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches)
-            for row in _steps(run_dir):
+            for row in step_rows(run_dir):
                 for st in row["stages"]:
                     assert st["held_microbatches_peak"] == max_in_flight(sched[st["stage"]])
         except AssertionError as exc:

@@ -287,12 +287,19 @@ class Watchdog:
         timeout_s: silence after which a peer is declared lost.
         on_lost: callback ``(rank, reason) -> None``.
         store_host: description of who hosts the store, used when the store itself vanishes.
+        clock: monotonic seconds, the time base of the silence check (tests pass a fake one
+            and drive :meth:`beat` themselves instead of starting the thread).
     """
 
     def __init__(self, store_factory: Callable[[], dist.Store], rank: int, world_size: int,
-                 timeout_s: float, on_lost: Callable[[int, str], None], store_host: int = -1):
+                 timeout_s: float, on_lost: Callable[[int, str], None], store_host: int = -1,
+                 clock: Callable[[], float] = time.monotonic):
         self.store_factory, self.rank, self.world = store_factory, rank, world_size
         self.timeout_s, self.on_lost, self.store_host = timeout_s, on_lost, store_host
+        self.clock = clock
+        self._peers = [r for r in range(world_size) if r != rank]
+        self._seen: dict[int, tuple[int, float]] | None = None
+        """Per peer: its last heartbeat count and when (``clock``) it last changed."""
         self._stop = threading.Event()
         self._verdict: tuple[int, str] | None = None
         self._found = threading.Event()
@@ -331,38 +338,46 @@ class Watchdog:
         except Exception as exc:
             self._declare(self.store_host, f"cannot reach the rendezvous store: {exc}")
             return
-        peers = [r for r in range(self.world) if r != self.rank]
-        seen = {r: (-1, time.monotonic()) for r in peers}
         # the first heartbeat goes out at once: a rank that dies within its first period
         # would otherwise never have beaten, and ``beat > 0`` (a rank not started yet is
         # not declared lost) would spare it forever
         first = True
         while first or not self._stop.wait(period):
             first = False
-            try:
-                store.add(f"tw/hb/{self.rank}", 1)
-                beats = [store.add(f"tw/hb/{r}", 0) for r in peers]
-                finished = {r for r in peers if store.check([f"tw/done/{r}"])}
-                failed = [r for r in peers if store.check([f"tw/failed/{r}"])]
-            except Exception as exc:
-                if self._stop.is_set():
-                    return
-                self._declare(self.store_host, "the rendezvous store stopped answering "
-                              f"({str(exc).splitlines()[0][:120]})")
+            if not self.beat(store):
                 return
-            if failed:
-                r = failed[0]
-                self._declare(r, f"it failed: {store.get(f'tw/failed/{r}').decode()[:300]}")
-                return
-            now = time.monotonic()
-            for r, beat in zip(peers, beats, strict=True):
-                last, when = seen[r]
-                if beat != last:
-                    seen[r] = (beat, now)
-                elif r not in finished and beat > 0 and now - when > self.timeout_s:
-                    self._declare(r, f"no heartbeat for {now - when:.1f} s "
-                                  f"(process killed, stopped or host down)")
-                    return
+
+    def beat(self, store: dist.Store) -> bool:
+        """One period: bump this rank's counter, read the others', declare a silent or failed
+        peer lost. Returns False once watching is over (a verdict, or the store is gone)."""
+        peers = self._peers
+        if self._seen is None:
+            self._seen = {r: (-1, self.clock()) for r in peers}
+        try:
+            store.add(f"tw/hb/{self.rank}", 1)
+            beats = [store.add(f"tw/hb/{r}", 0) for r in peers]
+            finished = {r for r in peers if store.check([f"tw/done/{r}"])}
+            failed = [r for r in peers if store.check([f"tw/failed/{r}"])]
+        except Exception as exc:
+            if self._stop.is_set():
+                return False
+            self._declare(self.store_host, "the rendezvous store stopped answering "
+                          f"({str(exc).splitlines()[0][:120]})")
+            return False
+        if failed:
+            r = failed[0]
+            self._declare(r, f"it failed: {store.get(f'tw/failed/{r}').decode()[:300]}")
+            return False
+        now = self.clock()
+        for r, beat in zip(peers, beats, strict=True):
+            last, when = self._seen[r]
+            if beat != last:
+                self._seen[r] = (beat, now)
+            elif r not in finished and beat > 0 and now - when > self.timeout_s:
+                self._declare(r, f"no heartbeat for {now - when:.1f} s "
+                              f"(process killed, stopped or host down)")
+                return False
+        return True
 
 
 def exit_now(code: int) -> None:

@@ -26,9 +26,10 @@ def _entry(rank: int, fn: Callable, world: int, port: int, backend: str, errors,
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_workers dumps stacks on hang
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                init_method=f"tcp://127.0.0.1:{port}",
-                                timeout=datetime.timedelta(seconds=60))
+        timeout = datetime.timedelta(seconds=60)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
         fn(rank, world, *args)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -48,7 +49,10 @@ def run_workers(fn: Callable, world_size: int, *args, backend: str = "gloo",
     """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = free_port()
+    # the store is hosted here on a port the OS picks while binding it: a port found free
+    # first and bound by rank 0 seconds later (after importing torch) could be taken by then
+    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = server.port
     procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, backend, errors, args))
              for r in range(world_size)]
     for p in procs:

@@ -15,8 +15,8 @@ chunks per rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -104,9 +105,12 @@ class Rendezvous:
         endpoint: ``tcp://host:port`` to bind.
         nodes: index range (``0 .. nodes-1``) and the size at which formation closes at once.
         quiet_s: formation closes after this long without a new join.
+        clock: monotonic seconds, the time base of ``quiet_s`` and of :meth:`form`'s deadline.
     """
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, nodes: int, quiet_s: float):
+    def __init__(self, ctx: zmq.Context, endpoint: str, nodes: int, quiet_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
@@ -134,7 +138,7 @@ class Rendezvous:
                     continue
                 self.members[idx] = req["addr"]
                 self._waiting.append((ident, idx))
-                self._last_join = time.monotonic()
+                self._last_join = self.clock()
             else:
                 # a restarted node may ask for the index of its dead incarnation, which is
                 # still a member until the ring declares it lost: grant it, admit it later
@@ -154,15 +158,15 @@ class Rendezvous:
             CommError: fewer than ``min_nodes`` joined before ``deadline_s``.
         """
         self.members[host_index] = host_addr
-        self._last_join = time.monotonic()
-        end = time.monotonic() + deadline_s
+        self._last_join = self.clock()
+        end = self.clock() + deadline_s
         while True:
             self.sock.poll(20)
             self.handle()
-            quiet = time.monotonic() - self._last_join > self.quiet_s
+            quiet = self.clock() - self._last_join > self.quiet_s
             if len(self.members) >= self.nodes or (quiet and len(self.members) >= min_nodes):
                 break
-            if time.monotonic() > end:
+            if self.clock() > end:
                 raise CommError(f"token ring formation: only {len(self.members)} node(s) joined "
                                 f"in {deadline_s:.0f} s, need tokenring.min_nodes = {min_nodes}; "
                                 f"start the other nodes with the same rendezvous address")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,13 +79,16 @@ class TokenRing:
         closes: closes known already (a node admitted later gets them in its welcome).
         applied: last step whose update this node's weights include.
         early: messages received before the thread started (replayed first).
+        clock: monotonic seconds, the time base of every protocol timer (silence, grace,
+            idle hold, the gradients' deadline); tests pass a fake one.
     """
 
     def __init__(self, ctx: zmq.Context, index: int, pull: zmq.Socket, epoch: Epoch, *,
                  close_fraction: float, min_nodes: int, total_steps: int, times: RingTimes,
                  rendezvous: Rendezvous | None = None, token: Token | None = None,
                  closes: dict[int, list[int]] | None = None, applied: int = 0,
-                 early: list | None = None):
+                 early: list | None = None, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
         self.ctx, self.index, self.pull, self.epoch = ctx, index, pull, epoch
         self.close_fraction, self.min_nodes, self.total = close_fraction, min_nodes, total_steps
         self.times, self.rdzv = times, rendezvous
@@ -99,7 +103,7 @@ class TokenRing:
         self._offer: tuple[int, list[torch.Tensor]] | None = None
         self._acted_hop: tuple | None = None
         self._hold_since = 0.0
-        self._last_heard = time.monotonic()
+        self._last_heard = self.clock()
         self._last_tok: dict | None = None
         """The last token message this node sent or received (sent on once after silence)."""
         self._retx_done = False
@@ -180,7 +184,7 @@ class TokenRing:
         Raises:
             CommError: some are still missing after ``close_timeout_s``.
         """
-        end = time.monotonic() + self.times.close_timeout_s
+        end = self.clock() + self.times.close_timeout_s
         want = [(step, c) for c in contributors]
         with self.cv:
             while True:
@@ -188,7 +192,7 @@ class TokenRing:
                 if not missing:
                     return {c: self.grads[(step, c)] for c in contributors}
                 self._raise_status()
-                left = end - time.monotonic()
+                left = end - self.clock()
                 if left <= 0:
                     raise CommError(f"token ring node {self.index}: gradients of step {step} "
                                     f"from node(s) {[c for _, c in missing]} never arrived "
@@ -262,7 +266,7 @@ class TokenRing:
         self._broadcast(header)
         self._last_tok = header
         self._retx_done = False
-        self._last_heard = time.monotonic()
+        self._last_heard = self.clock()
 
     # ---------------------------------------------------------------- thread
     def _run(self) -> None:
@@ -360,7 +364,7 @@ class TokenRing:
         if step in self.closes and node not in self.closes[step]:
             return  # a late contribution to a closed step: dropped
         if header["src"] in self.epoch.members or header["src"] == node:
-            self._last_heard = time.monotonic()
+            self._last_heard = self.clock()
         self.grads.setdefault((step, node), tensors)
 
     def _merge_closes(self, closes: dict) -> bool:
@@ -398,7 +402,7 @@ class TokenRing:
             self.epoch, self.tok = ep, tok
             self._ever |= set(ep.members)
             self.links.keep_only(self.epoch.members)
-            self._last_heard = time.monotonic()
+            self._last_heard = self.clock()
             self._merge_closes(h["closes"])
             self._keep_for_relay(h)
             return
@@ -407,7 +411,7 @@ class TokenRing:
         if not self._merge_closes(h["closes"]):
             return
         self.tok = tok
-        self._last_heard = time.monotonic()
+        self._last_heard = self.clock()
         self._keep_for_relay(h)
         self._may_close(tok)  # starts this node's grace clock once the quorum is reached
 
@@ -431,7 +435,7 @@ class TokenRing:
             return  # the run is over: the token stops here
         me = (self.epoch.key, t.hop)
         if self._acted_hop != me:
-            self._acted_hop, self._hold_since = me, time.monotonic()
+            self._acted_hop, self._hold_since = me, self.clock()
         offer = self._offer
         if offer is not None and offer[0] == t.step and self.index not in t.contribs:
             step, grads = offer
@@ -442,7 +446,7 @@ class TokenRing:
             self.stats.contributed.append(step)
         elif (t.idle >= len(self.epoch.members) and not self._wanted(t)
               and not self._may_close(t)
-              and time.monotonic() - self._hold_since < self.times.idle_hold_s):
+              and self.clock() - self._hold_since < self.times.idle_hold_s):
             return  # an idle ring that nobody waits for: keep the token rather than spin it
         else:
             t.idle += 1
@@ -467,10 +471,10 @@ class TokenRing:
             return True
         if len(t.contribs) < contributors_needed(self.close_fraction, members):
             return False
-        since = self._quorum_at.setdefault(t.step, time.monotonic())
+        since = self._quorum_at.setdefault(t.step, self.clock())
         for old in [k for k in self._quorum_at if k < t.step - CLOSE_WINDOW]:
             del self._quorum_at[old]
-        return time.monotonic() - since >= self.times.close_grace_s
+        return self.clock() - since >= self.times.close_grace_s
 
     def _wanted(self, t: Token) -> bool:
         """Whether a member said its gradient for the token's step is ready."""
@@ -496,7 +500,7 @@ class TokenRing:
     def _check_silence(self) -> None:
         if self.tok is None or self.total in self.closes:
             return
-        quiet = time.monotonic() - self._last_heard
+        quiet = self.clock() - self._last_heard
         T = self.times
         if (self._last_tok is not None and not self._retx_done and quiet > T.token_timeout_s
                 and self._last_tok["ep"]["key"] == list(self.epoch.key)):
