@@ -164,7 +164,11 @@ def test_inserted_heavy_layer_is_detected_and_rebalanced(tmp_path):
     reps = [r for r in _rows(run_dir, "repartition") if r["step"] > 3]
     assert decisions and reps, "the heavy layer was not detected"
     assert decisions[0]["imbalance_before"] > 0.15, decisions[0]
-    assert all(mv["from"] == 0 for r in reps for mv in r["moves"])  # layers leave stage 0
+    # layers leave stage 0 (the heavy layer's), and stay away: a second re-partition may
+    # take back one layer of a first plan that overshot on noisy times (seen on a loaded
+    # machine: [5, 4] -> [3, 6] -> [4, 5]), never return to where the edit left them
+    assert all(mv["from"] == 0 for mv in reps[0]["moves"]), reps
+    assert reps[-1]["new"][0] < 5, reps
     assert len(reps) <= 2, reps  # no thrashing
     # settled per-layer times of the last step, summed under the partition after the edit
     # and under the one the rebalancer reached
