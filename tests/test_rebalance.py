@@ -153,8 +153,8 @@ def test_inserted_heavy_layer_is_detected_and_rebalanced(tmp_path):
     cfg = load_config(None, tiny_overrides(tmp_path / "runs", **{
         "model.n_blocks": 6, "train.micro_batches": 4, "train.steps": 16,
         "parallel.threads_per_rank": 1, "rebalance.enabled": "true",
-        "rebalance.check_every": 1, "rebalance.patience": 2, "rebalance.cooldown": 1,
-        "rebalance.threshold_rel": 0.15, "run.profile_every": 1,
+        "rebalance.check_every": 1, "rebalance.patience": 2, "rebalance.cooldown": 2,
+        "rebalance.threshold_rel": 0.15, "rebalance.min_gain": 0.15, "run.profile_every": 1,
         "rebalance.edits": '"tests.factories:insert_heavy"'}))
     run_dir = create_run_dir(cfg)
     run_workers(_train_jobs, 2, [(cfg, str(run_dir))], timeout_s=280)
