@@ -80,7 +80,7 @@ class Trainer:
         o = options or TrainerOptions()
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = device or torch.device("cpu")
-        self.watchdog, self.outputs = o.watchdog, o.outputs
+        self.outputs = o.outputs
         self._own_mesh, self._fitting = o.mesh is None, False
         topo = self.topo = o.mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
         self.build_layers = o.layers or (lambda: build_layers(cfg))
