@@ -33,3 +33,23 @@ def test_paired_refuses_unequal_rounds():
 def test_host_info_names_cpu_and_versions():
     info = paired.host_info()
     assert info["cpus"] >= 1 and info["torch"] and info["cpu_model"]
+
+
+def test_interval_is_the_range_of_few_rounds_and_a_bootstrap_of_many():
+    assert paired.interval([1.2, 0.9, 1.0]) == (0.9, 1.2)
+    many = [1.00, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.00]
+    lo, hi = paired.interval(many)
+    assert 0.97 <= lo < 1.0 < hi <= 1.03
+    assert paired.interval(many) == (lo, hi)  # seeded: the same JSON twice
+
+
+def test_verdict_is_decided_by_the_far_end_not_the_median():
+    # median 1.0 clears a <= 1.05 target, but one round at 1.2 keeps the interval over it
+    rounds = [1.0, 1.0, 1.2]
+    block = paired.judged(rounds, 1.05)
+    assert block["median"] == 1.0 and block["interval"] == [1.0, 1.2]
+    assert block["verdict"] == "missed"
+    assert paired.judged([0.9, 0.95, 1.0], 1.05)["verdict"] == "met"
+    # an at-least target is judged on the low end
+    assert paired.verdict((0.85, 1.3), 0.9, at_most=False) == "missed"
+    assert paired.verdict((0.91, 1.3), 0.9, at_most=False) == "met"

@@ -5,7 +5,10 @@ rounds can come from a different round than its peer's. Every benchmark therefor
 
 * runs its systems in rounds, in alternating (ABBA) order: ``round_order``;
 * takes, per round, the ratio of the two systems measured in that round: ``paired``;
-* reports the median of those paired ratios as the headline, with their spread;
+* reports the median of those paired ratios as the headline, with their spread and a
+  90 % interval: ``interval`` (a bootstrap of the median; the worst and best round where
+  rounds are too few for a bootstrap);
+* judges each target on the interval's far end, never the median: ``verdict``;
 * names the machine it ran on: ``host_info``.
 """
 
@@ -51,7 +54,7 @@ def paired(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
 
     Both sequences hold one figure per round, measured in the same round. The result
     has ``paired_ratios`` (one per round), ``ratio`` (their median: the headline) and
-    ``ratio_spread``.
+    ``ratio_spread`` and ``interval`` (90 %, see :func:`interval`).
     """
     if len(numerator) != len(denominator) or not numerator:
         raise ValueError(f"paired ratios need one figure per round from each system, got "
@@ -59,7 +62,52 @@ def paired(numerator: Sequence[float], denominator: Sequence[float]) -> dict:
     ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
     return {"paired_ratios": [round(r, 4) for r in ratios],
             "ratio": round(statistics.median(ratios), 4),
-            "ratio_spread": spread(ratios)}
+            "ratio_spread": spread(ratios),
+            "interval": list(interval(ratios))}
+
+
+#: Fewer paired rounds than this and the interval is the range of the rounds (min, max):
+#: a bootstrap of the median over 2-4 values only resamples those values anyway.
+MIN_BOOTSTRAP_ROUNDS = 5
+
+
+def interval(values: Sequence[float], confidence: float = 0.9) -> tuple[float, float]:
+    """The ``confidence`` interval (low, high) of the median of per-round ``values``.
+
+    A percentile bootstrap (``scipy.stats.bootstrap``, seeded so a JSON is reproducible)
+    from :data:`MIN_BOOTSTRAP_ROUNDS` rounds up; below that, the worst and best round.
+    """
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("an interval needs at least one paired round")
+    if len(vals) < MIN_BOOTSTRAP_ROUNDS or min(vals) == max(vals):
+        return round(min(vals), 4), round(max(vals), 4)
+    import numpy as np
+    from scipy.stats import bootstrap
+    res = bootstrap((np.asarray(vals),), np.median, confidence_level=confidence,
+                    method="percentile", n_resamples=2000, rng=np.random.default_rng(0))
+    lo, hi = res.confidence_interval
+    return round(float(lo), 4), round(float(hi), 4)
+
+
+def verdict(bounds: Sequence[float], target: float, *, at_most: bool = True) -> str:
+    """``"met"`` when the whole interval ``bounds`` clears ``target``, else ``"missed"``.
+
+    ``at_most`` targets (a ratio that must stay at or under ``target``) are judged on the
+    interval's high end; the others (at least ``target``) on its low end.
+    """
+    lo, hi = bounds
+    far = hi if at_most else lo
+    return "met" if (far <= target if at_most else far >= target) else "missed"
+
+
+def judged(values: Sequence[float], target: float, *, at_most: bool = True) -> dict:
+    """Median, 90 % interval and verdict of per-round ``values`` against ``target``: the
+    block every bench JSON carries beside a headline."""
+    bounds = interval(values)
+    return {"median": round(statistics.median(values), 4), "interval": list(bounds),
+            "target": target, "target_is": "at_most" if at_most else "at_least",
+            "verdict": verdict(bounds, target, at_most=at_most)}
 
 
 def _cpu_model() -> str:
