@@ -357,8 +357,12 @@ def _result(spec, repeats, unconstrained, limit, best, systems, per, ds=None) ->
 def main(args: argparse.Namespace) -> dict:
     """CLI entry: ``trainwright bench memory [--repeats N] [--steps N]``; returns the result.
 
-    At least 5 rounds (``--repeats`` below 5 is raised to 5).
+    At least 5 rounds (``--repeats`` below 5 is raised to 5). ``--device cuda``: the GPU
+    variant, :mod:`~trainwright.bench.memory_cuda`.
     """
+    if getattr(args, "device", "cpu") == "cuda":
+        from trainwright.bench import memory_cuda
+        return memory_cuda.main(args)
     spec = MemoryBenchSpec()
     if args.steps:
         spec.steps = args.steps

@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--link", metavar="RATE",
                      help="sparse: run each rank in its own network namespace with RATE egress "
                           "(tc syntax, e.g. 1gbit; needs root) instead of on 127.0.0.1")
+    ben.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                     help="memory: run on the CPU (default) or one CUDA GPU, sized for an H100")
     ben.set_defaults(func=_cmd_bench)
 
     from trainwright.cli.plan_commands import add_parsers as add_plan_parsers

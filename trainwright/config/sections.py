@@ -199,6 +199,11 @@ class ParallelConfig(Section):
     when interleaving); empty = as even as possible."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where each rank's layers live: ``"auto"`` (CUDA with the NCCL backend, else the CPU),
+    ``"cpu"`` or ``"cuda"`` (local rank ``r`` on CUDA device ``r`` mod the devices visible).
+    ``"cuda"`` with ``backend = "gloo"`` runs several ranks on one GPU (NCCL refuses two
+    ranks on one device): gloo moves their tensors through host memory."""
     threads_per_rank: NonNegativeInt = 0
     """Intra-op threads per rank; 0 = cores / local ranks (at least 1)."""
     bucket_mb: PositiveFloat = 25.0

@@ -80,6 +80,8 @@ def step_record(stats: list, samples: int) -> dict:
         cuda = [s.cuda_max_allocated_bytes for s in mine if s.cuda_max_allocated_bytes]
         if cuda:
             stages[-1]["cuda_max_allocated_bytes"] = max(cuda)
+            stages[-1]["cuda_activation_peak_bytes"] = max(
+                s.cuda_activation_peak_bytes for s in mine if s.cuda_max_allocated_bytes)
     update = next((s.update for s in stats if s.update), {})
     return {
         "step": stats[0].step,

@@ -18,7 +18,7 @@ from trainwright.config import Config, parse_bytes
 from trainwright.errors import ConfigError
 from trainwright.model.build import build_data, loss_fn
 from trainwright.observe.layer_profile import LayerCost, LayerProfiler
-from trainwright.pipeline.stage import LayerSlot, Stage
+from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions
 from trainwright.pipeline.store import ActivationStore
 from trainwright.plan.memory import (
     POLICIES,
@@ -56,7 +56,8 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 32 * 2**20) -> fl
     return nbytes / best
 
 
-def profile_model(cfg: Config, named: list) -> list[LayerCost]:
+def profile_model(cfg: Config, named: list, device: torch.device | None = None,
+                  options: StageOptions | None = None) -> list[LayerCost]:
     """Per-layer costs of one micro-batch through the whole model, in this process.
 
     Used before training starts: to reject an impossible ``memory.limit`` before any
@@ -66,12 +67,20 @@ def profile_model(cfg: Config, named: list) -> list[LayerCost]:
         cfg: the configuration (batch shape, loss, data).
         named: ``(name, layer)`` pairs from :func:`~trainwright.model.build.build_layers`;
             gradients they accumulate here are cleared.
+        device: where to profile (the stage's own device, so that a GPU's kernels, saved
+            tensors and times are what is planned); None: where the layers are.
+        options: the stage's options (mixed precision, timer); None: fp32, wall clock.
     """
     x, y = build_data(cfg).batch(1, cfg.train.batch_size)
     n = cfg.train.batch_size // cfg.parallel.dp // cfg.train.micro_batches
+    if device is not None:
+        named = [(name, m.to(device)) for name, m in named]
+        x, y = x.to(device), y.to(device)
     slots = [LayerSlot(i, name, m) for i, (name, m) in enumerate(named)]
     profiler = LayerProfiler(smoothing=0.5)
-    stage = Stage(slots, ActivationStore(), profiler, is_first=True, loss_fn=loss_fn(cfg))
+    options = StageOptions(autocast=options.autocast, timer=options.timer) if options else None
+    stage = Stage(slots, ActivationStore(device=device), profiler, is_first=True,
+                  loss_fn=loss_fn(cfg), options=options)
     for _ in range(2):  # the first pass warms up allocators and kernels
         stage.forward(0, (x[:n],), y[:n])
         stage.backward(0)

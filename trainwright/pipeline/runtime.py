@@ -64,6 +64,10 @@ class StepStats:
     """Per-layer rows of a memory plan made just before this step (None: unchanged)."""
     cuda_max_allocated_bytes: int | None = None
     """``torch.cuda.max_memory_allocated`` over the step (CUDA only)."""
+    cuda_activation_peak_bytes: int | None = None
+    """The CUDA allocator's peak over the step less what it held when the step began
+    (weights, optimizer state) and the stage's gradients (set to None between steps, so
+    allocated during it): the activations and working set, by the allocator (CUDA only)."""
     events: list = field(default_factory=list)
     """``(kind, mb, start_ns, dur_ns)`` per action, when tracing."""
     migration: dict | None = None
@@ -92,6 +96,15 @@ class StepHooks:
     this step (a migration), so the exchange must learn them first."""
     update: Callable[[], None]
     """Unscale and clip the synced gradients, step the optimizers and the learning rate."""
+
+
+def _allocator_figures(params: list[torch.Tensor], start_bytes: int) -> dict:
+    """The CUDA allocator's peak over a step, whole and as activations
+    (:attr:`StepStats.cuda_activation_peak_bytes`)."""
+    peak = torch.cuda.max_memory_allocated(params[0].device)
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return {"cuda_max_allocated_bytes": peak,
+            "cuda_activation_peak_bytes": peak - start_bytes - grads}
 
 
 class Runtime(ABC):
@@ -151,6 +164,7 @@ class Runtime(ABC):
         cuda = bool(params) and params[0].is_cuda
         if cuda:
             torch.cuda.reset_peak_memory_stats(params[0].device)
+            cuda_start = torch.cuda.memory_allocated(params[0].device)
         self._begin(inputs, targets, migration)
         compute_ns += self._run(step, self._step_actions(migration, carry), events, trace,
                                 offset=0)
@@ -165,8 +179,7 @@ class Runtime(ABC):
                          activation_peak_bytes=self._measured_peak,
                          held_microbatches_peak=view.store.peak_microbatches, events=events,
                          host_peak_bytes=view.store.peak_host_bytes,
-                         cuda_max_allocated_bytes=(torch.cuda.max_memory_allocated(
-                             params[0].device) if cuda else None),
+                         **(_allocator_figures(params, cuda_start) if cuda else {}),
                          migration=self._migration_stats(migration))
 
     def _run(self, step: int, actions: list[Action], events: list, trace: bool,

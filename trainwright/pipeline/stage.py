@@ -10,7 +10,6 @@ between any two schedule actions, because no graph spans two layers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.observe.timing import Timer, WallTimer
 from trainwright.pipeline.deferred_linear import WeightStash, defer_linears
 from trainwright.pipeline.split_backward import backward_input, backward_weight
 from trainwright.pipeline.store import ActivationStore, Segment, as_tuple
@@ -80,6 +80,9 @@ class StageOptions:
     (:mod:`~trainwright.pipeline.deferred_linear`)."""
     mode: StepMode = field(default_factory=StepMode)
     """This step's mode."""
+    timer: Timer = field(default_factory=WallTimer)
+    """Times each measured layer's forward and backward
+    (:func:`~trainwright.observe.timing.device_timer`: CUDA events on a GPU)."""
 
 
 class Stage:
@@ -261,10 +264,10 @@ class Stage:
         in_bytes = _nbytes(inp)
         if policy == "recompute":
             rng = _rng_state(inp)
-            t0 = time.perf_counter()
+            t0 = self.options.timer.start()
             with torch.no_grad():
                 out = self._run(slot, inp, is_last, target)
-            dt = time.perf_counter() - t0
+            dt = self.options.timer.stop(t0)
             seg = Segment(slot.index, mb, inp, None, policy=policy, rng_state=rng,
                           target=target if is_last else None)
             self.profiler.forward(slot.index, dt, None, in_bytes, _nbytes(out))
@@ -273,9 +276,9 @@ class Stage:
             stash = self._stash()
             with self.store.capture(inp, swap=policy == "swap",
                                     segment=(slot.index, mb)) as cap:
-                t0 = time.perf_counter()
+                t0 = self.options.timer.start()
                 out = self._run(slot, inp, is_last, target, stash)
-                dt = time.perf_counter() - t0
+                dt = self.options.timer.stop(t0)
             seg = Segment(slot.index, mb, inp, out, storages=cap.saved, policy=policy,
                           swapped=cap.swapped, rng_state=rng, stash=stash)
             self.profiler.forward(slot.index, dt, cap.activation_bytes, in_bytes,
@@ -331,7 +334,7 @@ class Stage:
         holds_loss = loss_layer is not None and loss_layer in (seg.span or (seg.layer,))
         if grads is None and holds_loss and self.loss_gradient is not None:
             grads = (self.loss_gradient(outputs[0]),)
-        t0 = time.perf_counter()
+        t0 = self.options.timer.start()
         if split:
             params = [p for index in (seg.span or (seg.layer,))
                       for p in known[index].module.parameters()]
@@ -339,12 +342,12 @@ class Stage:
             got, work = backward_input(outputs, grads, seg.inputs, params, seg.stash)
             seg.outputs = None  # the boundary nodes or the stash keep what W needs, no more
             self._weight_work.setdefault(seg.mb, []).append(
-                (seg, work, transient, time.perf_counter() - t0))
+                (seg, work, transient, self.options.timer.stop(t0)))
             return got
         with self.store.transient(transient):
             _backward(outputs, grads)
         if not seg.span:
-            self.profiler.backward(slot.index, time.perf_counter() - t0)
+            self.profiler.backward(slot.index, self.options.timer.stop(t0))
         return tuple(t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None
                      for t in seg.inputs)
 
@@ -355,10 +358,10 @@ class Stage:
             self.backward(mb, self._deferred.pop(mb))
             return
         for seg, work, transient, b_s in self._weight_work.pop(mb, []):
-            t0 = time.perf_counter()
+            t0 = self.options.timer.start()
             backward_weight(work)
             if not seg.span:
-                self.profiler.backward(seg.layer, b_s + time.perf_counter() - t0)
+                self.profiler.backward(seg.layer, b_s + self.options.timer.stop(t0))
             self.store.pop(seg.layer, mb)
             self.store.add_bytes(-transient)
 

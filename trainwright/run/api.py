@@ -143,6 +143,8 @@ def _preflight(cfg: Config) -> None:
     """Checks that need the data opened or the model built (a factory model's layer count,
     memory limits, ties), before any process starts; a built-in model's layer count was
     checked with the config."""
+    from trainwright.run.worker import resolve_device
+    resolve_device(cfg)
     check_data(cfg)
     if not cfg.model.factory and not any(v is not None for v in cfg.stage_limits()):
         return

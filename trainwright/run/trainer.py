@@ -33,6 +33,7 @@ from trainwright.model.build import (
 )
 from trainwright.model.text_data import read_share
 from trainwright.observe.layer_profile import LayerProfiler
+from trainwright.observe.timing import device_timer
 from trainwright.pipeline.interleaved import chunk_stages
 from trainwright.pipeline.peer_setup import attach as attach_peer_swap
 from trainwright.pipeline.runtime import StepHooks, StepStats
@@ -126,7 +127,8 @@ class Trainer:
         self.stage_options = StageOptions(
             autocast=autocast_factory(cfg.train.precision, self.device),
             loss_gradient=self.rules.loss_gradient,
-            split_backward=any(a.kind == ActionKind.W for a in self.actions))
+            split_backward=any(a.kind == ActionKind.W for a in self.actions),
+            timer=device_timer(self.device))
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=topo.stage == 0,
                            loss_fn=loss_fn(cfg) if cfg.n_stages - 1 in self.my_stages else None,
                            loss_scale=1.0 / cfg.train.micro_batches, options=self.stage_options)

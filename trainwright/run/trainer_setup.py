@@ -184,7 +184,8 @@ def memory_budget(cfg: Config, stage: Stage, stage_index: int, device: torch.dev
     budget = MemoryBudget(stage, stage_in_flight(cfg)[stage_index], limit, cfg.memory.planner,
                           bandwidth, fixed, chunks=chunk_layers)
     if limit is not None and fixed is None:
-        budget.replan(costs=profile_model(cfg, build_layers()), why="before step 1")
+        budget.replan(costs=profile_model(cfg, build_layers(), device, stage.options),
+                      why="before step 1")
     return budget
 
 

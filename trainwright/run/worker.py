@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from trainwright.config import Config, load_config
 from trainwright.dist.comm import Watchdog, exit_now
-from trainwright.errors import PeerLost
+from trainwright.errors import ConfigError, PeerLost
 from trainwright.observe.telemetry import setup_logging
 from trainwright.run import checkpoint
 from trainwright.run.trainer import Trainer, TrainerOptions
@@ -61,13 +61,33 @@ class DistEnv:
                              wait_for_workers=False)
 
 
-def _device(cfg: Config, env: DistEnv) -> tuple[str, torch.device]:
-    backend = cfg.parallel.backend
+def resolve_device(cfg: Config) -> tuple[str, str]:
+    """The process group's backend and the device kind (``"cpu"`` / ``"cuda"``) that
+    ``parallel.backend`` and ``parallel.device`` ask for on this host.
+
+    Raises:
+        ConfigError: CUDA asked for where none is visible, or NCCL without CUDA devices.
+    """
+    backend, kind = cfg.parallel.backend, cfg.parallel.device
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":  # the CUDA branch: one device per local rank
-        torch.cuda.set_device(env.local_rank)
-        return backend, torch.device("cuda", env.local_rank)
+    if kind == "auto":
+        kind = "cuda" if backend == "nccl" else "cpu"
+    if kind == "cpu" and backend == "nccl":
+        raise ConfigError('parallel.backend = "nccl" needs parallel.device = "cuda" (or '
+                          '"auto"); use backend "gloo" to train on the CPU')
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError('parallel.device = "cuda" (or backend "nccl") but no CUDA device '
+                          'is visible; set parallel.device = "cpu" and backend "gloo"')
+    return backend, kind
+
+
+def _device(cfg: Config, env: DistEnv) -> tuple[str, torch.device]:
+    backend, kind = resolve_device(cfg)
+    if kind == "cuda":  # the CUDA branch: local ranks round-robin over the visible devices
+        index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return backend, torch.device("cuda", index)
     return backend, torch.device("cpu")
 
 
