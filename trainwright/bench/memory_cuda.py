@@ -317,7 +317,16 @@ def main(args: argparse.Namespace) -> dict:
         spec.repeats = args.repeats
     if args.steps:
         spec.steps = args.steps
+    import sys
+
+    t0 = time.monotonic()
+
+    def say(bar, task, what: str) -> None:
+        bar.update(task, description=f"bench memory (cuda): {what}")
+        if not sys.stderr.isatty():  # a log gets one line per phase, with the time so far
+            print(f"[{time.monotonic() - t0:6.1f} s] bench memory (cuda): {what}",
+                  file=sys.stderr, flush=True)
+
     with Progress(transient=True) as bar:
         task = bar.add_task("bench memory --device cuda", total=None)
-        return run(spec, progress=lambda s: bar.update(
-            task, description=f"bench memory (cuda): {s}"))
+        return run(spec, progress=lambda s: say(bar, task, s))
