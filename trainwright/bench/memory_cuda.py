@@ -230,8 +230,8 @@ def run(spec: GpuMemorySpec, progress=None) -> dict:
     unconstrained = _peaks(_spawn(spec, [("keep", (), [], spec.warmup + 1, False)])[0])
     limit = int(spec.limit_fraction * max(unconstrained))
     cands = gpu_checkpoint_candidates(spec)
-    say(f"checkpoint search: {len(cands)} rules, each over {spec.warmup + 1} steps")
-    got = _spawn(spec, [(n, (), layers, spec.warmup + 1, False) for n, layers in cands])
+    say(f"checkpoint search: {len(cands)} rules, each over {spec.steps} steps (as timed)")
+    got = _spawn(spec, [(n, (), layers, spec.steps, False) for n, layers in cands])
     tried = [{"rule": n, "layers": layers, "allocator_peak_bytes_per_stage": _peaks(g),
               "step_s": seconds(_step_s(g, spec.warmup)),
               "fits": all(p <= limit for p in _peaks(g))}

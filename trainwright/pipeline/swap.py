@@ -25,6 +25,9 @@ class Swapped:
     device_copy: torch.Tensor | None = None
     ready: object = None
     """CUDA event marking the end of the copy back (None on CPU)."""
+    returns_to_device: bool = True
+    """False for a tensor that already lived on the host (token ids saved on a CUDA
+    stage): backward gets it back as it was, with no copy."""
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +51,8 @@ class HostSwap:
         """Copy ``t`` to the host; the caller returns the result from the pack hook."""
         if not self.cuda:
             return Swapped(t.detach().clone())
+        if not t.is_cuda:  # already in host memory: nothing to move (record_stream is CUDA's)
+            return Swapped(t.detach(), returns_to_device=False)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -57,7 +62,7 @@ class HostSwap:
 
     def prefetch(self, s: Swapped) -> None:
         """Start copying ``s`` back to the device (no-op on CPU or if already started)."""
-        if not self.cuda or s.device_copy is not None:
+        if not self.cuda or not s.returns_to_device or s.device_copy is not None:
             return
         with torch.cuda.stream(self.stream):
             s.device_copy = s.host.to(self.device, non_blocking=True)
@@ -66,7 +71,7 @@ class HostSwap:
 
     def unpack(self, s: Swapped) -> torch.Tensor:
         """The tensor back on the device, for the backward that needs it."""
-        if not self.cuda:
+        if not self.cuda or not s.returns_to_device:
             return s.host
         self.prefetch(s)
         current = torch.cuda.current_stream(self.device)
