@@ -254,6 +254,10 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
                                       ["trainwright_best_static", "trainwright_rebalance"]]
     rows = {r["system"]: r for r in result["rows"]}
     assert all(len(t) == spec.steps for t in rows["trainwright_rebalance"]["step_times_s"])
+    # every round moved layers off the heavy first stage (its blocks have 5x wider MLPs)
+    for reps in result["repartitions"]:
+        assert reps, "a round never re-partitioned the unbalanced model"
+        assert reps[-1]["new"][0] < spec.split[0], (spec.split, reps)
     assert sum(rows["trainwright_best_static"]["partition"]) == spec.n_blocks + 2
     # the headline is the median of per-round ratios of the rows' own step times
     ours, static = rows["trainwright_rebalance"], rows["trainwright_best_static"]

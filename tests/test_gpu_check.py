@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainwright.bench.memory_cuda import (GpuMemorySpec, copy_overlap,
-                                           gpu_checkpoint_candidates)
+from trainwright.bench.memory_cuda import GpuMemorySpec, copy_overlap, gpu_checkpoint_candidates
 from trainwright.errors import ConfigError
 from trainwright.observe.timing import CudaEventTimer, WallTimer, device_timer
 

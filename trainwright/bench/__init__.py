@@ -10,7 +10,8 @@ pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers
   ``planner_predict``), ``sparse``,
   ``hierarchical`` (+ ``netns``, a two-tier network on one host), ``straggler``;
 * the shared workload and how it is compared: ``spec`` (+ ``spec_overrides``), ``paired``
-  (paired rounds), ``ours`` (our rank under the peers' harness);
+  (paired rounds, intervals, verdicts), ``targets`` (every target, judged from the JSONs),
+  ``ours`` (our rank under the peers' harness);
 * peers: ``peers``, ``deepspeed_peer``;
 * memory measured from outside: ``meter``, ``live_meter``.
 

@@ -6,6 +6,7 @@ and its plots, and the profilers (per-layer costs, per saved tensor).
 * :mod:`~trainwright.observe.progress`, :mod:`~trainwright.observe.report`,
   :mod:`~trainwright.observe.report_plots`;
 * :mod:`~trainwright.observe.layer_profile`: per-layer forward/backward time and bytes;
+* :mod:`~trainwright.observe.timing`: timing work where it runs (CUDA events on a GPU);
 * :mod:`~trainwright.observe.tensor_profile`: every saved tensor's size and lifetime.
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`, :mod:`trainwright.plan`,
