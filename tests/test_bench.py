@@ -32,8 +32,9 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
     res = result["by_micro_batches"]["4"]
     rows = {r["system"]: r for r in res["rows"]}
     assert set(rows) == set(systems())  # every schedule of both systems, failures included
-    ok = {k: r for k, r in rows.items() if "error" not in r}
-    assert {"trainwright_1f1b", "trainwright_zb-h1", "torch_pipelining_1f1b"} <= set(ok)
+    failed = {k: r["error"] for k, r in rows.items() if "error" in r}
+    assert not failed, failed  # every system of both libraries trains the tiny spec
+    ok = rows
     # screening picks our best and ranks torch's schedules by median step
     best_o, screen_t = res["best_ours"], res["screen_best_torch"]
     step = {k: statistics.median(r["step_ms_per_round"]) for k, r in ok.items()}
@@ -42,34 +43,40 @@ def test_bench_pipeline_runs_and_systems_do_the_same_work(pipeline_result):
     assert screen_t == torch_ranked[0]
     again = paired(rows[screen_t]["step_ms_per_round"], rows[best_o]["step_ms_per_round"])
     assert res["screen_ratio_vs_best_torch"] == pytest.approx(again["ratio"], rel=2e-3)
-    # the headline comes from the head-to-head phase: ours and torch's two best, back to
-    # back (run clock: steps back to back; step clock: a barrier before each step), against
-    # whichever of torch's two our ratio is lowest against under that clock
+    # the headline comes from the head-to-head phase: ours against every torch schedule,
+    # back to back under the run clock, against whichever our ratio is lowest against
     h2h = res["head_to_head"]
-    assert h2h["systems"] == [best_o, *torch_ranked[:2]]
-    assert h2h["rounds"] == h2h["step_clock_rounds"] == 2
-    for pre in ("", "step_clock_"):
-        per = h2h[f"{pre}step_ms_per_round"]
-        each = {t: paired(per[t], per[best_o])["ratio"] for t in torch_ranked[:2]}
-        assert h2h[f"{pre}ratio_vs_each_torch"] == pytest.approx(each, rel=2e-3)
-        assert h2h[f"{pre}best_torch"] == min(each, key=each.get)
-        assert res[f"{pre}ratio_vs_best_torch"] == pytest.approx(min(each.values()), rel=2e-3)
-        # ours ran first in round 0 and last in round 1 (alternating order)
-        assert h2h[f"{pre}order_effect"] == {"ours_first": h2h[f"{pre}paired_ratios"][0],
-                                             "ours_last": h2h[f"{pre}paired_ratios"][1]}
+    assert h2h["systems"] == [best_o, *torch_ranked]
+    assert h2h["rounds"] == 2
+    per = h2h["step_ms_per_round"]
+    each = {t: paired(per[t], per[best_o])["ratio"] for t in torch_ranked}
+    assert h2h["ratio_vs_each_torch"] == pytest.approx(each, rel=2e-3)
+    assert h2h["best_torch"] == min(each, key=each.get)
+    assert res["ratio_vs_best_torch"] == pytest.approx(min(each.values()), rel=2e-3)
+    # ours ran first in round 0 and last in round 1 (alternating order)
+    assert h2h["order_effect"] == {"ours_first": h2h["paired_ratios"][0],
+                                   "ours_last": h2h["paired_ratios"][1]}
+    judged_ = res["ratio_vs_best_torch_judged"]
+    assert judged_["interval"] == sorted(h2h["paired_ratios"])  # two rounds: their range
+    assert judged_["verdict"] == ("met" if min(h2h["paired_ratios"]) >= 1.0 else "missed")
     assert res["best_torch"] == h2h["best_torch"]
     assert res["run_step_vs_compute_bound"] > 0
     assert len(res["paired_ratios"]) == 2 and "relative_half_range" in res["ratio_spread"]
     assert result["ratio_vs_best_torch"]["4"] == res["ratio_vs_best_torch"]
-    assert res["step_vs_compute_bound"] == h2h["step_vs_compute_bound"] > 0
+    # the bound is measured outside the pipeline: one process, plain autograd, per rank
+    bound = h2h["isolated_compute_bound"]
+    assert len(bound["per_rank_s"]) == 2 and bound["bound_s"] == max(bound["per_rank_s"])
+    assert res["step_vs_isolated_compute_bound"] == pytest.approx(
+        h2h["ours_step_s"] / bound["bound_s"], rel=1e-3)
     for name in ("trainwright_1f1b", "trainwright_zb-h1"):
         assert 0 <= rows[name]["bubble_fraction"] < 1
         assert len(rows[name]["idle_s_per_rank"]) == 2
         assert rows[name]["step_vs_compute_bound"] > 0
         assert rows[name]["period_ms_median"] > 0  # the former clock, kept beside
-    assert res["zb_bubble_vs_1f1b"] == pytest.approx(min(
-        rows[k]["bubble_fraction"] / rows["trainwright_1f1b"]["bubble_fraction"]
-        for k in ("trainwright_zb-h1", "trainwright_zb-h2", "trainwright_zb-v")), rel=2e-3)
+    # ZB-H1 judged on its own bubble, not the best of three zero-bubble schedules
+    assert res["zb_h1_bubble_vs_1f1b"] == pytest.approx(
+        rows["trainwright_zb-h1"]["bubble_fraction"]
+        / rows["trainwright_1f1b"]["bubble_fraction"], rel=2e-3)
     assert res["bubble_bound_1f1b"] == pytest.approx(1 / 5, abs=1e-3)
     assert "cpu_model" in result["host"]
     # same weights, same batches, same optimizer: every loss curve agrees
@@ -242,7 +249,7 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
 
     assert best_static_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == ([1, 5], 5.0)
     assert best_static_partition([1.0, 1.0, 2.0, 2.0], 3) == ([2, 1, 1], 2.0)
-    spec = RebalanceBenchSpec(n_blocks=4, d_model=32, n_heads=2, context=16, micro_batches=4,
+    spec = RebalanceBenchSpec(n_blocks=4, d_model=64, n_heads=2, context=32, micro_batches=4,
                               micro_batch_size=2, steps=14, static_steps=4, warmup=1)
     result = run_rebalance(spec, repeats=2, deepspeed=False)
     for key in ("before_samples_per_s", "after_samples_per_s", "best_static_samples_per_s",
@@ -254,6 +261,14 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
                                       ["trainwright_best_static", "trainwright_rebalance"]]
     rows = {r["system"]: r for r in result["rows"]}
     assert all(len(t) == spec.steps for t in rows["trainwright_rebalance"]["step_times_s"])
+    # end to end: the same steps after warm-up, migration included, summed per round
+    n = result["end_to_end_steps"]
+    assert n == spec.static_steps - spec.warmup
+    e2e = result["end_to_end_s_per_round"]
+    for r in range(2):
+        got = sum(rows["trainwright_rebalance"]["step_times_s"][r][spec.warmup:spec.warmup + n])
+        assert e2e["ours"][r] == pytest.approx(got, rel=1e-3)
+    assert result["end_to_end_vs_best_static_judged"]["target"] == 0.9
     # every round moved layers off the heavy first stage (its blocks have 5x wider MLPs)
     for reps in result["repartitions"]:
         assert reps, "a round never re-partitioned the unbalanced model"

@@ -126,6 +126,7 @@ def deepspeed_worker(
     *,
     activation_checkpointing: bool = False,
     partition_method: str | None = None,
+    meter: bool = False,
 ) -> None:
     """Train the benchmark workload with DeepSpeed's pipeline engine on one rank (CPU, gloo).
 
@@ -149,6 +150,9 @@ def deepspeed_worker(
         partition_method: let DeepSpeed partition (``"parameters"``, ``"uniform"``, ...)
             instead of using ``spec.split``; the system is then
             ``"deepspeed_pipeline_<method>"``.
+        meter: wrap every step in a :class:`SavedTensorMeter` (``saved_peak_bytes``);
+            off by default: its saved-tensor hooks slow the step, and a timed comparison
+            runs every system unmetered.
     """
     torch.set_num_threads(spec.threads_per_rank)
     _check_world(spec, world_size)
@@ -157,7 +161,7 @@ def deepspeed_worker(
     try:
         result, stage_layers, start = deepspeed_train(
             rank, world_size, spec, activation_checkpointing=activation_checkpointing,
-            partition_method=partition_method, meter=True)
+            partition_method=partition_method, meter=meter)
         _write_result(out_path, layers=stage_layers, start=start, **result)
     finally:
         if dist.is_initialized():

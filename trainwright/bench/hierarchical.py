@@ -14,6 +14,8 @@ starts one process per rank inside its namespace (gloo bound to ``eth0`` with
   (P2P reduce-scatter pipelined with the inter-node all-reduce, sharded AdamW, all-gather);
 - ``torch_ddp``: ``DistributedDataParallel`` over gloo with its own buckets and its overlap
   of the all-reduce with backward, full AdamW on every rank;
+- ``torch_ddp_zero``: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer``
+  (AdamW state sharded over all ranks): the peer a user picks against a sharded optimizer;
 - ``torch_fsdp2_hsdp``: ``fully_shard`` per layer on a 2-D ``(replicate, shard)`` CPU mesh
   with ``reshard_after_forward=False`` (no re-gather in backward);
 - optional (``spec.systems``): ``flat_all_reduce`` (the project's bucketed all-reduce),
@@ -57,10 +59,11 @@ from trainwright.errors import ConfigError
 
 __all__ = ["HierBenchSpec", "run", "main", "SYSTEMS", "ALL_SYSTEMS"]
 
-ALL_SYSTEMS = ("trainwright_hierarchical", "torch_ddp", "torch_fsdp2_hsdp", "flat_all_reduce",
-               "trainwright_hierarchical_reduce", "trainwright_hierarchical_unequal")
-SYSTEMS = ALL_SYSTEMS[:3]
-"""Measured by default: ours and the two peers a user would run."""
+ALL_SYSTEMS = ("trainwright_hierarchical", "torch_ddp", "torch_ddp_zero", "torch_fsdp2_hsdp",
+               "flat_all_reduce", "trainwright_hierarchical_reduce",
+               "trainwright_hierarchical_unequal")
+SYSTEMS = ALL_SYSTEMS[:4]
+"""Measured by default: ours and the peers a user would run against a sharded optimizer."""
 
 
 @dataclass
@@ -147,6 +150,14 @@ def _build(system: str, spec: HierBenchSpec, rank: int, model: nn.Module):
         ddp = DistributedDataParallel(model)
         opt = adamw(list(ddp.parameters()))
         return ddp, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), opt
+    if system == "torch_ddp_zero":  # DDP's all-reduce, AdamW state sharded over all ranks
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(list(ddp.parameters()),
+                                      optimizer_class=torch.optim.AdamW, lr=spec.lr)
+        return ddp, lambda: (opt.step(), opt.zero_grad(set_to_none=False)), opt.optim
     if system == "torch_fsdp2_hsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -297,7 +308,7 @@ def run(spec: HierBenchSpec) -> dict:
 
 
 def _report(rows: list[dict], spec: HierBenchSpec) -> dict:
-    from trainwright.bench.paired import host_info, paired
+    from trainwright.bench.paired import host_info, judged, paired
 
     table = summarise(rows, spec)
     ours = table["trainwright_hierarchical"]["step_s_rounds"]
@@ -307,7 +318,8 @@ def _report(rows: list[dict], spec: HierBenchSpec) -> dict:
         "benchmark": "hierarchical",
         "question": "end-to-end step time (forward + backward + sync + optimizer) of the same "
                     "model on 2 nodes x 2 ranks over a 1 Gbit/s inter-node link, against torch "
-                    "DDP (gloo, its own buckets and overlap) and FSDP2 HSDP "
+                    "DDP (gloo, its own buckets and overlap), DDP + ZeroRedundancyOptimizer "
+                    "and FSDP2 HSDP "
                     "(reshard_after_forward=False)",
         "network": (f"{spec.nodes} nodes x {spec.ranks_per_node} ranks, network namespaces, "
                     f"{spec.inter_rate} per rank between nodes (tc htb), unshaped inside a node"
@@ -332,6 +344,17 @@ def _report(rows: list[dict], spec: HierBenchSpec) -> dict:
     out["bound_flat_ring_s"] = 1.5 * grad * 8 / rate if rate else None
     if spec.network == "loopback":
         out["bound_hierarchical_s"] = out["bound_flat_ring_s"] = None
+    if rate and spec.network == "netns":  # each system against the bound of its own traffic
+        for row in table.values():
+            per_rank = [b for b in row["inter_node_bytes_per_rank"] if b is not None]
+            if per_rank:  # every rank's inter-node class is shaped to ``rate`` on its own
+                row["link_bound_s"] = round(max(per_rank) * 8 / rate, 4)
+                row["step_vs_link_bound"] = round(row["step_s"] / row["link_bound_s"], 3)
+    out["ratio_vs_ddp_judged"] = judged(out["paired_ratios"], 0.6)
+    if "torch_ddp_zero" in table:
+        zero = paired(ours, table["torch_ddp_zero"]["step_s_rounds"])
+        out["ratio_vs_ddp_zero"], out["ratio_vs_ddp_zero_judged"] = (
+            zero["ratio"], judged(zero["paired_ratios"], 0.6))
     out["rows"] = [table[s] for s in spec.systems]
     out.update(spec=asdict(spec), host=host_info())
     return out

@@ -19,9 +19,13 @@ after another in the same run:
 The systems run ``--repeats N`` rounds, each in alternating (ABBA) order
 (:mod:`trainwright.bench.paired`). ``paired_ratios`` holds, per round, ``after`` samples/s
 over best static samples/s, both from that round; the headline ``ratio_to_best`` is their
-median, with ``ratio_spread``. Where DeepSpeed is installed its row runs in the same rounds
-and ``ratio_vs_deepspeed_parameters`` is paired the same way; a DeepSpeed failure is
-recorded as the row's ``error`` (and ``deepspeed_error``), not raised.
+median, with ``ratio_spread``. End to end (``end_to_end_vs_best_static``, target >= 0.9):
+the time to finish the same steps from the unbalanced start, detection and migration
+included, against the best static partition trained from step 0 (and against DeepSpeed's
+partition), paired per round. DeepSpeed runs unmetered, as every system does. Where
+DeepSpeed is installed its row runs in the same rounds and
+``ratio_vs_deepspeed_parameters`` is paired the same way; a DeepSpeed failure is recorded
+as the row's ``error`` (and ``deepspeed_error``), not raised.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from torch import nn
 
 from trainwright.bench import deepspeed_peer, peers
 from trainwright.bench.ours import train_rank
-from trainwright.bench.paired import host_info, paired, round_order, seconds
+from trainwright.bench.paired import host_info, judged, paired, round_order, seconds
 from trainwright.bench.spec import PipelineBenchSpec
 from trainwright.config import Config, load_config
 from trainwright.model.gpt import GPTConfig, gpt_layers
@@ -285,12 +289,38 @@ def run(spec: RebalanceBenchSpec, repeats: int = 1, deepspeed: bool | None = Non
         "profiled_layer_times_ms": [round(1e3 * t, 3) for t in layer_times],
         "host": host_info(),
     }
+    result.update(_end_to_end(spec, ours_runs, static_runs,
+                              runs[SYSTEMS[2]] if use_ds else None))
     if use_ds:
         _add_deepspeed(result, *_deepspeed_row(runs[SYSTEMS[2]], spec, after, kept))
     if result["migration_step_s"] and result["median_step_s"]:
         result["migration_vs_median"] = round(result["migration_step_s"]
                                               / result["median_step_s"], 3)
     return result
+
+
+def _end_to_end(spec: RebalanceBenchSpec, ours_runs: list, static_runs: list,
+                ds_runs: list | None) -> dict:
+    """Time to finish the same ``N`` steps after warm-up, detection and migration included:
+    per round, the best static partition's (and DeepSpeed's) time over ours, as a
+    throughput ratio (>= 0.9 is the target against the best static partition).
+    ``N`` is the steps every system ran after warm-up (the static runs are the shorter)."""
+    w = spec.warmup
+    n = min(len(r["step_times_s"]) for r in [*ours_runs, *static_runs]) - w
+    ours = [sum(r["step_times_s"][w:w + n]) for r in ours_runs]
+    static = [sum(r["step_times_s"][w:w + n]) for r in static_runs]
+    pr = paired(static, ours)
+    out = {"end_to_end_steps": n,
+           "end_to_end_s_per_round": {"ours": [seconds(t) for t in ours],
+                                      "best_static": [seconds(t) for t in static]},
+           "end_to_end_vs_best_static": pr["ratio"],
+           "end_to_end_vs_best_static_judged": judged(pr["paired_ratios"], 0.9,
+                                                      at_most=False)}
+    if ds_runs and not any(isinstance(r, dict) and "error" in r for r in ds_runs):
+        ds = [sum(peers.step_time_s(r, w)[:n]) for r in ds_runs]
+        out["end_to_end_s_per_round"]["deepspeed_parameters"] = [seconds(t) for t in ds]
+        out["end_to_end_vs_deepspeed_parameters"] = paired(ds, ours)["ratio"]
+    return out
 
 
 def _add_deepspeed(result: dict, row: dict, ds_pair: dict | None) -> None:

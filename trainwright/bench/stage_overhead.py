@@ -34,7 +34,7 @@ from trainwright.observe.layer_profile import LayerProfiler
 from trainwright.pipeline.stage import LayerSlot, Stage, StepMode
 from trainwright.pipeline.store import ActivationStore
 
-__all__ = ["measure"]
+__all__ = ["measure", "isolated_compute_bound"]
 
 SYSTEMS = ("plain", "ours_fast", "ours_measured")
 
@@ -115,3 +115,45 @@ def measure(spec: PipelineBenchSpec, rounds: int = 16, steps: int = 6, warmup: i
             "measured_ratio": measured["ratio"],
             "measured_paired_ratios": measured["paired_ratios"],
             "measured_ratio_spread": measured["ratio_spread"]}
+
+
+def isolated_compute_bound(spec: PipelineBenchSpec, micro_batches: int, steps: int = 5) -> dict:
+    """The pipeline's compute bound measured outside it: each rank's layers (``spec.split``)
+    in one process, plain autograd, over ``micro_batches`` micro-batches of the same
+    batches (a stage's input comes from the layers before it, run without gradients);
+    the slowest rank's median step is the bound a pipeline of these ranks cannot beat.
+
+    Returns:
+        ``bound_s`` (the slowest rank's median step seconds) and ``per_rank_s``.
+    """
+    torch.set_num_threads(spec.threads_per_rank)
+    layers = spec.layers()
+    starts = [sum(spec.split[:r]) for r in range(len(spec.split))]
+    ranks = [nn.Sequential(*layers[a:a + k]) for a, k in zip(starts, spec.split, strict=True)]
+    data = spec.data()
+    per_rank: list[list[float]] = [[] for _ in ranks]
+    for step in range(1, steps + 2):  # the first step warms up, untimed
+        x, y = data.batch(step, spec.batch_size)
+        xs, ys = split_microbatches(x, micro_batches), split_microbatches(y, micro_batches)
+        inputs = list(xs)
+        for r, part in enumerate(ranks):
+            last = r == len(ranks) - 1
+            outputs = []
+            t0 = time.perf_counter()
+            for inp, tgt in zip(inputs, ys, strict=True):
+                inp = inp if r == 0 else inp.detach().requires_grad_()
+                out = part(inp)
+                if last:
+                    (_loss(out, tgt) / micro_batches).backward()
+                else:
+                    out.backward(torch.ones_like(out) / out.numel())
+                    outputs.append(out.detach())
+            seconds_ = time.perf_counter() - t0
+            if step > 1:
+                per_rank[r].append(seconds_)
+            for p in part.parameters():
+                p.grad = None
+            inputs = outputs
+    meds = [statistics.median(v) for v in per_rank]
+    return {"bound_s": seconds(max(meds)), "per_rank_s": [seconds(v) for v in meds],
+            "steps": steps}

@@ -85,15 +85,21 @@ TARGETS: list[Target] = [
            "ratio_vs_ddp_sparse_at_1pct", 0.65, "paired_ratios"),
     _ratio("sparse_1gbit", "vs DDP's sparse all-reduce at 1 %, 1 Gbit/s",
            "ratio_vs_ddp_sparse_at_1pct", 0.7),
+    _ratio("rebalance", "N steps from the unbalanced start, migration included, vs the "
+           "best static partition from step 0", "end_to_end_vs_best_static", 0.9,
+           at_most=False),
     _ratio("rebalance", "throughput after migrating / best static partition",
            "ratio_to_best", 0.9, "paired_ratios", at_most=False),
     *(_ratio("pipeline", f"our best schedule vs torch's best, m = {m}",
              f"ratio_vs_best_torch/{m}", 1.0, f"paired_ratios/{m}", at_most=False)
       for m in ("8", "4")),
-    *(_ratio("pipeline", f"step / compute bound, m = {m}", f"step_vs_compute_bound/{m}", 1.05)
+    *(_ratio("pipeline", f"step / compute measured outside the pipeline, m = {m}",
+             f"step_vs_isolated_compute_bound/{m}", 1.05) for m in ("8", "4")),
+    *(_ratio("pipeline", f"ZB-H1's bubble / 1F1B's, m = {m}",
+             f"by_micro_batches/{m}/zb_bubble_vs_1f1b_per_schedule/trainwright_zb-h1", 0.5)
       for m in ("8", "4")),
-    *(_ratio("pipeline", f"zero-bubble bubble / 1F1B's, m = {m}", f"zb_bubble_vs_1f1b/{m}",
-             0.5) for m in ("8", "4")),
+    _ratio("pipeline", "one stage's per-layer segments / one plain graph",
+           "stage_overhead/measured_ratio", 1.005, "stage_overhead/measured_paired_ratios"),
     Target("gpu", "every stage within its limit, by the CUDA allocator",
            "bench_memory_cuda/every_stage_within_limit", True),
     _ratio("gpu", "plan without swap / fastest fitting checkpoint rule (H100)",
