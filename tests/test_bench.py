@@ -249,7 +249,7 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
 
     assert best_static_partition([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == ([1, 5], 5.0)
     assert best_static_partition([1.0, 1.0, 2.0, 2.0], 3) == ([2, 1, 1], 2.0)
-    spec = RebalanceBenchSpec(n_blocks=4, d_model=64, n_heads=2, context=32, micro_batches=4,
+    spec = RebalanceBenchSpec(n_blocks=4, d_model=128, n_heads=2, context=64, micro_batches=4,
                               micro_batch_size=2, steps=14, static_steps=4, warmup=1)
     result = run_rebalance(spec, repeats=2, deepspeed=False)
     for key in ("before_samples_per_s", "after_samples_per_s", "best_static_samples_per_s",

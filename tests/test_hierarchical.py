@@ -221,7 +221,8 @@ def test_bench_hierarchical_smoke_on_loopback():
     zero = rows["torch_ddp_zero"]["optimizer_state_bytes_per_rank"]
     assert sum(zero) >= 2 * numel * 4 and max(zero) < 2 * numel * 4
     assert result["ratio_vs_ddp_judged"]["verdict"] in ("met", "missed")
-    assert result["ratio_vs_ddp_judged"]["interval"] == [min(want), max(want)]
+    assert result["ratio_vs_ddp_judged"]["interval"] == pytest.approx([min(want), max(want)],
+                                                                      abs=2e-4)
     mine = ours["shards"]
     assert sum(s["shard_numel"] for s in mine[:2]) == numel  # node 0's slices tile the gradient
     for s in mine:

@@ -13,7 +13,8 @@ host memory: NCCL refuses two ranks on one device), 1F1B.
 The instrument is the CUDA allocator, not trainwright's accounting: per stage and step,
 ``torch.cuda.max_memory_allocated`` less what was allocated when the step began and the
 stage's gradients (``cuda_activation_peak_bytes`` of the step rows, see
-:class:`~trainwright.pipeline.runtime.StepStats`), the worst over every step of the run.
+:class:`~trainwright.pipeline.runtime.StepStats`), the worst over every step of the run but
+the first (which also allocates the optimizer's state).
 
 Rows: ``keep`` (gives the limit), ``plan_with_swap`` (the exact planner, host bandwidth
 measured at start on the device, pinned buffers), ``plan_no_swap`` (swap priced out),
@@ -195,7 +196,9 @@ def copy_overlap(events) -> dict:
 def _record(name: str, rows: list, rank: int, overlap: dict | None) -> dict:
     steps = [r for r in rows if r["kind"] == "step"]
     plans = [r for r in rows if r["kind"] == "memory_plan"]
-    mine = [r["stages"][rank] for r in steps]
+    # step 1 also allocates AdamW's state (created at the first optimizer step): the
+    # allocator's figures are the worst of the later steps
+    mine = [r["stages"][rank] for r in (steps[1:] if len(steps) > 1 else steps)]
     return {"name": name, "step_times_s": [r["step_time_s"] for r in steps],
             "losses": [r["loss"] for r in steps],
             "allocator_peak_bytes": max(s.get("cuda_activation_peak_bytes", -1) for s in mine),
