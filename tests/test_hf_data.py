@@ -120,6 +120,17 @@ def test_a_wrong_text_field_names_the_columns(sources):
         check_text_field(sources["jsonl"], "text")
 
 
+def test_too_little_text_for_a_replica_is_refused_before_the_start(tmp_path):
+    from trainwright.model.build import check_data
+
+    (tmp_path / "one.jsonl").write_text(json.dumps({"text": "a single short document"}))
+    cfg = tiny_config(tmp_path, **{"data.name": '"hf"', "data.val_fraction": 0.0,
+                                   "data.dataset": f'"{tmp_path / "one.jsonl"}"',
+                                   "parallel.dp": 2, "train.micro_batches": 2})
+    with pytest.raises(ConfigError, match="too few training documents for one window"):
+        check_data(cfg)
+
+
 def _run_cli(tmp_path, *sets, env=None):
     cmd = [sys.executable, "-m", "trainwright", "run", "--set", "data.name=\"hf\"",
            "--set", f'run.dir="{tmp_path}"', "--set", "train.steps=1", *sets]

@@ -163,6 +163,11 @@ def check_data(cfg: Config) -> None:
         load_tokenizer(d.tokenizer)
     if d.name == "hf" and not d.factory:
         check_text_field(d.dataset, d.text_field)
+        data, dp = build_data(cfg), cfg.parallel.dp
+        for r in range(dp):  # every replica has text for a first step (and held-out text)
+            data.share(1, cfg.train.batch_size, r, dp, targets=False)
+        if cfg.eval.every:
+            data.eval_batch(0, cfg.train.batch_size)
     if cfg.eval.every:
         check_eval_data(build_data(cfg))
 
