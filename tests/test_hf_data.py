@@ -106,6 +106,49 @@ def test_replicas_read_their_own_documents_and_never_the_held_out_ones(sources, 
     torch.testing.assert_close(x, torch.cat([src.share(2, 8, r, 2)[0] for r in range(2)]))
 
 
+def test_parquet_files_give_the_same_windows_as_jsonl(sources, tmp_path):
+    datasets.Dataset.from_list(_docs()).to_parquet(str(tmp_path / "docs.parquet"))
+    got = _source(str(tmp_path / "docs.parquet")).batch(3, 8)
+    torch.testing.assert_close(got, _source(sources["jsonl"]).batch(3, 8), rtol=0, atol=0)
+
+
+def test_with_files_that_divide_by_dp_each_replica_reads_only_its_own(tmp_path):
+    docs = _docs()
+    for k, part in enumerate((docs[:60], docs[60:])):
+        (tmp_path / f"part{k}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in part))
+    src = _source(str(tmp_path / "*.jsonl"))
+    for r, ids in ((0, range(60)), (1, range(60, 120))):
+        seen = set()
+        for step in range(1, 4):
+            x, y = src.share(step, 8, r, 2)
+            seen |= _doc_ids(torch.cat([x, y[:, -1:]], 1))
+        assert seen and seen <= set(ids), (r, seen)
+        assert src._streams[(r, 2)].dataset.n_shards == 1  # one file opened, not both
+
+
+def test_a_saved_dataset_dict_trains_on_its_train_split(tmp_path):
+    docs = _docs()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(docs[:60]),
+                          "test": datasets.Dataset.from_list(docs[60:])}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    x, y = _source(str(tmp_path / "dd"), parts=1).share(1, 4)
+    assert _doc_ids(torch.cat([x, y[:, -1:]], 1)) <= set(range(60))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)}
+                         ).save_to_disk(str(tmp_path / "only_test"))
+    with pytest.raises(ConfigError, match=r"no \"train\"; point data.dataset at one split"):
+        _source(str(tmp_path / "only_test")).share(1, 4)
+
+
+def test_documents_without_text_are_skipped_and_non_text_is_one_line(tmp_path):
+    rows = [{"text": "alpha beta"}, {"text": None}, {"text": "gamma delta"}]
+    (tmp_path / "gaps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    x, y = HFWindows(str(tmp_path / "gaps.jsonl"), "text", _bytes, None, 19).share(1, 1)
+    assert bytes(torch.cat([x[0], y[0, -1:]]).tolist()) == b"alpha betagamma delt"
+    (tmp_path / "nums.jsonl").write_text('{"text": "fine"}\n{"text": 7}\n')
+    with pytest.raises(ConfigError, match="holds int in a document; set it to a column"):
+        HFWindows(str(tmp_path / "nums.jsonl"), "text", _bytes, None, 8).share(1, 1)
+
+
 def test_text_files_give_one_document_per_paragraph(tmp_path):
     (tmp_path / "a.txt").write_text("first paragraph\nstill first\n\nsecond one\n")
     src = HFWindows(str(tmp_path / "a.txt"), "text", _bytes, 0, 8)

@@ -120,7 +120,8 @@ def check_text_field(spec: str, field: str) -> None:
                           f"the column that holds the text")
 
 
-def _held_out(text: str, fraction: float) -> bool:
+def _held_out(text, fraction: float) -> bool:
+    text = text if isinstance(text, str) else ""
     return zlib.crc32(text.encode("utf-8")) < fraction * 2**32
 
 
@@ -159,7 +160,15 @@ class _Stream:
                     self._open()
                     continue
                 self.documents += 1
-                self.buffer += self.src.encode(doc[self.src.text_field])
+                text = doc[self.src.text_field]
+                if text is None:  # a missing value: no document
+                    continue
+                if not isinstance(text, str):
+                    raise ConfigError(f"data.text_field = {self.src.text_field!r} of "
+                                      f"data.dataset = {self.src.spec!r} holds "
+                                      f"{type(text).__name__} in a document; set it to a "
+                                      f"column of text")
+                self.buffer += self.src.encode(text)
                 if self.src.eos is not None:
                     self.buffer.append(self.src.eos)
             out.append(self.buffer[:width])
