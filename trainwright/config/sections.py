@@ -117,9 +117,10 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """``[data]``: where the batches come from."""
 
-    name: Literal["stdlib", "synthetic", "text"] = "stdlib"
-    """``"stdlib"`` (byte-level text of Python's own sources), ``"synthetic"``, or ``"text"``
-    (your text files, ``path``)."""
+    name: Literal["stdlib", "synthetic", "text", "hf"] = "stdlib"
+    """``"stdlib"`` (byte-level text of Python's own sources), ``"synthetic"``, ``"text"``
+    (your text files, ``path``) or ``"hf"`` (a Hugging Face data set, ``dataset``; needs
+    ``pip install 'trainwright[hf-data]'``)."""
     factory: str = ""
     """Your own data, ``"package.module:function"`` called with the Config; returns an
     object with ``batch(step, batch_size) -> (inputs, targets)`` (same on every rank), or a
@@ -130,12 +131,20 @@ class DataConfig(Section):
     path: str = ""
     """``name = "text"``: a text file, a glob (``"corpus/*.txt"``) or a folder (every file
     under it, recursively), read in sorted order."""
+    dataset: str = ""
+    """``name = "hf"``: a folder written by ``Dataset.save_to_disk``, or ``.jsonl`` /
+    ``.json`` / ``.parquet`` / ``.txt`` files (a file, a glob or a folder; a text file gives
+    one document per paragraph), streamed, documents packed into windows of
+    ``model.context + 1`` tokens, each data-parallel replica reading its own part."""
+    text_field: str = "text"
+    """``name = "hf"``: the column that holds each document's text."""
     tokenizer: str = ""
-    """``name = "text"``: a local ``transformers`` tokenizer folder (``AutoTokenizer``) or a
-    ``tokenizers`` JSON file; empty = bytes (vocabulary 256)."""
+    """``name = "text"`` or ``"hf"``: a local ``transformers`` tokenizer folder
+    (``AutoTokenizer``) or a ``tokenizers`` JSON file; empty = bytes (vocabulary 256)."""
     val_fraction: Annotated[NonNegativeFloat, Allowed("must be in [0, 1)")] = 0.1
     """``name = "text"`` (and ``"stdlib"`` when ``eval.every`` > 0): share of the tokens, at
-    the end of the corpus, held out for evaluation."""
+    the end of the corpus, held out for evaluation; ``name = "hf"``: share of the documents
+    (chosen by a hash of their text)."""
 
 
 class TrainConfig(Section):

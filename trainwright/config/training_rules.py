@@ -9,6 +9,7 @@ for the reader (:mod:`trainwright.model.text_data`).
 from __future__ import annotations
 
 import glob
+import importlib.util
 from pathlib import Path
 
 from trainwright.errors import ConfigError
@@ -33,6 +34,8 @@ def _check_text_data(cfg) -> None:
     if d.val_fraction >= 1:
         raise ConfigError(f"data.val_fraction = {d.val_fraction} must be in [0, 1) (the share "
                           f"of tokens held out), e.g. 0.1")
+    if d.name == "hf" and not d.factory:
+        _check_hf_data(cfg)
     if d.name != "text" or d.factory:
         return
     if not d.path:
@@ -41,6 +44,28 @@ def _check_text_data(cfg) -> None:
     if not text_files(d.path):
         raise ConfigError(f"data.path = {d.path!r} matches no file; give an existing text "
                           f"file, a glob such as \"corpus/*.txt\" or a folder of text files")
+    if d.tokenizer and not Path(d.tokenizer).expanduser().exists():
+        raise ConfigError(f"data.tokenizer = {d.tokenizer!r} does not exist; give a local "
+                          f"transformers tokenizer folder or a tokenizers .json file, or \"\" "
+                          f"for bytes")
+
+
+def _check_hf_data(cfg) -> None:
+    d = cfg.data
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError('data.name = "hf" needs the datasets package; pip install '
+                          '\'trainwright[hf-data]\'')
+    if not d.dataset:
+        raise ConfigError('data.name = "hf" reads data.dataset; set it to a folder written by '
+                          'Dataset.save_to_disk or to .jsonl/.json/.parquet/.txt files')
+    p = Path(d.dataset).expanduser()
+    if not p.is_dir() and not text_files(d.dataset):
+        raise ConfigError(f"data.dataset = {d.dataset!r} does not exist; give a folder written "
+                          f"by Dataset.save_to_disk, or .jsonl/.json/.parquet/.txt files (a "
+                          f"file, a glob or a folder)")
+    if not d.text_field:
+        raise ConfigError('data.text_field is empty; set it to the column that holds the '
+                          'text, e.g. "text"')
     if d.tokenizer and not Path(d.tokenizer).expanduser().exists():
         raise ConfigError(f"data.tokenizer = {d.tokenizer!r} does not exist; give a local "
                           f"transformers tokenizer folder or a tokenizers .json file, or \"\" "

@@ -10,7 +10,8 @@ what a configuration builds (layers, optimizer, loss, data).
   :mod:`~trainwright.model.mlp`: built-in models; :mod:`~trainwright.model.gpt_profile`:
   the built-in GPT's tensor profiles for the planner;
 * :mod:`~trainwright.model.data`, :mod:`~trainwright.model.text_data`: built-in data sets,
-  text files and the user's ``Dataset``;
+  text files and the user's ``Dataset``; :mod:`~trainwright.model.hf_data`: Hugging Face
+  data sets packed into token windows (``data.name = "hf"``);
 * :mod:`~trainwright.model.build`: layers, optimizer, loss and data from a config.
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`, :mod:`trainwright.plan`,

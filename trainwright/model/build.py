@@ -22,6 +22,7 @@ from trainwright.model.data import CharCorpus, SyntheticRegression, SyntheticTok
 from trainwright.model.gpt import GPTConfig, gpt_layers
 from trainwright.model.graph import layers_from_export, layers_from_sequential
 from trainwright.model.hf import captured
+from trainwright.model.hf_data import HFWindows, check_text_field
 from trainwright.model.mlp import mlp_layers
 from trainwright.model.text_data import (
     TokenWindows,
@@ -123,7 +124,7 @@ def build_optimizer(cfg: Config, params: list[nn.Parameter]) -> torch.optim.Opti
 def vocab_size(cfg: Config) -> int:
     """Token ids the built-in GPT embeds: the tokenizer's vocabulary, else 256 (bytes)."""
     d = cfg.data
-    if d.name == "text" and d.tokenizer and not d.factory:
+    if d.name in ("text", "hf") and d.tokenizer and not d.factory:
         return load_tokenizer(d.tokenizer)[1]
     return 256
 
@@ -143,6 +144,11 @@ def build_data(cfg: Config):
     if d.name == "text":
         return TokenWindows(lambda: read_text_tokens(d.path, d.tokenizer), m.context, seed,
                             d.val_fraction)
+    if d.name == "hf":
+        encode, _, eos = (load_tokenizer(d.tokenizer) if d.tokenizer
+                          else (lambda text: list(text.encode("utf-8")), 256, None))
+        return HFWindows(d.dataset, d.text_field, encode, eos, m.context, cfg.parallel.dp,
+                         d.val_fraction)
     if cfg.eval.every:  # held-out windows from the end of the corpus
         return TokenWindows(lambda: stdlib_corpus(d.max_bytes), m.context, seed,
                             d.val_fraction)
@@ -153,8 +159,15 @@ def check_data(cfg: Config) -> None:
     """Checks of the data that need it opened: the tokenizer loads, held-out batches exist
     when ``eval.every`` is set. Raises ConfigError (before any process starts)."""
     d = cfg.data
-    if d.name == "text" and d.tokenizer and not d.factory:
+    if d.name in ("text", "hf") and d.tokenizer and not d.factory:
         load_tokenizer(d.tokenizer)
+    if d.name == "hf" and not d.factory:
+        check_text_field(d.dataset, d.text_field)
+        data, dp = build_data(cfg), cfg.parallel.dp
+        for r in range(dp):  # every replica has text for a first step (and held-out text)
+            data.share(1, cfg.train.batch_size, r, dp, targets=False)
+        if cfg.eval.every:
+            data.eval_batch(0, cfg.train.batch_size)
     if cfg.eval.every:
         check_eval_data(build_data(cfg))
 

@@ -108,7 +108,8 @@ class Trainer:
         self.slots = setup.place_layers(named, self.parts, self.my_stages, self.device,
                                         self.make_optimizer)
         if hasattr(self.data, "state_dict") and hasattr(self.data, "load_state_dict"):
-            self.register_state("data", self.data)
+            # a stateful source's position is where this rank's replica has read to
+            self.register_state("data", self.data, per_rank=True)
 
         # 2. the schedule: every stage's action list
         self.schedules = build_schedule(cfg.train.schedule, topo.pp, cfg.train.micro_batches,
