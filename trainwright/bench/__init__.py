@@ -7,7 +7,8 @@ pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers
 
 * benchmarks: ``pipeline`` (+ ``pipeline_figures``, ``stage_overhead``), ``rebalance``,
   ``memory``, ``planner`` (+ ``planner_forecast``, ``planner_predict``), ``sparse``,
-  ``hierarchical`` (+ ``netns``, a two-tier network on one host), ``straggler``;
+  ``hierarchical`` (+ ``netns``, a two-tier network on one host), ``straggler``,
+  ``checkpoint`` (async checkpoint saves vs blocking ones);
 * the shared workload and how it is compared: ``spec`` (+ ``spec_overrides``), ``paired``
   (paired rounds), ``ours`` (our rank under the peers' harness);
 * peers: ``peers``, ``deepspeed_peer``;
@@ -28,6 +29,7 @@ BENCHMARKS = {
     "sparse": "trainwright.bench.sparse",
     "planner": "trainwright.bench.planner",
     "straggler": "trainwright.bench.straggler",
+    "checkpoint": "trainwright.bench.checkpoint",
 }
 
 
