@@ -159,3 +159,14 @@ def test_async_saves_train_bit_identically_and_a_kill_mid_save_resumes(tmp_path,
     warned = [line for line in err if "is damaged" in line]
     assert len(warned) == 1 and "resuming from step 3" in warned[0], err
     assert_bitwise(sync, killed, "killed mid-save")
+
+
+def test_latest_pointed_back_caps_the_resume(tmp_path):
+    """``checkpoints/latest`` pointed back by hand resumes from there, not from a newer
+    intact checkpoint (tests rewind a run this way)."""
+    for step in (1, 2):
+        _save_tiny(tmp_path, step)
+    assert manifest.resume_step(tmp_path) == 2
+    checkpoint.mark_latest(tmp_path, 1)
+    assert manifest.resume_step(tmp_path) == 1 == manifest.choose_resume(tmp_path)
+    assert manifest.final_dir(tmp_path, 2).is_dir()  # intact: not set aside

@@ -129,27 +129,40 @@ def scan(run_dir: Path, checksums: bool = True) -> list[CheckpointStatus]:
     return [CheckpointStatus(step, d, verify(d, checksums)) for step, d in _folders(run_dir)]
 
 
+def _latest(run_dir: Path) -> int | None:
+    """The step ``checkpoints/latest`` names (moved after each completed checkpoint; a
+    user may point it back to resume from an earlier one), None when absent or unreadable."""
+    try:
+        return int((Path(run_dir) / "checkpoints" / "latest").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _resumable(st: CheckpointStatus, latest: int | None) -> bool:
+    return st.intact and (latest is None or st.step <= latest)
+
+
 def resume_step(run_dir: Path) -> int | None:
-    """The newest complete checkpoint whose files have their manifest's sizes (what every
-    rank resumes from; the launcher has checked the checksums and set aside the damaged
-    ones, :func:`choose_resume`), or None when there is none."""
-    for st in scan(run_dir, checksums=False):
-        if st.intact:
-            return st.step
-    return None
+    """The newest complete checkpoint, not past ``latest``, whose files have their
+    manifest's sizes (what every rank resumes from; the launcher has checked the checksums
+    and set aside the damaged ones, :func:`choose_resume`), or None when there is none."""
+    latest = _latest(run_dir)
+    return next((st.step for st in scan(run_dir, checksums=False) if _resumable(st, latest)),
+                None)
 
 
 def choose_resume(run_dir: Path, set_aside: bool = True) -> int | None:
-    """The checkpoint a resumed run starts from: the newest one whose files all match its
-    manifest. Each newer checkpoint that does not is named in one warning line and, with
-    ``set_aside``, renamed ``step_N.damaged`` (a temporary one removed), so the ranks and
-    the run's next saves never meet it. None when the run has no checkpoint at all.
+    """The checkpoint a resumed run starts from: the newest one (not past ``latest``) whose
+    files all match its manifest. Each newer checkpoint that does not is named in one
+    warning line and, with ``set_aside``, renamed ``step_N.damaged`` (a temporary one
+    removed), so the ranks and the run's next saves never meet it. None when the run has
+    no checkpoint at all.
 
     Raises:
         ConfigError: the run has checkpoints and none is intact (names each one).
     """
-    found = scan(run_dir)
-    good = next((st for st in found if st.intact), None)
+    found, latest = scan(run_dir), _latest(run_dir)
+    good = next((st for st in found if _resumable(st, latest)), None)
     bad = [st for st in found if not st.intact and (good is None or st.step > good.step)]
     if found and good is None:
         raise ConfigError(
