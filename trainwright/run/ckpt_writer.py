@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 class CheckpointWriter:
     """One rank's checkpoint saves, blocking or in the background.
 
-    Every rank of the job builds one at the same point (with ``asynchronous`` and a process
-    group, it creates the gloo group the background writes use).
+    Every rank of the job saves at the same steps (with ``asynchronous`` and a process
+    group, the first save creates the gloo group the background writes use).
 
     Args:
         run_dir: the run directory.
@@ -49,8 +49,7 @@ class CheckpointWriter:
                  fault: FaultPoint | None = None, clean: bool = False):
         self.run_dir, self.rank, self.asynchronous, self.fault = Path(run_dir), rank, \
             asynchronous, fault
-        self.group = (dist.new_group(backend="gloo")
-                      if asynchronous and dist.is_initialized() else None)
+        self.group = None
         self._thread = ThreadPoolExecutor(1, "ckpt-commit") if asynchronous else None
         self._pending: Future | None = None
         if clean and rank == 0:
@@ -61,6 +60,8 @@ class CheckpointWriter:
         ``meta`` goes into ``meta.json`` (rank 0). Returns once the state is copied (async)
         or written and completed (blocking)."""
         self.wait()  # one save at a time: the previous one completes first
+        if self.asynchronous and self.group is None and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")  # collective: every rank saves now
         written = checkpoint.write_files(self.run_dir, step, state, group=self.group,
                                          asynchronous=self.asynchronous)
         if written is None:

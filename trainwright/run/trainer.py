@@ -187,10 +187,8 @@ class Trainer:
 
         # 11. checkpoints (in the background with run.async_checkpoint); then the resumed
         # state, once everything that holds some exists
-        self.checkpoints = (CheckpointWriter(self.run_dir, topo.rank, cfg.run.async_checkpoint,
-                                             save_fault(cfg.fault, o.fault_rank),
-                                             clean=resume)
-                            if self.outputs else None)
+        self.checkpoints = CheckpointWriter(self.run_dir, topo.rank, cfg.run.async_checkpoint,
+                                            save_fault(cfg.fault, o.fault_rank), clean=resume)
         if self.resumed is not None:
             setup.load_resumed(self.run_dir, self.resumed, self.stage.slots, self.checkpointed,
                                topo, self.rebalancing.rebalancer if self.rebalancing else None)
@@ -411,15 +409,13 @@ class Trainer:
     def finish(self) -> float | None:
         """Wait for the last checkpoint save, gather the trace and write the report (rank 0);
         every rank waits for the end."""
-        if self.checkpoints is not None:
-            self.checkpoints.wait()
+        self.checkpoints.wait()
         return self.records.finish(self.trace_events)
 
     def close(self) -> None:
         """Release the process groups this trainer created (not a ``mesh`` it was given);
         call after :meth:`fit` when the process goes on to build another trainer."""
-        if self.checkpoints is not None:
-            self.checkpoints.close()
+        self.checkpoints.close()
         if self._own_mesh and dist.is_initialized():
             self.topo.destroy()
 
