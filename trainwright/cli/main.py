@@ -1,4 +1,5 @@
-"""``trainwright run | report | export | schedule | bench | plan | simulate``: the command line.
+"""``trainwright run | report | export | checkpoint | schedule | bench | plan | simulate``:
+the command line.
 
 Configuration errors print one line and exit 2 before any process starts.
 """
@@ -82,6 +83,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_checkpoint(args: argparse.Namespace) -> int:
+    from trainwright.run.manifest import verify_run
+
+    lines, code = verify_run(Path(args.run_dir))
+    print("\n".join(lines))
+    return code
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from trainwright.schedule.actions import build_schedule, format_grid
 
@@ -156,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--to", required=True, metavar="DIR", help="new or empty output folder")
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     exp.set_defaults(func=_cmd_export)
+
+    ck = sub.add_parser("checkpoint", help="check a run's checkpoints against their manifests")
+    ck_sub = ck.add_subparsers(dest="action", required=True)
+    ver = ck_sub.add_parser("verify", help="every checkpoint of RUN_DIR: intact or what is "
+                            "wrong (exit 1 when one is damaged)")
+    ver.add_argument("run_dir")
+    ver.set_defaults(func=_cmd_checkpoint)
 
     sch = sub.add_parser("schedule", help="print a pipeline schedule as a step x stage grid")
     sch.add_argument("--schedule", default="1f1b",

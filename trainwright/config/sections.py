@@ -448,6 +448,10 @@ class RunConfig(Section):
     """Run directory name; empty = ``<model>-<timestamp>``."""
     checkpoint_every: Annotated[NonNegativeInt, Allowed("must be >= 0 (0 = only at the end)")] = 50
     """Write a checkpoint every N steps (0 = only at the end)."""
+    async_checkpoint: bool = False
+    """Save checkpoints in the background (``torch.distributed.checkpoint.async_save``): the
+    step copies the state to memory and goes on while a thread writes it; the run waits
+    for the last save before it ends."""
     profile_every: PositiveInt = 10
     """Every N-th step runs its first micro-batch unfused, measures each layer on it and
     writes the per-layer profile to the metrics (a run with no such step after its first
@@ -480,7 +484,8 @@ class FaultConfig(Section):
     """Testing: the step (1-based) in which ``kill_rank`` dies."""
     kill_before: str = ""
     """Testing: die just before the first action of this kind (e.g. ``"MIG_RECV"``) instead
-    of in the middle of the step."""
+    of in the middle of the step; ``"SAVE"``: in the step's checkpoint save, after this
+    rank's files are written and before the checkpoint is completed."""
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -15,7 +15,10 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FaultPoint", "pipeline_fault", "ring_fault"]
+__all__ = ["FaultPoint", "pipeline_fault", "save_fault", "ring_fault", "SAVE"]
+
+SAVE = "SAVE"
+"""``fault.kill_before = "SAVE"``: die in ``kill_step``'s checkpoint save instead."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,21 @@ def pipeline_fault(fault, rank: int | None, actions: list) -> FaultPoint | None:
     """The ``[fault]`` section's point for pipeline rank ``rank`` running ``actions``: in
     ``kill_step``, before the first action of kind ``kill_before`` when given, else before
     the action halfway through the list. ``where`` is ``(index, action)``."""
-    if rank is None or fault.kill_rank != rank:
+    if rank is None or fault.kill_rank != rank or fault.kill_before == SAVE:
         return None
     kind, half = fault.kill_before, len(actions) // 2
     if kind:
         return FaultPoint(fault.kill_step, lambda at: at[1].kind == kind)
     return FaultPoint(fault.kill_step, lambda at: at[0] == half)
+
+
+def save_fault(fault, rank: int | None) -> FaultPoint | None:
+    """With ``kill_before = "SAVE"``: rank ``kill_rank`` dies in the checkpoint save of
+    ``kill_step`` once its files are written, before the checkpoint is completed (a run
+    killed mid-save)."""
+    if rank is None or fault.kill_rank != rank or fault.kill_before != SAVE:
+        return None
+    return FaultPoint(fault.kill_step, lambda at: True)
 
 
 def ring_fault(ring, index: int, restarted: bool) -> FaultPoint | None:

@@ -8,7 +8,9 @@ single-process reference.
   rank 0 (metrics, trace, report);
 * :mod:`~trainwright.run.update` (+ ``precision``, ``lr``): the optimizer step's rules:
   loss scaling, clipping and the learning rate;
-* :mod:`~trainwright.run.evaluate`, :mod:`~trainwright.run.checkpoint`: evaluation, checkpoints;
+* :mod:`~trainwright.run.evaluate`, :mod:`~trainwright.run.checkpoint`: evaluation, checkpoints
+  (+ ``manifest``: what completes a checkpoint and which one a resume takes;
+  ``ckpt_writer``: blocking or background saves);
 * :mod:`~trainwright.run.api`, :mod:`~trainwright.run.export`: the Python API (``fit``,
   ``load_model``, the ``run_job`` that ``trainwright run`` calls too), ``trainwright export``;
 * :mod:`~trainwright.run.ring_launch`, :mod:`~trainwright.run.ring_torchrun`,

@@ -26,6 +26,7 @@ from trainwright.pipeline.tied import check_ties
 from trainwright.rebalance.edits import edited_layers
 from trainwright.run import checkpoint
 from trainwright.run.launch import create_run_dir, in_torchrun, launch_local
+from trainwright.run.manifest import choose_resume
 
 __all__ = ["fit", "load_model", "load_run_config", "run_job", "RunOutcome"]
 
@@ -124,13 +125,16 @@ def run_job(cfg: Config, resume: Path | None = None, *, via: str = "fit",
         How this process's part of the run ended.
 
     Raises:
-        ConfigError: ``cfg`` cannot be started (nothing is written).
+        ConfigError: ``cfg`` cannot be started, the run directory cannot be written, or
+            ``resume`` has checkpoints and none is intact (nothing is started).
     """
     torchrun = in_torchrun()
     check_start(cfg, via="torchrun" if torchrun else via, resume=resume is not None,
                 run_dir=resume)
     _preflight(cfg)
     ring = cfg.sync.strategy == "tokenring"  # its own launcher: no process group
+    if resume is not None and (not torchrun or os.environ["RANK"] == "0"):
+        choose_resume(resume)  # damaged checkpoints named and set aside; none intact: exit 2
     if torchrun:
         return _ring_node(cfg, resume) if ring else _rank(cfg, resume)
     run_dir = create_run_dir(cfg, resume)

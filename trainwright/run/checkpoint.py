@@ -4,8 +4,10 @@
 Layout: ``RUN_DIR/checkpoints/step_000120/`` is one DCP checkpoint (``.metadata`` plus the
 ``*.distcp`` files every rank wrote), ``meta.json`` beside it (step, ``pp x dp``, the
 partition a migration reached, a pending re-partition target), and
-``RUN_DIR/checkpoints/latest`` names the last complete one (rank 0 moves it after DCP's
-save returned, i.e. after every rank's files and the metadata are in place).
+``RUN_DIR/checkpoints/latest`` names the last complete one. A checkpoint is written under a
+temporary name and completed by its manifest, written last, then renamed into place
+(:mod:`~trainwright.run.manifest`; :mod:`~trainwright.run.ckpt_writer` saves blocking or in
+the background).
 
 Every entry is named by what it is, never by who wrote it, so resuming at another
 ``pp x dp`` is a re-mapping: each rank asks DCP for the entries of the layers it holds.
@@ -41,9 +43,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainwright.pipeline.stage import LayerSlot
+from trainwright.run.manifest import committed_steps, set_aside, temp_dir, write_manifest
 
-__all__ = ["layer_state", "rng_state", "extra_state", "save", "save_rank", "write_meta",
-           "read_meta", "mark_latest", "latest_step", "load_layers", "load_state", "prune"]
+__all__ = ["layer_state", "rng_state", "extra_state", "rank_state", "checkpoint_meta",
+           "write_files", "commit", "save", "write_meta", "read_meta", "mark_latest",
+           "latest_step", "load_layers", "load_state", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -102,38 +106,78 @@ def _extra_key(name: str, per_rank: bool, rank: int) -> str:
     return f"extra.{name}.rank{rank}" if per_rank else f"extra.{name}"
 
 
-def save(run_dir: Path, step: int, state: dict) -> Path:
-    """Write this rank's ``state`` into the checkpoint of ``step``; collective over the
-    default group when there is one (every rank calls it, each with its own entries)."""
-    d = _dir(run_dir, step)
+def write_files(run_dir: Path, step: int, state: dict, *, group=None,
+                asynchronous: bool = False):
+    """Write this rank's ``state`` into the temporary folder of the checkpoint of ``step``;
+    collective over ``group`` (default: the default group) when there is one. Blocking, or
+    with ``asynchronous`` staged in memory now and written by DCP's background thread.
+
+    Returns:
+        None, or the future of the background write.
+    """
+    d = temp_dir(run_dir, step)
     d.mkdir(parents=True, exist_ok=True)
+    no_dist = not dist.is_initialized()
+    if asynchronous:  # DCP copies the state now (tensors and objects); the step may go on
+        return dcp.async_save(state, checkpoint_id=d, process_group=group, no_dist=no_dist)
     with warnings.catch_warnings():  # one process: DCP warns that it assumes so
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.save(state, checkpoint_id=d, no_dist=not dist.is_initialized())
-    return d
+        dcp.save(state, checkpoint_id=d, process_group=group, no_dist=no_dist)
+    return None
 
 
-def save_rank(run_dir: Path, step: int, layers: dict, objects: dict[str, tuple[object, bool]],
-              topo, partition: list[int], rebalance_target: list[int] | None) -> None:
-    """One rank's part of the checkpoint of ``step``: its ``layers`` (:func:`layer_state`),
-    RNG states and registered ``objects`` (DCP, collective); rank 0 then records the mesh
-    and the partition and moves ``latest``."""
+def commit(run_dir: Path, step: int, meta: dict) -> Path:
+    """Rank 0, once every rank's files of ``step`` are written: ``meta.json``, then the
+    manifest (:mod:`~trainwright.run.manifest`), then the rename into place; ``latest``
+    moves and older checkpoints are pruned."""
+    d, final = temp_dir(run_dir, step), _dir(run_dir, step)
+    _write_json(d / "meta.json", {"step": step, **meta})
+    write_manifest(d, step)
+    if final.exists():  # a damaged one a direct resume left in place
+        log.warning("checkpoint of step %d: the older folder there moved to %s", step,
+                    set_aside(final))
+    os.replace(d, final)
+    mark_latest(run_dir, step)
+    prune(run_dir)
+    return final
+
+
+def save(run_dir: Path, step: int, state: dict, meta: dict | None = None) -> Path:
+    """Write this rank's ``state`` into the checkpoint of ``step`` and (rank 0) complete it;
+    blocking, collective over the default group when there is one (every rank calls it,
+    each with its own entries)."""
+    write_files(run_dir, step, state)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        commit(run_dir, step, meta or {})
+    return _dir(run_dir, step)
+
+
+def checkpoint_meta(topo, partition: list[int], rebalance_target: list[int] | None) -> dict:
+    """What ``meta.json`` records: the mesh and the partition (a pending re-partition
+    target too)."""
+    return dict(pp=topo.pp, dp=topo.dp, world_size=topo.world_size, partition=partition,
+                rebalance_target=rebalance_target)
+
+
+def rank_state(layers: dict, objects: dict[str, tuple[object, bool]], rank: int) -> dict:
+    """One rank's part of a checkpoint: its ``layers`` (:func:`layer_state`), its RNG
+    states and the registered ``objects``."""
     state = dict(layers)
-    state.update(rng_state(topo.rank))
-    state.update(extra_state(objects, topo.rank))
-    save(run_dir, step, state)
-    if topo.rank == 0:
-        write_meta(run_dir, step, dict(pp=topo.pp, dp=topo.dp, world_size=topo.world_size,
-                                       partition=partition, rebalance_target=rebalance_target))
-        mark_latest(run_dir, step)
-        prune(run_dir)
+    state.update(rng_state(rank))
+    state.update(extra_state(objects, rank))
+    return state
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value) + "\n")
+    os.replace(tmp, path)
 
 
 def write_meta(run_dir: Path, step: int, meta: dict) -> None:
-    """Rank 0: the small facts needed before the layers are built (partition, mesh)."""
-    tmp = _dir(run_dir, step) / ".meta.json.tmp"
-    tmp.write_text(json.dumps({"step": step, **meta}) + "\n")
-    os.replace(tmp, _dir(run_dir, step) / "meta.json")
+    """Rewrite ``meta.json`` of a complete checkpoint (the small facts needed before the
+    layers are built: partition, mesh)."""
+    _write_json(_dir(run_dir, step) / "meta.json", {"step": step, **meta})
 
 
 def read_meta(run_dir: Path, step: int) -> dict:
@@ -157,10 +201,9 @@ def latest_step(run_dir: Path) -> int | None:
 
 
 def prune(run_dir: Path, keep: int = 2) -> None:
-    """Delete all but the newest ``keep`` checkpoints."""
-    dirs = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
-    for d in dirs[:-keep]:
-        shutil.rmtree(d, ignore_errors=True)
+    """Delete all but the newest ``keep`` complete checkpoints."""
+    for step in committed_steps(run_dir)[:-keep]:
+        shutil.rmtree(_dir(run_dir, step), ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- reading

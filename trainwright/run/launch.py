@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainwright.config import Config
+from trainwright.errors import ConfigError
 from trainwright.observe.telemetry import atomic_write_text
 
 __all__ = ["create_run_dir", "in_torchrun", "launch_local", "LaunchResult"]
@@ -37,18 +38,28 @@ def create_run_dir(cfg: Config, resume: Path | None = None) -> Path:
 
     With ``resume`` the existing directory is reused and its config.toml rewritten (the
     overrides given for the resumed run, e.g. more steps, are kept there).
+
+    Raises:
+        ConfigError: the directory cannot be created or written (nothing has started).
     """
-    if resume is not None:
-        run_dir = Path(resume)
-    else:
-        name = cfg.run.name or f"{cfg.model.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-        run_dir = Path(cfg.run.dir) / name
-        suffix = 1
-        while run_dir.exists() and any(run_dir.iterdir()):
-            suffix += 1
-            run_dir = Path(cfg.run.dir) / f"{name}-{suffix}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.toml", cfg.to_toml())
+    try:
+        if resume is not None:
+            run_dir = Path(resume)
+        else:
+            name = cfg.run.name or f"{cfg.model.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+            run_dir = Path(cfg.run.dir) / name
+            suffix = 1
+            while run_dir.is_dir() and any(run_dir.iterdir()):
+                suffix += 1
+                run_dir = Path(cfg.run.dir) / f"{name}-{suffix}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(run_dir / "config.toml", cfg.to_toml())
+    except OSError as exc:  # a file in the path, no permission, a full disk
+        what = f"--resume {resume}" if resume is not None else f"run.dir {cfg.run.dir!r}"
+        fix = ("free space or make it writable" if resume is not None else
+               "set run.dir to a folder you can write (--set run.dir=PATH)")
+        raise ConfigError(f"{what}: cannot write the run directory ({exc.strerror or exc}: "
+                          f"{exc.filename}); {fix}") from None
     return run_dir
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from trainwright.config import Config
 from trainwright.dist import collective as coll
-from trainwright.dist.faults import pipeline_fault
+from trainwright.dist.faults import pipeline_fault, save_fault
 from trainwright.dist.topology import Topology
 from trainwright.model.build import (
     build_data,
@@ -46,8 +46,9 @@ from trainwright.pipeline.tied import (
 )
 from trainwright.rebalance.live import LiveRebalancing
 from trainwright.rebalance.migration import Migration
-from trainwright.run import checkpoint
+from trainwright.run import checkpoint, manifest
 from trainwright.run import trainer_setup as setup
+from trainwright.run.ckpt_writer import CheckpointWriter
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
 from trainwright.run.records import StepRecords
@@ -100,7 +101,7 @@ class Trainer:
         named = self.build_layers()
         cfg.check_layers(len(named))
         self.ties = prepare_ties(cfg, named)  # tied weights: one copy per holder across stages
-        self.resumed = checkpoint.latest_step(self.run_dir) if resume else None
+        self.resumed = manifest.resume_step(self.run_dir) if resume else None
         self.start = 1 if self.resumed is None else self.resumed + 1
         self.parts = (setup.resumed_partition(self.run_dir, self.resumed, cfg.n_stages,
                                               len(named), topo)
@@ -187,7 +188,10 @@ class Trainer:
         self.records = StepRecords(cfg, topo, self.run_dir, [n for n, _ in named],
                                    self.stage_of, self.start, self.outputs)
 
-        # 11. the resumed state, once everything that holds some exists
+        # 11. checkpoints (in the background with run.async_checkpoint); then the resumed
+        # state, once everything that holds some exists
+        self.checkpoints = CheckpointWriter(self.run_dir, topo.rank, cfg.run.async_checkpoint,
+                                            save_fault(cfg.fault, o.fault_rank), clean=resume)
         if self.resumed is not None:
             setup.load_resumed(self.run_dir, self.resumed, self.stage.slots, self.checkpointed,
                                topo, self.rebalancing.rebalancer if self.rebalancing else None)
@@ -406,20 +410,25 @@ class Trainer:
         self.records.step(step, stats, costs, self.stage_of)
 
     def finish(self) -> float | None:
-        """Gather the trace and write the report (rank 0); every rank waits for the end."""
+        """Wait for the last checkpoint save, gather the trace and write the report (rank 0);
+        every rank waits for the end."""
+        self.checkpoints.wait()
         return self.records.finish(self.trace_events)
 
     def close(self) -> None:
         """Release the process groups this trainer created (not a ``mesh`` it was given);
         call after :meth:`fit` when the process goes on to build another trainer."""
+        self.checkpoints.close()
         if self._own_mesh and dist.is_initialized():
             self.topo.destroy()
 
     def save_checkpoint(self, step: int) -> None:
         """Every rank writes its layers' state (the exchange's sharded state gathered first),
-        RNG states and registered objects; rank 0 then records the partition."""
+        RNG states and registered objects; rank 0 then records the partition and completes
+        the checkpoint (in the background with ``run.async_checkpoint``)."""
         with self.sync.full_state(self.stage.slots):
             layers = checkpoint.layer_state(self.stage.slots)
-        checkpoint.save_rank(self.run_dir, step, layers, self.checkpointed, self.topo,
-                             self.parts,
-                             self.rebalancing.rebalancer.target if self.rebalancing else None)
+        target = self.rebalancing.rebalancer.target if self.rebalancing else None
+        state = checkpoint.rank_state(layers, self.checkpointed, self.topo.rank)
+        self.checkpoints.save(step, state, checkpoint.checkpoint_meta(self.topo, self.parts,
+                                                                      target))

@@ -20,7 +20,7 @@ from trainwright.config import Config, load_config
 from trainwright.dist.comm import Watchdog, exit_now
 from trainwright.errors import ConfigError, PeerLost
 from trainwright.observe.telemetry import setup_logging
-from trainwright.run import checkpoint
+from trainwright.run.manifest import resume_step
 from trainwright.run.trainer import Trainer, TrainerOptions
 
 __all__ = ["DistEnv", "run_worker", "train", "resume_hint", "EXIT_PEER_LOST", "EXIT_FAILED"]
@@ -161,7 +161,7 @@ def run_worker(cfg: Config, run_dir: Path | None,
 
 def resume_hint(run_dir: Path) -> str:
     """How to continue ``run_dir``: from its last checkpoint, or why that is not possible."""
-    step = checkpoint.latest_step(run_dir)
+    step = resume_step(run_dir)  # the newest complete one (an unfinished save is not)
     if step is None:
         return "No checkpoint was written yet (see run.checkpoint_every); start again."
     return f"Continue from step {step} with `trainwright run --resume {run_dir}`."
