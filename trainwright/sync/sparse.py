@@ -144,10 +144,14 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
 def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None) -> RowSparse:
     """All-reduce a touched-row mark, then the union of touched rows as one dense block.
 
-    The mark (one byte per table row) goes first, so every rank knows the union of touched
-    rows before filling anything: each rank adds its rows at their positions in the union
-    and the all-reduced block already *is* the result's values (no compaction afterwards,
-    and untouched rows are never sent).
+    [Note: the dense path costs one plain all-reduce]
+    The mark (one byte per table row, 1/256 of a 64-wide fp32 table) goes first, so every
+    rank knows the union of touched rows before filling anything. Each rank then adds its
+    raw ids' values (duplicates summed on the way by ``scatter_add_``) straight into the
+    block that is all-reduced in place, divided in place, and handed back as the gradient's
+    values: no triple is built, nothing is copied after the collective, and untouched rows
+    are never sent. When the union is the whole table the block is the table-sized buffer
+    itself, so the collective is exactly the plain dense all-reduce of the table.
 
     ``buffer`` (a flat tensor, overwritten) saves allocating the table-sized block every
     step: on CPU a fresh one costs a page fault per 4 KiB. The result's values are a prefix
