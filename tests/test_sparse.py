@@ -159,6 +159,52 @@ def _dense_block_reuse(rank: int, world: int, link) -> None:
     old, old_want = held[0]
     torch.testing.assert_close(old.to_dense(), old_want)  # untouched by the later steps
     assert ptrs[1] != ptrs[0] and ptrs[2] == ptrs[1] == ptrs[3], ptrs
+    _dense_path_reduces_the_gradient_itself(rank, world, link)
+
+
+def _dense_path_reduces_the_gradient_itself(rank: int, world: int, link) -> None:
+    """The dense path all-reduces the storage that becomes the gradient: no table-sized
+    buffer besides it, no copy after the collective (as a plain ``dist.all_reduce``)."""
+    from trainwright.dist import collective
+
+    reduced = []
+    plain = collective.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        reduced.append((tensor.untyped_storage().data_ptr(), tensor.numel(), tensor.dtype))
+        return plain(tensor, *args, **kwargs)
+
+    collective.all_reduce = spy
+    first = []
+    try:
+        for kind in ("coo", "dense"):
+            sync = SparseGradSync(None, world, path="dense", link=link)
+            emb = nn.Embedding(HEIGHT, DIM, sparse=kind == "coo")
+            sync.watch([emb])
+            for step in range(3):
+                coo = _case_grad("all_rows", rank, world, torch.int64)[0]  # union: every row
+                want = _dense_oracle(coo.to_dense(), world)
+                emb.weight.grad = coo if kind == "coo" else coo.to_dense()
+                reduced.clear()
+                sync.sync([emb.weight])
+                got = emb.weight.grad
+                values = got._values() if kind == "coo" else got
+                floats = [r for r in reduced if r[2] == torch.float32]
+                # one float all-reduce, of the whole table, into the gradient's own storage
+                assert floats == [(values.untyped_storage().data_ptr(), HEIGHT * DIM,
+                                   torch.float32)], (kind, step, reduced)
+                if kind == "coo":  # plus the one-byte-per-row mark, nothing else
+                    assert [r[1:] for r in reduced if r[2] != torch.float32] == [
+                        (HEIGHT, torch.uint8)], reduced
+                    # the same buffer every step: no new table-sized allocation
+                    first.append(values.untyped_storage().data_ptr())
+                    assert first == first[:1] * len(first), first
+                else:
+                    assert not [r for r in reduced if r[2] != torch.float32], reduced
+                torch.testing.assert_close(got.to_dense() if kind == "coo" else got, want)
+                emb.weight.grad = got = values = None
+    finally:
+        collective.all_reduce = plain
 
 
 @pytest.mark.timeout(240)
@@ -193,8 +239,10 @@ def _optimizer(name: str, model: nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.Adam(model.parameters(), lr=0.05)]
 
 
-SETUPS = [("sgd", True, "auto"), ("sparse_adam", True, "auto"), ("sparse_adam", True, "broadcast"),
-          ("sgd", True, "dense"), ("adam", False, "auto"), ("adam", False, "allgather")]
+SETUPS = [("sgd", True, "auto"), ("sparse_adam", True, "auto"),
+          ("sparse_adam", True, "broadcast"), ("sgd", True, "dense"),
+          ("sparse_adam", True, "dense"), ("sparse_adam", True, "allgather"),
+          ("adam", False, "auto"), ("adam", False, "allgather"), ("adam", False, "dense")]
 
 
 def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

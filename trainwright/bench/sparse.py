@@ -13,10 +13,15 @@ back-propagates a fixed output gradient. Systems:
   forced, so that in the same run every path is measured beside ``auto``;
 * ``dense_allreduce`` and ``ddp_sparse`` (the peers).
 
-The question: does the automatic path pick the fastest path at every density, and how does
-it compare with DDP's sparse all-reduce at 1 %? After one checked warm-up step of every
-system (all must equal the dense all-reduce), each density runs ``repeats`` rounds; in a
-round every system runs ``steps`` steps, systems in ABBA order
+The question: does the automatic path pick the fastest path at every density, is it never
+slower than a plain dense all-reduce of the table (``ratio_vs_dense_allreduce``), and how
+does it compare with DDP's sparse all-reduce at 1 %? Every target of :data:`TARGETS` gets a
+:func:`~trainwright.bench.paired.judged` block (median, 90 % interval, verdict on the far
+end). :func:`main` runs on loopback, then over shaped links (:func:`with_shaped`).
+
+After one checked warm-up step of every system (all must equal the dense all-reduce),
+each density runs ``repeats`` rounds; in a round every system runs ``steps`` steps,
+systems in ABBA order
 (:func:`~trainwright.bench.paired.round_order`); a round's figure is the median over its
 steps, and headline ratios are medians of per-round (paired) ratios.
 
@@ -54,7 +59,7 @@ from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
 
-__all__ = ["SparseBenchSpec", "run", "main"]
+__all__ = ["SparseBenchSpec", "TARGETS", "run", "main", "summarise", "rule_held", "with_shaped"]
 
 FORCED = ("allgather", "broadcast", "dense")
 """Our sync with ``sync.sparse_path`` forced to each path."""

@@ -11,7 +11,9 @@ exchange over a data-parallel group is:
    anything is received, and a :class:`LinkModel` (measured latency and bandwidth)
    picks the cheapest way: ``allgather`` (all counts equal: rows and values directly;
    unequal: padded to the largest), ``broadcast`` (one per rank that has rows), or
-   ``dense`` (all-reduce of the full table when that is cheaper, e.g. at high density);
+   ``dense`` (when that is cheaper, e.g. at high density: the ids' values are added
+   straight into the block that is all-reduced in place and becomes the gradient, so it
+   costs what a plain dense all-reduce of the table costs);
 3. the gathered rows are summed into the target sparse gradient and divided by the group
    size, exactly like dense DDP averages.
 
@@ -19,9 +21,11 @@ Each rank's rows travel as one flat block, value rows then ids (each int64 id's 
 reinterpreted as 1, 2 or 4 value elements), so each transfer is one collective and the
 received values stay contiguous for the merge. Per-path, per-size correction factors,
 learned from measured / predicted times and agreed through the count all-gather, keep the
-model honest at sizes the start-up calibration did not see; a path never measured at the
-current size is tried once when its estimate is close to the cheapest. The triple itself
-lives in :mod:`trainwright.sync.rowsparse`.
+model honest at sizes the start-up calibration did not see; a path not yet measured at the
+current size is tried when its estimate is close, and ``auto`` holds a path until another is
+cheaper beyond both paths' measured noise, measuring afresh when the density moves (see
+:func:`~trainwright.sync.sparse_cost.sticky_path`). The triple itself lives in
+:mod:`trainwright.sync.rowsparse`.
 
 :class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
 groups, ``sync.sparse = true``); :class:`SparseDataParallel` is the DDP-like wrapper for
