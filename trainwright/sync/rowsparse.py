@@ -210,21 +210,21 @@ class LocalRows:
         rows = self._ids if self._ids is not None else self._rows
         mark.index_fill_(0, self._triple.rows if rows is None else rows, 1)
 
-    def scatter_into(self, block: torch.Tensor, slot: torch.Tensor | None,
-                     scale: float = 1.0) -> None:
-        """Add the rows times ``scale`` into ``block`` (``(n, width)``, zeroed) at
-        ``slot[row]`` (None: at ``row``); raw (repeated) ids are summed on the way.
+    def scatter_into(self, block: torch.Tensor, slot: torch.Tensor | None) -> None:
+        """Add the rows into ``block`` (``(n, width)``) at ``slot[row]`` (None: at ``row``).
 
-        ``index_add_``'s ``alpha`` scales as it adds: no temporary, no extra pass.
+        Raw (repeated) ids go through ``scatter_add_`` with the id broadcast along the row:
+        on CPU it is ~2x faster than ``index_add_``, which runs one small add per id.
         """
         width = block.shape[1]
-        if self._ids is None:  # unique rows
+        if self._ids is None:  # unique rows: a copy, no sum
             t = self.triple()
             at = t.rows if slot is None else slot.index_select(0, t.rows)
-            block.index_add_(0, at, t.values.reshape(t.count, width), alpha=scale)
+            block.index_copy_(0, at, t.values.reshape(t.count, width))
         else:
             at = self._ids if slot is None else slot.index_select(0, self._ids)
-            block.index_add_(0, at, self._values.reshape(self._ids.numel(), width), alpha=scale)
+            block.scatter_add_(0, at.unsqueeze(1).expand(-1, width),
+                               self._values.reshape(self._ids.numel(), width))
 
 
 def _pack(t: RowSparse, n_rows: int) -> torch.Tensor:

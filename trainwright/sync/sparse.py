@@ -103,8 +103,8 @@ def gather_counts(local: list[int], group=None, device=None) -> torch.Tensor:
 
 
 def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
-             buffer: torch.Tensor | None = None, scale: float = 1.0) -> RowSparse:
-    """Sum every rank's triple over ``group`` along ``path``, times ``scale``.
+             buffer: torch.Tensor | None = None) -> RowSparse:
+    """Sum every rank's triple over ``group`` along ``path`` (not yet divided by the size).
 
     Args:
         t: this rank's triple (or :class:`LocalRows`, summed here only if the path needs it).
@@ -113,18 +113,16 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
         path: ``"allgather"``, ``"broadcast"`` or ``"dense"``.
         group: the data-parallel group.
         buffer: a reusable table-sized buffer for the ``dense`` path (see _exchange_dense).
-        scale: multiplies the sum (``1 / world`` averages); the ``dense`` path applies it
-            while filling its block, so no pass over the table follows the collective.
 
     Returns:
-        The summed (and scaled) triple, sorted unique rows, on every rank.
+        The summed triple, sorted unique rows, on every rank.
     """
     world, me = dist.get_world_size(group), _group_rank(group)
     if counts[me] != t.count:
         raise ValueError(f"rank {me} has {t.count} rows but the gathered count says {counts[me]}")
     local = LocalRows(t) if isinstance(t, RowSparse) else t
     if path == "dense":
-        return _exchange_dense(local, group, buffer, scale)
+        return _exchange_dense(local, group, buffer)
     t = local.triple()
     dtype, dev = t.values.dtype, t.values.device
     per_row = math.prod(t.row_shape) + _id_slots(dtype)
@@ -147,25 +145,20 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
                   for r, buf in zip(senders, bufs, strict=True)]
     else:
         raise ValueError(f"unknown sparse sync path {path!r}; choose one of {PATHS[1:]}")
-    out = _merge(blocks, t.height, t.row_shape)
-    if scale != 1.0:
-        out.values.mul_(scale)
-    return out
+    return _merge(blocks, t.height, t.row_shape)
 
 
-def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None,
-                    scale: float = 1.0) -> RowSparse:
+def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None) -> RowSparse:
     """All-reduce a touched-row mark, then the union of touched rows as one dense block.
 
     [Note: the dense path costs one plain all-reduce]
     The mark (one byte per table row, 1/256 of a 64-wide fp32 table) goes first, so every
     rank knows the union of touched rows before filling anything. Each rank then adds its
-    raw ids' values, times ``scale`` (``1 / world``: the average's division done on the
-    way in, since gloo has no average op), straight into the block that is all-reduced in
-    place and handed back as the gradient's values: no triple is built, no pass over the
-    table follows the collective (a plain all-reduce is followed by its division), and
-    untouched rows are never sent. When the union is the whole table the block is the
-    table-sized buffer itself, so the collective is exactly the plain dense all-reduce.
+    raw ids' values (duplicates summed on the way by ``scatter_add_``) straight into the
+    block that is all-reduced in place, divided in place, and handed back as the gradient's
+    values: no triple is built, nothing is copied after the collective, and untouched rows
+    are never sent. When the union is the whole table the block is the table-sized buffer
+    itself, so the collective is exactly the plain dense all-reduce of the table.
 
     ``buffer`` (a flat tensor, overwritten) saves allocating the table-sized block every
     step: on CPU a fresh one costs a page fault per 4 KiB. The result's values are a prefix
@@ -183,7 +176,7 @@ def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None,
         buffer = torch.empty(need, dtype=local.dtype, device=local.device)
     block = buffer[: n * width].view(n, width)
     block.zero_()
-    local.scatter_into(block, slot, scale)
+    local.scatter_into(block, slot)
     coll.all_reduce(block, group=group)
     return RowSparse(rows, local.height, block.view(n, *local.row_shape))
 
@@ -363,11 +356,11 @@ class SparseGradSync(GradSync):
             if choice.path == "none":
                 summed = t.triple()
             elif choice.path == "dense":
-                summed = exchange(t, col, "dense", self.group, self._free_buffer(p),
-                                  1 / self.world)
+                summed = exchange(t, col, "dense", self.group, self._free_buffer(p))
             else:
                 self._buffers.pop(id(p), None)  # sparse again: let the table buffer go
-                summed = exchange(t, col, choice.path, self.group, scale=1 / self.world)
+                summed = exchange(t, col, choice.path, self.group)
+            summed.values.div_(self.world)
             _write_grad(p, summed, local_sparse)
             self._observe(choice, started, seen)
             if choice.path == "dense":
