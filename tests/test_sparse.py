@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,13 @@ from trainwright.sync.sparse import (
     SparseGradSync,
     calibrate,
 )
-from trainwright.sync.sparse_cost import size_band
+from trainwright.sync.sparse_cost import (
+    MIN_SAMPLES,
+    CostHistory,
+    density_moved,
+    size_band,
+    sticky_path,
+)
 
 # Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
 LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)
@@ -152,6 +159,52 @@ def _dense_block_reuse(rank: int, world: int, link) -> None:
     old, old_want = held[0]
     torch.testing.assert_close(old.to_dense(), old_want)  # untouched by the later steps
     assert ptrs[1] != ptrs[0] and ptrs[2] == ptrs[1] == ptrs[3], ptrs
+    _dense_path_reduces_the_gradient_itself(rank, world, link)
+
+
+def _dense_path_reduces_the_gradient_itself(rank: int, world: int, link) -> None:
+    """The dense path all-reduces the storage that becomes the gradient: no table-sized
+    buffer besides it, no copy after the collective (as a plain ``dist.all_reduce``)."""
+    from trainwright.dist import collective
+
+    reduced = []
+    plain = collective.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        reduced.append((tensor.untyped_storage().data_ptr(), tensor.numel(), tensor.dtype))
+        return plain(tensor, *args, **kwargs)
+
+    collective.all_reduce = spy
+    first = []
+    try:
+        for kind in ("coo", "dense"):
+            sync = SparseGradSync(None, world, path="dense", link=link)
+            emb = nn.Embedding(HEIGHT, DIM, sparse=kind == "coo")
+            sync.watch([emb])
+            for step in range(3):
+                coo = _case_grad("all_rows", rank, world, torch.int64)[0]  # union: every row
+                want = _dense_oracle(coo.to_dense(), world)
+                emb.weight.grad = coo if kind == "coo" else coo.to_dense()
+                reduced.clear()
+                sync.sync([emb.weight])
+                got = emb.weight.grad
+                values = got._values() if kind == "coo" else got
+                floats = [r for r in reduced if r[2] == torch.float32]
+                # one float all-reduce, of the whole table, into the gradient's own storage
+                assert floats == [(values.untyped_storage().data_ptr(), HEIGHT * DIM,
+                                   torch.float32)], (kind, step, reduced)
+                if kind == "coo":  # plus the one-byte-per-row mark, nothing else
+                    assert [r[1:] for r in reduced if r[2] != torch.float32] == [
+                        (HEIGHT, torch.uint8)], reduced
+                    # the same buffer every step: no new table-sized allocation
+                    first.append(values.untyped_storage().data_ptr())
+                    assert first == first[:1] * len(first), first
+                else:
+                    assert not [r for r in reduced if r[2] != torch.float32], reduced
+                torch.testing.assert_close(got.to_dense() if kind == "coo" else got, want)
+                emb.weight.grad = got = values = None
+    finally:
+        collective.all_reduce = plain
 
 
 @pytest.mark.timeout(240)
@@ -186,8 +239,10 @@ def _optimizer(name: str, model: nn.Module) -> list[torch.optim.Optimizer]:
     return [torch.optim.Adam(model.parameters(), lr=0.05)]
 
 
-SETUPS = [("sgd", True, "auto"), ("sparse_adam", True, "auto"), ("sparse_adam", True, "broadcast"),
-          ("sgd", True, "dense"), ("adam", False, "auto"), ("adam", False, "allgather")]
+SETUPS = [("sgd", True, "auto"), ("sparse_adam", True, "auto"),
+          ("sparse_adam", True, "broadcast"), ("sgd", True, "dense"),
+          ("sparse_adam", True, "dense"), ("sparse_adam", True, "allgather"),
+          ("adam", False, "auto"), ("adam", False, "allgather"), ("adam", False, "dense")]
 
 
 def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -377,7 +432,16 @@ def test_touched_rows_of_a_dense_gradient():
     torch.testing.assert_close(t.values, g[[0, 4]])
 
 
-def test_a_path_never_measured_at_this_size_is_tried_once_when_close():
+def _history(samples: dict) -> CostHistory:
+    """A history fed the given measured / predicted ratios per (path, band)."""
+    h = CostHistory()
+    for key, ratios in samples.items():
+        for r in ratios:
+            h.add(key, r)
+    return h
+
+
+def test_a_path_not_yet_measured_at_this_size_is_tried_until_measured_when_close():
     counts, height, row_bytes, world = [100_000] * 4, 1_000_000, 256, 4
     first = LINK.choose(counts, height, row_bytes, world, True, explore=2.0)
     est = first.estimates_s
@@ -385,20 +449,79 @@ def test_a_path_never_measured_at_this_size_is_tried_once_when_close():
     close = sorted(k for k in est if k != first.path and est[k] <= 2.0 * est[first.path])
     assert close, est  # the scenario needs a runner-up within 2x
     # the cheapest is measured (as predicted) at its size: the closest other one is tried
-    factors = {(first.path, first.band): 1.0}
-    second = LINK.choose(counts, height, row_bytes, world, True, factors=factors, explore=2.0)
+    hist = _history({(first.path, first.band): [1.0] * MIN_SAMPLES})
+    second = LINK.choose(counts, height, row_bytes, world, True, history=hist, explore=2.0)
     assert second.explored and second.path == min(close, key=est.get)
-    # ... and once measured (here: 3x slower than predicted) the cheapest is taken again
-    factors[second.path, second.band] = 3.0
-    third = LINK.choose(counts, height, row_bytes, world, True, factors=factors, explore=2.0)
+    # ... until it has MIN_SAMPLES ratios (here: as predicted) ...
+    for n in range(MIN_SAMPLES):
+        again = LINK.choose(counts, height, row_bytes, world, True, history=hist, explore=2.0)
+        assert again.explored and again.path == second.path, n
+        hist.add((second.path, second.band), 1.0)
+    third = LINK.choose(counts, height, row_bytes, world, True, history=hist, explore=2.0)
     left = [k for k in close if k != second.path]
     assert third.explored == bool(left)
-    factors.update({(k, size_band(LINK.estimates(counts, height, row_bytes, world, True)[k][1])):
-                    1.0 for k in left})
-    last = LINK.choose(counts, height, row_bytes, world, True, factors=factors, explore=2.0)
+    for k in left:
+        band = size_band(LINK.estimates(counts, height, row_bytes, world, True)[k][1])
+        for _ in range(MIN_SAMPLES):
+            hist.add((k, band), 1.0)
+    last = LINK.choose(counts, height, row_bytes, world, True, history=hist, explore=2.0)
     assert not last.explored and last.path == min(last.estimates_s, key=last.estimates_s.get)
-    assert not LINK.choose(counts, height, row_bytes, world, True, factors={
-        (first.path, first.band): 1.0}, explore=0.0).explored
+    assert not LINK.choose(counts, height, row_bytes, world, True, history=_history({
+        (first.path, first.band): [1.0] * MIN_SAMPLES}), explore=0.0).explored
+
+
+def test_sticky_choice_keeps_a_path_within_noise_and_leaves_it_beyond():
+    # the pure rule, with literal estimates and noise
+    assert sticky_path({"a": 1.0, "b": 0.95}, {"a": 0.05, "b": 0.05}, "a") == "a"
+    assert sticky_path({"a": 1.0, "b": 0.95}, {"a": 0.0, "b": 0.0}, "a") == "b"
+    assert sticky_path({"a": 1.0, "b": 0.8}, {"a": 0.05, "b": 0.05}, "a") == "b"
+    assert sticky_path({"a": 1.0, "b": 0.8}, {"a": 0.05, "b": 0.05}, None) == "b"
+    assert sticky_path({"a": 1.0, "b": 1.2}, {"a": 0.5, "b": 0.5}, "b") == "b"
+    # through the sync, with injected measured / predicted ratios (no timing): every path
+    # measured at this size, allgather held; broadcast's estimate then drops below it
+    counts, height, row_bytes, world = [2_000] * 4, 100_000, 256, 4
+    est = LINK.estimates(counts, height, row_bytes, world, True)
+    band = {k: size_band(v[1]) for k, v in est.items()}
+    base = {k: v[0] for k, v in est.items()}
+    # scale so that, corrected, allgather = 1.00 and broadcast = 0.96 of it: 4 % apart
+    noisy = {"allgather": [0.9, 1.0, 1.1], "broadcast": [0.864, 0.96, 1.056],
+             "dense": [10.0] * 3}
+    samples = {(k, band[k]): [r * base["allgather"] / base[k] for r in v]
+               for k, v in noisy.items()}
+    sync = SparseGradSync(None, world, path="auto", link=LINK, explore=2.0)
+    sync.history = _history(samples)
+    emb = nn.Embedding(height, 4)
+    sync._sticky[id(emb.weight)] = ("allgather", sum(counts))
+    held = sync._choose(emb.weight, LINK, counts, height, row_bytes, True)
+    assert held.estimates_s["broadcast"] < held.estimates_s["allgather"]  # cheaper ...
+    assert held.path == "allgather" and not held.explored  # ... only by noise: kept
+    assert held.noise["allgather"] == pytest.approx(0.1)
+    # the same 4 % with quiet measurements is beyond the noise: it moves
+    quiet = {k: [statistics.median(v)] * 3 for k, v in samples.items()}
+    sync.history = _history(quiet)
+    moved = sync._choose(emb.weight, LINK, counts, height, row_bytes, True)
+    assert moved.path == "broadcast" and not moved.explored
+    assert sync._sticky[id(emb.weight)] == ("broadcast", sum(counts))
+    # rows within MOVE x of where broadcast was chosen: nothing is re-measured
+    near = [int(c * 1.5) for c in counts]
+    assert not density_moved(sum(near), sum(counts))
+    sync._choose(emb.weight, LINK, near, height, row_bytes, True)
+    assert all(sync.history.measured(*k) for k in quiet)
+    # the density moves (x4): the paths at the new size count as unmeasured again, the
+    # sticky path is dropped and the cheapest is taken afresh (then measured, then others)
+    far = [c * 4 for c in counts]
+    assert density_moved(sum(far), sum(counts))
+    est_far = LINK.estimates(far, height, row_bytes, world, True)
+    stale = {(k, size_band(v[1])) for k, v in est_far.items()}
+    for k in stale:
+        sync.history.add(k, 1.0)  # measured there before (as if at an earlier density)
+        sync.history.add(k, 1.0)
+        sync.history.add(k, 1.0)
+    again = sync._choose(emb.weight, LINK, far, height, row_bytes, True)
+    assert not any(sync.history.measured(*k) for k in stale)
+    assert not again.explored and again.path == min(again.estimates_s,
+                                                     key=again.estimates_s.get)
+    assert sync._sticky[id(emb.weight)] == (again.path, sum(far))
 
 
 def test_sparse_config_keys_are_validated(tmp_path):
@@ -416,10 +539,8 @@ def test_sparse_config_keys_are_validated(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_bench_sparse_runs_at_tiny_size():
-    import statistics
-
     from trainwright.bench import BENCHMARKS
-    from trainwright.bench.sparse import SYSTEMS, SparseBenchSpec, run, summarise
+    from trainwright.bench.sparse import SYSTEMS, SparseBenchSpec, rule_held, run, summarise
 
     assert BENCHMARKS["sparse"] == "trainwright.bench.sparse"
     spec = SparseBenchSpec(rows=2000, dim=8, world=2, densities=[0.01, 0.5], repeats=2, steps=2)
@@ -449,7 +570,36 @@ def test_bench_sparse_runs_at_tiny_size():
         v["ratio"] for v in result["auto_vs_best_forced"].values())
     assert summarise(rows, spec)["ratio"] == result["ratio"]
     assert result["host"]["cpus"] >= 1 and result["host"]["torch"] == torch.__version__
-    assert result["paths_are_model_cheapest"]
+    # the sticky rule, recomputed from what every step recorded; and a step that broke it
+    assert result["auto_followed_sticky_rule"]
+    taken = at["trainwright", 0.5]["paths_taken"]
+    assert taken and all({"estimates_s", "noise", "held"} <= set(t) for t in taken)
+    bad = dict(path="dense", explored=False, held="dense",
+               estimates_s={"allgather": 1.0, "broadcast": 2.0, "dense": 1.5},
+               noise={"allgather": 0.05, "broadcast": 0.0, "dense": 0.05})
+    assert not rule_held([*taken, bad])  # held dense, but allgather is cheaper beyond noise
+    assert rule_held([*taken, dict(bad, estimates_s={**bad["estimates_s"], "dense": 1.04})])
+    assert not rule_held([dict(bad, held="allgather")])  # neither the cheapest nor held
+    # the new key and a judged block (median, 90 % interval, verdict) for every target
+    plain = at["dense_allreduce", 0.5]["sync_s_rounds"]
+    assert result["ratio_vs_dense_allreduce"]["0.5"]["paired_ratios"] == [
+        round(a / b, 4) for a, b in zip(auto_hi, plain, strict=True)]
+    judged = result["judged"]
+    for name in ("auto_vs_best_forced_max", "ratio_vs_dense_allreduce", "ratio_vs_dense_step"):
+        blocks = judged[name]["per_density"]
+        assert set(blocks) == {"0.01", "0.5"}, name
+        for block in blocks.values():
+            assert block["target_is"] == "at_most" and block["verdict"] in ("met", "missed")
+            lo, hi = block["interval"]
+            assert lo <= block["median"] <= hi
+            assert block["verdict"] == ("met" if hi <= block["target"] else "missed")
+        assert judged[name]["verdict"] == ("met" if all(
+            b["verdict"] == "met" for b in blocks.values()) else "missed")
+        assert result["targets_met"][name] == (judged[name]["verdict"] == "met")
+    assert judged["ratio_vs_dense_allreduce"]["per_density"]["0.01"]["target"] == 0.2
+    assert judged["ratio_vs_dense_allreduce"]["per_density"]["0.5"]["target"] == 1.05
+    assert judged["ratio_vs_ddp_sparse_at_1pct"]["target"] == 0.65
+    assert judged["ratio_vs_ddp_sparse_at_1pct"]["interval"] == result["interval"]
     assert at["dense_allreduce", 0.01]["bytes_sent_per_rank"] == 2 * 1 / 2 * 2000 * 8 * 4
 
 
@@ -463,13 +613,13 @@ def test_learned_factors_follow_the_slowest_rank_and_bad_input_is_named():
     assert sync.factors == {("allgather", band): pytest.approx(4.0)}  # first: the slowest
     sync._learn(keys[:1], torch.tensor([[2000], [1000], [1000], [1000]]))
     assert sync.factors == {("allgather", band): pytest.approx(3.0)}  # then averaged in
-    scaled = LINK.choose([100] * 4, 1000, 256, 4, True, factors=sync.factors).estimates_s
+    scaled = LINK.choose([100] * 4, 1000, 256, 4, True, history=sync.history).estimates_s
     assert scaled["allgather"] == pytest.approx(3.0 * est["allgather"][0])
     assert scaled["dense"] == pytest.approx(est["dense"][0])
     # a band never measured borrows a neighbouring band's factor of the same path, if any
-    near = LINK.choose([400] * 4, 10**6, 256, 4, True, factors=sync.factors)
+    near = LINK.choose([400] * 4, 10**6, 256, 4, True, history=sync.history)
     assert size_band(near.bytes_sent_per_rank) == band + 1 and near.factors["allgather"] == 3.0
-    far = LINK.choose([100_000] * 4, 10**6, 256, 4, True, factors=sync.factors)
+    far = LINK.choose([100_000] * 4, 10**6, 256, 4, True, history=sync.history)
     assert size_band(far.bytes_sent_per_rank) > band + 1 and far.factors["allgather"] == 1.0
     for _ in range(3):  # ratios 4, 2, 2, 2, 2 then a step slowed by something else
         sync._learn(keys[:1], torch.tensor([[2000], [1000], [1000], [1000]]))

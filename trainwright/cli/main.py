@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     ben.add_argument("--loopback", action="store_true",
                      help="hierarchical: run on 127.0.0.1 instead of the emulated network")
     ben.add_argument("--link", metavar="RATE",
-                     help="sparse: run each rank in its own network namespace with RATE egress "
-                          "(tc syntax, e.g. 1gbit; needs root) instead of on 127.0.0.1")
+                     help="sparse: after the loopback run, run again with each rank in its own "
+                          "network namespace with RATE egress (tc syntax; default 1gbit; needs "
+                          "root; 'none' skips it)")
     ben.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                      help="memory: run on the CPU (default) or one CUDA GPU, sized for an H100")
     ben.set_defaults(func=_cmd_bench)

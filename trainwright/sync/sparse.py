@@ -11,7 +11,9 @@ exchange over a data-parallel group is:
    anything is received, and a :class:`LinkModel` (measured latency and bandwidth)
    picks the cheapest way: ``allgather`` (all counts equal: rows and values directly;
    unequal: padded to the largest), ``broadcast`` (one per rank that has rows), or
-   ``dense`` (all-reduce of the full table when that is cheaper, e.g. at high density);
+   ``dense`` (when that is cheaper, e.g. at high density: the ids' values are added
+   straight into the block that is all-reduced in place and becomes the gradient, so it
+   costs what a plain dense all-reduce of the table costs);
 3. the gathered rows are summed into the target sparse gradient and divided by the group
    size, exactly like dense DDP averages.
 
@@ -19,9 +21,11 @@ Each rank's rows travel as one flat block, value rows then ids (each int64 id's 
 reinterpreted as 1, 2 or 4 value elements), so each transfer is one collective and the
 received values stay contiguous for the merge. Per-path, per-size correction factors,
 learned from measured / predicted times and agreed through the count all-gather, keep the
-model honest at sizes the start-up calibration did not see; a path never measured at the
-current size is tried once when its estimate is close to the cheapest. The triple itself
-lives in :mod:`trainwright.sync.rowsparse`.
+model honest at sizes the start-up calibration did not see; a path not yet measured at the
+current size is tried when its estimate is close, and ``auto`` holds a path until another is
+cheaper beyond both paths' measured noise, measuring afresh when the density moves (see
+:func:`~trainwright.sync.sparse_cost.sticky_path`). The triple itself lives in
+:mod:`trainwright.sync.rowsparse`.
 
 :class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
 groups, ``sync.sparse = true``); :class:`SparseDataParallel` is the DDP-like wrapper for
@@ -31,12 +35,10 @@ plain data parallel. Both send every other parameter through
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
 import math
-import statistics
 import time
 import weakref
 
@@ -56,7 +58,15 @@ from trainwright.sync.rowsparse import (
     _unpack,
     union_slots,
 )
-from trainwright.sync.sparse_cost import LinkModel, PathChoice, all_gather_into, calibrate
+from trainwright.sync.sparse_cost import (
+    CostHistory,
+    LinkModel,
+    PathChoice,
+    all_gather_into,
+    calibrate,
+    density_moved,
+    size_band,
+)
 
 __all__ = ["RowSparse", "LocalRows", "LinkModel", "PathChoice", "PATHS", "calibrate", "exchange",
            "SparseGradSync", "SparseDataParallel", "sparse_sync_from_config"]
@@ -67,9 +77,6 @@ PATHS = ("auto", "allgather", "broadcast", "dense")
 """Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
 
 _EXCHANGE_PATHS = ("allgather", "broadcast", "dense")
-
-FACTOR_WINDOW = 5
-"""Measured / predicted ratios per (path, size band) whose median is the learned factor."""
 
 
 # --------------------------------------------------------------------------- exchange
@@ -144,10 +151,14 @@ def exchange(t: RowSparse | LocalRows, counts: list[int], path: str, group=None,
 def _exchange_dense(local: LocalRows, group, buffer: torch.Tensor | None = None) -> RowSparse:
     """All-reduce a touched-row mark, then the union of touched rows as one dense block.
 
-    The mark (one byte per table row) goes first, so every rank knows the union of touched
-    rows before filling anything: each rank adds its rows at their positions in the union
-    and the all-reduced block already *is* the result's values (no compaction afterwards,
-    and untouched rows are never sent).
+    [Note: the dense path costs one plain all-reduce]
+    The mark (one byte per table row, 1/256 of a 64-wide fp32 table) goes first, so every
+    rank knows the union of touched rows before filling anything. Each rank then adds its
+    raw ids' values (duplicates summed on the way by ``scatter_add_``) straight into the
+    block that is all-reduced in place, divided in place, and handed back as the gradient's
+    values: no triple is built, nothing is copied after the collective, and untouched rows
+    are never sent. When the union is the whole table the block is the table-sized buffer
+    itself, so the collective is exactly the plain dense all-reduce of the table.
 
     ``buffer`` (a flat tensor, overwritten) saves allocating the table-sized block every
     step: on CPU a fresh one costs a page fault per 4 KiB. The result's values are a prefix
@@ -207,11 +218,13 @@ class SparseGradSync(GradSync):
         self.last: list[PathChoice] = []
         """The choice for every row-sparse parameter in the last :meth:`sync`."""
         self._watched: dict[int, weakref.ref] = {}
-        self.factors: dict[tuple[str, int], float] = {}
-        """Per (path, size band): measured / predicted time, learned from earlier steps
-        (the same on every rank)."""
+        self.history = CostHistory()
+        """Per (path, size band): measured / predicted times of earlier steps (the same on
+        every rank): the learned factors and each path's noise."""
+        self._sticky: dict[int, tuple[str, int]] = {}
+        """Per row-sparse parameter: the path ``auto`` holds and the rows (summed over
+        ranks) it was chosen at; see :func:`~trainwright.sync.sparse_cost.sticky_path`."""
         self._observed: dict[tuple[str, int], float] = {}
-        self._ratios: dict[tuple[str, int], collections.deque] = {}
         self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
@@ -234,22 +247,44 @@ class SparseGradSync(GradSync):
         ref = self._watched.get(id(p))
         return (p.grad is not None and p.grad.is_sparse) or (ref is not None and ref() is p)
 
+    @property
+    def factors(self) -> dict[tuple[str, int], float]:
+        """Per (path, size band): the learned measured / predicted time."""
+        return self.history.factors()
+
     def _learn(self, keys: list[tuple[str, int]], slow: torch.Tensor) -> None:
-        """Fold last step's measured / predicted ratios into the factors.
+        """Fold last step's measured / predicted ratios into :attr:`history`.
 
         ``slow[r, j]`` is rank r's ratio x 1000 for ``keys[j]`` (the (path, band) pairs last
         step took, the same list on every rank since every rank took the same choices).
         The slowest rank counts, since it decides when a collective ends. A band's factor is
-        the median of its last :data:`FACTOR_WINDOW` ratios (the first replaces the prior):
+        the median of its last :data:`~trainwright.sync.sparse_cost.FACTOR_WINDOW` ratios:
         one step slowed by something else on the machine cannot lock a path out, as a
         running mean let it (a path's factor only changes when it is taken again).
         """
         for j, key in enumerate(keys):
             ratio = int(slow[:, j].max()) / 1000
             if ratio > 0:
-                recent = self._ratios.setdefault(key, collections.deque(maxlen=FACTOR_WINDOW))
-                recent.append(ratio)
-                self.factors[key] = statistics.median(recent)
+                self.history.add(key, ratio)
+
+    def _choose(self, p: torch.Tensor, link: LinkModel, col: list[int], height: int,
+                row_bytes: int, any_sparse: bool) -> PathChoice:
+        """``auto``'s sticky choice for ``p``; the paths are measured afresh when the
+        density moved (:func:`~trainwright.sync.sparse_cost.density_moved`)."""
+        total, held = sum(col), self._sticky.get(id(p))
+        if held is not None and density_moved(total, held[1]):
+            est = link.estimates(col, height, row_bytes, self.world, any_sparse)
+            self.history.stale((k, size_band(b)) for k, (_, b) in est.items())
+            log.info("sparse sync: rows moved from %d to %d; measuring the paths again",
+                     held[1], total)
+            held = None
+        choice = link.choose(col, height, row_bytes, self.world, any_sparse,
+                             history=self.history, explore=self.explore,
+                             current=held[0] if held else None)
+        if not choice.explored and choice.path != "none":
+            kept = held is not None and held[0] == choice.path
+            self._sticky[id(p)] = (choice.path, held[1] if kept else total)
+        return choice
 
     def _free_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
         """The dense path's buffer for ``p`` if no live gradient still uses it."""
@@ -307,16 +342,17 @@ class SparseGradSync(GradSync):
             t = triples[i]
             row_bytes = math.prod(t.row_shape) * torch.empty(0, dtype=t.dtype).element_size()
             if link is not None:
-                choice = link.choose(col, t.height, row_bytes, self.world, any_sparse,
-                                     factors=self.factors, explore=self.explore)
+                choice = self._choose(p, link, col, t.height, row_bytes, any_sparse)
             else:
                 choice = PathChoice(self.path if sum(col) else "none", tuple(col), forced=True)
             self.last.append(choice)
             local_sparse = p.grad.is_sparse if p.grad is not None else any_sparse
-            if choice.path == "dense" and not any_sparse:
-                dense_params.append(p)  # dense gradients everywhere: the plain all-reduce
-                continue
             started = time.perf_counter()
+            if choice.path == "dense" and not any_sparse:
+                # dense gradients everywhere: the plain all-reduce, in place, on its own
+                self.dense.sync([p])
+                self._observe(choice, started, seen)
+                continue
             if choice.path == "none":
                 summed = t.triple()
             elif choice.path == "dense":
@@ -326,11 +362,7 @@ class SparseGradSync(GradSync):
                 summed = exchange(t, col, choice.path, self.group)
             summed.values.div_(self.world)
             _write_grad(p, summed, local_sparse)
-            if choice.path in _EXCHANGE_PATHS and choice.estimates_s:
-                # measured / the model's own (uncorrected) estimate
-                took = (time.perf_counter() - started) / choice.estimates_s[choice.path]
-                key = (choice.path, choice.band)
-                seen[key] = max(seen.get(key, 0.0), took * choice.factors[choice.path])
+            self._observe(choice, started, seen)
             if choice.path == "dense":
                 buf = summed.values._base if summed.values._base is not None else summed.values
                 self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
@@ -344,6 +376,16 @@ class SparseGradSync(GradSync):
                      ", ".join(f"{c.path}{' (measuring it)' if c.explored else ''} "
                                f"{list(c.counts)}" for c in self.last))
         return self.last
+
+
+    @staticmethod
+    def _observe(choice: PathChoice, started: float, seen: dict) -> None:
+        """Note measured / predicted time of ``choice`` (gathered and learned next step)."""
+        if choice.path in _EXCHANGE_PATHS and choice.estimates_s:
+            # measured / the model's own (uncorrected) estimate
+            took = (time.perf_counter() - started) / choice.estimates_s[choice.path]
+            key = (choice.path, choice.band)
+            seen[key] = max(seen.get(key, 0.0), took * choice.factors[choice.path])
 
 
 def _write_grad(p: torch.Tensor, t: RowSparse, sparse: bool) -> None:

@@ -7,7 +7,9 @@ same path); :class:`PathChoice` records the choice of one step.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -16,8 +18,8 @@ import torch.distributed as dist
 
 from trainwright.dist import collective as coll
 
-__all__ = ["ID_BYTES", "LinkModel", "PathChoice", "calibrate", "all_gather_into",
-           "size_band"]
+__all__ = ["ID_BYTES", "CostHistory", "LinkModel", "PathChoice", "calibrate", "all_gather_into",
+           "size_band", "sticky_path", "density_moved", "FACTOR_WINDOW", "MIN_SAMPLES", "MOVE"]
 
 ID_BYTES = 8
 """Row ids travel as int64."""
@@ -47,6 +49,8 @@ class PathChoice:
     because it had the lowest estimate."""
     factors: dict = field(default_factory=dict)
     """Per candidate path: the learned correction its estimate was multiplied by."""
+    noise: dict = field(default_factory=dict)
+    """Per candidate path: its measurement noise (see :meth:`CostHistory.noise`)."""
 
     @property
     def band(self) -> int:
@@ -63,15 +67,88 @@ def size_band(nbytes: float) -> int:
     return int(math.log2(max(float(nbytes), 1.0)) // 2)
 
 
-def _factor(factors: dict, path: str, band: int) -> tuple[float, bool]:
-    """``(factor, measured)`` for ``path`` at ``band``: the band's own learned correction,
-    else one learned at a neighbouring band of the same path (4x smaller or larger),
-    else 1. Farther bands say nothing: a latency-bound small transfer's correction would
-    mislead at hundreds of MB."""
-    if (path, band) in factors:
-        return factors[path, band], True
-    near = [(abs(b - band), b) for p, b in factors if p == path and abs(b - band) <= 1]
-    return (factors[path, min(near)[1]], False) if near else (1.0, False)
+FACTOR_WINDOW = 5
+"""Measured / predicted ratios kept per (path, size band): their median is the learned
+factor, their spread the path's measurement noise."""
+
+MIN_SAMPLES = 3
+"""Fresh ratios a (path, band) needs before it counts as measured: the fewest whose range
+says anything about the noise."""
+
+MOVE = 2.0
+"""The density *moves* when a table's rows (summed over ranks) leave ``[ref / MOVE, ref *
+MOVE]`` of where its sticky path was chosen: the paths are then measured afresh."""
+
+
+class CostHistory:
+    """Per (path, size band): the last :data:`FACTOR_WINDOW` measured / predicted ratios.
+
+    The median is the path's learned correction (one slow step cannot lock a path out);
+    the ratios' relative half-range is its measurement noise, the margin of
+    :func:`sticky_path`. ``fresh`` counts the ratios taken since the band was last marked
+    stale (:meth:`stale`): a stale band keeps its factor but counts as unmeasured, so it is
+    explored again. Pure bookkeeping, the same on every rank when fed the same ratios.
+    """
+
+    def __init__(self):
+        self.ratios: dict[tuple[str, int], collections.deque] = {}
+        self.fresh: dict[tuple[str, int], int] = {}
+
+    def add(self, key: tuple[str, int], ratio: float) -> None:
+        """Record one measured / predicted ratio of ``key = (path, band)``."""
+        self.ratios.setdefault(key, collections.deque(maxlen=FACTOR_WINDOW)).append(ratio)
+        self.fresh[key] = self.fresh.get(key, 0) + 1
+
+    def stale(self, keys) -> None:
+        """Count ``keys`` as unmeasured until they have :data:`MIN_SAMPLES` new ratios."""
+        for key in keys:
+            self.fresh[key] = 0
+
+    def factors(self) -> dict[tuple[str, int], float]:
+        """Every learned factor: the median of its window."""
+        return {k: statistics.median(v) for k, v in self.ratios.items()}
+
+    def measured(self, path: str, band: int) -> bool:
+        """Whether ``path`` has :data:`MIN_SAMPLES` fresh ratios at ``band``."""
+        return self.fresh.get((path, band), 0) >= MIN_SAMPLES
+
+    def noise(self, path: str, band: int) -> float:
+        """Relative half-range of the ratios of ``path`` at ``band`` (0 below 2 ratios)."""
+        r = self.ratios.get((path, band))
+        if not r or len(r) < 2:
+            return 0.0
+        return (max(r) - min(r)) / (2 * statistics.median(r))
+
+    def factor(self, path: str, band: int) -> float:
+        """The band's own correction, else one learned at a neighbouring band of the same
+        path (4x smaller or larger), else 1. Farther bands say nothing: a latency-bound
+        small transfer's correction would mislead at hundreds of MB."""
+        if (path, band) in self.ratios:
+            return statistics.median(self.ratios[path, band])
+        near = [(abs(b - band), b) for p, b in self.ratios if p == path and abs(b - band) <= 1]
+        return statistics.median(self.ratios[path, min(near)[1]]) if near else 1.0
+
+
+def sticky_path(est: dict[str, float], noise: dict[str, float], current: str | None) -> str:
+    """Keep ``current`` unless another path is cheaper beyond both paths' noise.
+
+    ``est``: corrected estimate per path; ``noise``: each path's relative half-range of
+    measured / predicted ratios. The cheapest path ``b`` replaces ``current`` only when
+    ``est[b] * (1 + noise[b]) < est[current] * (1 - noise[current])``: the best case of the
+    current path is still slower than the worst case of the other. So a path within its
+    noise of the best is never left for one that is only cheaper by noise.
+    """
+    best = min(est, key=est.get)
+    if current is None or current not in est or current == best:
+        return best
+    if est[best] * (1 + noise.get(best, 0.0)) < est[current] * (1 - noise.get(current, 0.0)):
+        return best
+    return current
+
+
+def density_moved(total: int, ref: int) -> bool:
+    """Whether ``total`` rows left ``[ref / MOVE, ref * MOVE]`` (see :data:`MOVE`)."""
+    return not ref / MOVE <= total <= ref * MOVE
 
 
 @dataclass(frozen=True)
@@ -127,36 +204,42 @@ class LinkModel:
         return out
 
     def choose(self, counts: list[int], height: int, row_bytes: int, world: int,
-               sparse_input: bool, force: str = "auto", factors: dict | None = None,
-               explore: float = 0.0) -> PathChoice:
-        """The cheapest path by :meth:`estimates` (or the forced one).
+               sparse_input: bool, force: str = "auto", history: CostHistory | None = None,
+               explore: float = 0.0, current: str | None = None) -> PathChoice:
+        """The path to take: forced, explored, the sticky ``current`` or the cheapest.
 
         Args:
-            factors: ``(path, size band) -> measured / predicted time`` of earlier steps;
-                each estimate is multiplied by its path's factor at that band (or at the
-                nearest band measured), so a path that keeps running slower than the
-                model says loses.
-            explore: when > 0 and the cheapest path has been measured at its band, a path
-                never measured at its band whose estimate is within ``explore`` times the
-                cheapest is taken instead, once, so that its factor is learned too
-                (otherwise a path the model over-estimates is never tried again).
+            history: measured / predicted ratios of earlier steps; each estimate is
+                multiplied by its path's factor at that band (or at the nearest band
+                measured), so a path that keeps running slower than the model says loses.
+            explore: when > 0 and the path it would take has been measured at its band, a
+                path not measured at its band (see :meth:`CostHistory.measured`) whose estimate
+                is within ``explore`` times the cheapest is taken instead, until it is, so
+                that its factor and noise are learned too (otherwise a path the model
+                over-estimates is never tried again).
+            current: the path taken last time (None: none yet); kept unless another is
+                cheaper beyond both paths' noise (:func:`sticky_path`).
         """
         counts = [int(c) for c in counts]
         if sum(counts) == 0:
             return PathChoice("none", tuple(counts))
+        history = history or CostHistory()
         raw = self.estimates(counts, height, row_bytes, world, sparse_input)
-        fac = {k: _factor(factors or {}, k, size_band(v[1])) for k, v in raw.items()}
-        est = {k: v[0] * fac[k][0] for k, v in raw.items()}
+        band = {k: size_band(v[1]) for k, v in raw.items()}
+        fac = {k: history.factor(k, band[k]) for k in raw}
+        est = {k: v[0] * fac[k] for k, v in raw.items()}
+        noise = {k: history.noise(k, band[k]) for k in raw}
         explored = False
         if force != "auto":
             path = force
         else:
-            path = min(est, key=est.get)
-            unmeasured = [k for k in est if not fac[k][1] and est[k] <= explore * est[path]]
-            if explore > 0 and fac[path][1] and unmeasured:
+            path = sticky_path(est, noise, current)
+            unmeasured = [k for k in est if k != path and not history.measured(k, band[k])
+                          and est[k] <= explore * est[path]]
+            if explore > 0 and history.measured(path, band[path]) and unmeasured:
                 path, explored = min(unmeasured, key=est.get), True
         return PathChoice(path, tuple(counts), est, raw[path][1], forced=force != "auto",
-                          explored=explored, factors={k: v[0] for k, v in fac.items()})
+                          explored=explored, factors=fac, noise=noise)
 
 
 def _median_time(fn, repeats: int) -> float:
