@@ -11,18 +11,63 @@ gathered with a collective instead.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from trainwright.config import Config
 from trainwright.dist import collective as coll
 from trainwright.dist.mailbox import Mailbox
 from trainwright.dist.topology import Topology
+from trainwright.model.build import loss_fn
+from trainwright.model.text_data import read_share
+from trainwright.observe.flops import StepCost, count_flops, run_peak
 from trainwright.observe.telemetry import RunRecorder
 from trainwright.pipeline.runtime import StepStats
 
-__all__ = ["StepRecords"]
+__all__ = ["StepRecords", "step_cost"]
+
+log = logging.getLogger(__name__)
+
+
+def step_cost(cfg: Config, build_layers: Callable[[], list], data, device: torch.device,
+              ranks: int, step: int = 1) -> StepCost:
+    """FLOPs of one global step of the whole model, the tokens in a sample and the peak of
+    ``ranks`` devices like ``device`` (``observe.mfu``; else only the tokens).
+
+    The FLOPs are counted from the layers (``FlopCounterMode``) over one forward, loss and
+    backward of the global batch of ``step`` on the ``meta`` device: nothing is computed
+    or allocated, whatever the model's size. A model that cannot be built there is counted
+    on the CPU on one micro-batch, scaled to the batch.
+    """
+    with torch.random.fork_rng(devices=[]):  # a model builder may seed: leave ours as it was
+        return _step_cost(cfg, build_layers, data, device, ranks, step)
+
+
+def _step_cost(cfg: Config, build_layers: Callable[[], list], data, device: torch.device,
+               ranks: int, step: int) -> StepCost:
+    t = cfg.train
+    x, y = read_share(data, step, t.batch_size, 0, 1, inputs=True, targets=True)
+    tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else None
+    if not cfg.observe.mfu:
+        return StepCost(None, None, tokens)
+    criterion = loss_fn(cfg)
+
+    def fwd_bwd(where: str, xs: torch.Tensor, ys: torch.Tensor) -> int:
+        with torch.device(where):
+            model = torch.nn.Sequential(*[layer for _, layer in build_layers()])
+        return count_flops(lambda: criterion(model(xs.to(where)), ys.to(where)).backward())
+
+    try:
+        flops = fwd_bwd("meta", x, y)
+    except (NotImplementedError, RuntimeError) as exc:  # an op without a meta kernel
+        log.info("counting FLOPs on the CPU (the model does not run on meta: %s)", exc)
+        parts = t.micro_batches * cfg.parallel.dp
+        flops = fwd_bwd("cpu", x.chunk(parts)[0], y.chunk(parts)[0]) * parts
+    return StepCost(flops, run_peak(device, t.precision, ranks), tokens)
 
 
 class StepRecords:
@@ -36,10 +81,13 @@ class StepRecords:
         stage_of: the stage of every layer at the start.
         start: the first step of this run.
         outputs: whether rank 0 writes anything (a ring node writes its own report).
+        cost: builds rank 0's :class:`~trainwright.observe.flops.StepCost` (FLOPs per step,
+            tokens per sample, peak), called on rank 0 only.
     """
 
     def __init__(self, cfg: Config, topo: Topology, run_dir: Path, layer_names: list[str],
-                 stage_of: list[int], start: int, outputs: bool):
+                 stage_of: list[int], start: int, outputs: bool,
+                 cost: Callable[[], StepCost] | None = None):
         self.cfg, self.topo = cfg, topo
         self.mailbox = None if topo.stats_group is None else Mailbox(
             topo.stats_group, topo.rank, topo.world_size)
@@ -52,7 +100,8 @@ class StepRecords:
                         partition=[[i for i, r in enumerate(stage_of) if r == k]
                                    for k in range(topo.pp)])
             self.recorder = RunRecorder(run_dir, meta, stage_of, t.batch_size, t.steps, start,
-                                        cfg.run.progress)
+                                        cfg.run.progress, cost=cost() if cost else None,
+                                        loggers=cfg.observe.loggers)
 
     @property
     def needs_collective(self) -> bool:
