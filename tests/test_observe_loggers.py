@@ -162,3 +162,34 @@ def test_mfu_and_tokens_from_a_step_cost():
     row = cost.step_fields(samples_per_s=100.0, step_time_s=0.5)
     assert row == {"tokens_per_s": 100.0 * CONTEXT, "model_flops_per_s": 2e9, "mfu": 0.5}
     assert StepCost(None, None, None).step_fields(1.0, 1.0) == {}
+
+
+def test_a_token_ring_run_reports_like_the_pipeline(tmp_path):
+    """Piped to a file, a token-ring run prints step/loss/samples/s/tokens/s lines and ends
+    with the final loss and the report, from metrics its host node wrote."""
+    import re
+    import subprocess
+    import sys
+
+    sets = {"sync.strategy": '"tokenring"', "tokenring.nodes": 2, "train.steps": 4,
+            "train.batch_size": 16, "train.optimizer": '"sgd"', "train.lr": 0.1,
+            "model.n_blocks": 2, "model.d_model": 32, "model.n_heads": 2,
+            "model.context": CONTEXT, "run.dir": f'"{tmp_path / "runs"}"',
+            "tokenring.close_fraction": 1.0}
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "trainwright.cli", "run", *args],
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    lines = re.findall(r"^step (\d+)/4  loss ([\d.]+)  ([\d.]+) samples/s  ([\d,]+) tokens/s"
+                       r"  MFU ([\d.]+)%$", proc.stderr, re.M)
+    assert [int(s) for s, *_ in lines] == [1, 2, 3, 4], proc.stderr
+    run_dir = Path(re.search(r"^run directory: (.+)$", proc.stdout, re.M).group(1))
+    steps = step_rows(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert r["tokens_per_s"] == r["samples_per_s"] * CONTEXT and 0 < r["mfu"] < 1
+    final = re.search(r"^final loss ([\d.]+)  -> (.+)$", proc.stderr, re.M)
+    assert final is not None, proc.stderr
+    assert float(final.group(1)) == pytest.approx(steps[-1]["loss"], abs=1e-4)
+    assert Path(final.group(2)) == run_dir / "report.html" and Path(final.group(2)).is_file()
+    assert f"report: {run_dir / 'report.html'}" in proc.stdout

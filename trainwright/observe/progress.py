@@ -66,10 +66,20 @@ class StepProgress:
         else:
             self._console.print(text, highlight=False)
 
-    def close(self) -> None:
-        """Stop redrawing."""
+    def close(self, loss: float | None = None, eval_loss: float | None = None,
+              where: object = None) -> None:
+        """Stop redrawing; with ``loss``, end on ``final loss 3.1842 (eval 3.3010) -> WHERE``
+        (the report, or the run directory)."""
         if self._bar is not None:
             self._bar.stop()
+        if loss is None and where is None:
+            return
+        text = "final loss " + ("-" if loss is None else f"{loss:.4f}")
+        if eval_loss is not None:
+            text += f" (eval {eval_loss:.4f})"
+        if where is not None:
+            text += f"  -> {where}"
+        self._console.print(text, highlight=False, soft_wrap=True)
 
 
 class RunProgress:

@@ -248,10 +248,9 @@ class RunRecorder:
             self.progress.show_eval(row["loss"], row.get("perplexity"))
 
     def finish(self, events: dict[int, list], names: dict[int, str], report: bool) -> None:
-        """Close the progress bar, write trace.json, the ``end`` row and the report."""
+        """Write trace.json, the ``end`` row and the report; close the progress bar with the
+        final loss and where the report (or the run directory) is."""
         self.settle()
-        if self.progress is not None:
-            self.progress.close()
         write_trace(self.run_dir / "trace.json", events, names)
         self.writer.write("end", steps=self.steps, final_loss=self.loss,
                           final_eval_loss=self.eval_loss,
@@ -259,6 +258,9 @@ class RunRecorder:
         self.writer.close()
         if self.loggers is not None:
             self.loggers.close()
+        page = None
         if report:
             from trainwright.observe.report import write_report
-            write_report(self.run_dir)
+            page = write_report(self.run_dir)
+        if self.progress is not None:  # its last line: the final loss and where to look
+            self.progress.close(self.loss, self.eval_loss, page or self.run_dir)

@@ -28,7 +28,7 @@ from trainwright.observe.flops import StepCost, count_flops, run_peak
 from trainwright.observe.telemetry import RunRecorder
 from trainwright.pipeline.runtime import StepStats
 
-__all__ = ["StepRecords", "step_cost"]
+__all__ = ["StepRecords", "NodeRecords", "step_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,18 @@ def _step_cost(cfg: Config, build_layers: Callable[[], list], data, device: torc
     return StepCost(flops, run_peak(device, t.precision, ranks), tokens)
 
 
+def _recorder(cfg: Config, run_dir: Path, world: int, pp: int, dp: int, layer_names: list[str],
+              stage_of: list[int], start: int,
+              cost: Callable[[], StepCost] | None) -> RunRecorder:
+    """Rank 0's recorder, its ``run`` row describing the mesh and the partition."""
+    t = cfg.train
+    meta = dict(config=cfg.to_dict(), world_size=world, pp=pp, dp=dp, schedule=t.schedule,
+                layer_names=layer_names,
+                partition=[[i for i, r in enumerate(stage_of) if r == k] for k in range(pp)])
+    return RunRecorder(run_dir, meta, stage_of, t.batch_size, t.steps, start, cfg.run.progress,
+                       cost=cost() if cost else None, loggers=cfg.observe.loggers)
+
+
 class StepRecords:
     """Rank 0's recorder and the way every rank's stats reach it.
 
@@ -94,14 +106,8 @@ class StepRecords:
         self.recorder: RunRecorder | None = None
         """Rank 0's metrics, progress and report writer (None on other ranks)."""
         if topo.rank == 0 and outputs:
-            t = cfg.train
-            meta = dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp,
-                        dp=topo.dp, schedule=t.schedule, layer_names=layer_names,
-                        partition=[[i for i, r in enumerate(stage_of) if r == k]
-                                   for k in range(topo.pp)])
-            self.recorder = RunRecorder(run_dir, meta, stage_of, t.batch_size, t.steps, start,
-                                        cfg.run.progress, cost=cost() if cost else None,
-                                        loggers=cfg.observe.loggers)
+            self.recorder = _recorder(cfg, run_dir, topo.world_size, topo.pp, topo.dp,
+                                      layer_names, stage_of, start, cost)
 
     @property
     def needs_collective(self) -> bool:
@@ -156,3 +162,38 @@ class StepRecords:
         if dist.is_initialized():
             coll.barrier()
         return self.recorder.loss if self.recorder is not None else None
+
+
+class NodeRecords:
+    """A token-ring run's metrics, progress and report, as a pipeline run has them: written
+    by the node hosting the ring from its own steps (the ring has no rank 0 gathering
+    everyone's stats; every node trains on an equal share and applies the same update).
+
+    A row's ``loss`` is the host's share's; ``samples_per_s`` counts the whole global batch
+    over the host's step time (a step closes when the ring applies it everywhere).
+
+    Args:
+        cfg: the run's configuration (not a node's one-stage view).
+        run_dir: the run directory.
+        trainer: the node's trainer (its layers, data and start step).
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, trainer):
+        names = [slot.name for slot in trainer.stage.slots]
+        self.recorder = _recorder(
+            cfg, run_dir, cfg.tokenring.nodes, 1, cfg.tokenring.nodes, names,
+            [0] * len(names), trainer.start,
+            lambda: step_cost(cfg, trainer.build_layers, trainer.data, trainer.device,
+                              cfg.tokenring.nodes))
+        self.report, self.trainer = cfg.run.report, trainer
+
+    def step(self, step: int, stats: StepStats | None) -> None:
+        """The host's stats of ``step`` (None: the ring closed it without the host)."""
+        if stats is not None:
+            self.recorder.step(step, [stats], None)
+
+    def finish(self) -> float | None:
+        """Write the trace, the ``end`` row and the report; returns the final loss."""
+        self.recorder.finish({0: self.trainer.trace_events}, {0: "node 0 (ring host)"},
+                             self.report)
+        return self.recorder.loss
