@@ -95,6 +95,8 @@ def test_loggers_and_mfu_in_a_pipeline_run(tmp_path, monkeypatch):
     for r in steps:
         assert r["tokens_per_s"] == r["samples_per_s"] * CONTEXT  # exactly
         assert 0 < r["mfu"] < 1, r
+        for st in r["stages"]:  # the process's peak holds at least what the store counted
+            assert st["process_peak_bytes"] > st["activation_peak_bytes"] > 0
     (run,) = _rows(run_dir, "run")
     assert run["model_flops_per_step"] > 0 and run["peak_flops_per_s"] > 0
     assert run["peak_source"].startswith("calibrated")
@@ -193,3 +195,5 @@ def test_a_token_ring_run_reports_like_the_pipeline(tmp_path):
     assert float(final.group(1)) == pytest.approx(steps[-1]["loss"], abs=1e-4)
     assert Path(final.group(2)) == run_dir / "report.html" and Path(final.group(2)).is_file()
     assert f"report: {run_dir / 'report.html'}" in proc.stdout
+    page = (run_dir / "report.html").read_text()
+    assert "median tokens/s" in page and "median MFU" in page and "peak resident" in page

@@ -81,6 +81,9 @@ def step_record(stats: list, samples: int) -> dict:
             "held_microbatches_peak": max(s.held_microbatches_peak for s in mine),
         })
         stages[-1]["host_peak_bytes"] = max(s.host_peak_bytes for s in mine)
+        resident = [s.process_peak_bytes for s in mine if s.process_peak_bytes]
+        if resident:
+            stages[-1]["process_peak_bytes"] = max(resident)
         cuda = [s.cuda_max_allocated_bytes for s in mine if s.cuda_max_allocated_bytes]
         if cuda:
             stages[-1]["cuda_max_allocated_bytes"] = max(cuda)

@@ -64,6 +64,8 @@ class StepStats:
     """Per-layer rows of a memory plan made just before this step (None: unchanged)."""
     cuda_max_allocated_bytes: int | None = None
     """``torch.cuda.max_memory_allocated`` over the step (CUDA only)."""
+    process_peak_bytes: int | None = None
+    """The rank's peak resident memory over the step (set when its row is recorded)."""
     events: list = field(default_factory=list)
     """``(kind, mb, start_ns, dur_ns)`` per action, when tracing."""
     migration: dict | None = None

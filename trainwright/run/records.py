@@ -25,6 +25,7 @@ from trainwright.dist.topology import Topology
 from trainwright.model.build import loss_fn
 from trainwright.model.text_data import read_share
 from trainwright.observe.flops import StepCost, count_flops, run_peak
+from trainwright.observe.process_memory import peak_resident_bytes
 from trainwright.observe.telemetry import RunRecorder
 from trainwright.pipeline.runtime import StepStats
 
@@ -118,6 +119,7 @@ class StepRecords:
              stage_of: list[int]) -> None:
         """This rank's stats of ``step`` to rank 0, which writes the metrics row (with the
         pipeline's per-layer ``costs`` at profile steps)."""
+        stats.process_peak_bytes = peak_resident_bytes()  # since this rank's last row
         if self.mailbox is None:
             gathered = self.gather(stats)
             if self.recorder is not None:
@@ -190,6 +192,7 @@ class NodeRecords:
     def step(self, step: int, stats: StepStats | None) -> None:
         """The host's stats of ``step`` (None: the ring closed it without the host)."""
         if stats is not None:
+            stats.process_peak_bytes = peak_resident_bytes()
             self.recorder.step(step, [stats], None)
 
     def finish(self) -> float | None:
