@@ -197,3 +197,31 @@ def test_a_token_ring_run_reports_like_the_pipeline(tmp_path):
     assert f"report: {run_dir / 'report.html'}" in proc.stdout
     page = (run_dir / "report.html").read_text()
     assert "median tokens/s" in page and "median MFU" in page and "peak resident" in page
+
+
+def test_step_cost_counts_off_meta_and_never_stops_a_run(tmp_path):
+    """A model that cannot be built on meta is counted on one CPU micro-batch (scaled to the
+    batch: the same FLOPs); one that cannot be counted at all gives no MFU, not an error."""
+    import torch
+
+    from trainwright.model.build import build_data, build_layers
+    from trainwright.run.records import step_cost
+
+    cfg = tiny_config(tmp_path, **{"model.context": CONTEXT})
+    data, cpu = build_data(cfg), torch.device("cpu")
+
+    def not_on_meta():
+        if torch.empty(0).is_meta:
+            raise NotImplementedError("this builder needs real tensors")
+        return build_layers(cfg)
+
+    def broken():
+        raise ValueError("no model today")
+
+    on_meta = step_cost(cfg, lambda: build_layers(cfg), data, cpu, ranks=1)
+    off_meta = step_cost(cfg, not_on_meta, data, cpu, ranks=1)
+    assert on_meta.flops_per_step > 0
+    assert off_meta.flops_per_step == on_meta.flops_per_step
+    assert on_meta.tokens_per_sample == CONTEXT
+    none = step_cost(cfg, broken, data, cpu, ranks=1)
+    assert (none.flops_per_step, none.peak, none.tokens_per_sample) == (None, None, CONTEXT)

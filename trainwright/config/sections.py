@@ -473,8 +473,8 @@ class ObserveConfig(Section):
     or an API key is known). Each needs its extra: ``pip install 'trainwright[tensorboard]'``."""
     mfu: bool = True
     """Count the model's FLOPs per step (one forward and backward on the ``meta`` device)
-    and the devices' peak (a GPU table; on a CPU a matmul calibration of about half a
-    second at start), so every ``step`` row carries ``mfu``."""
+    and the devices' peak (a GPU table; on a CPU a matmul calibration of about 0.3 s
+    at start), so every ``step`` row carries ``mfu``."""
 
 
 class RuntimeConfig(Section):

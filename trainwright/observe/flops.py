@@ -74,7 +74,7 @@ def count_flops(fn: Callable[[], object]) -> int:
 
 
 def calibrate_matmul(device: torch.device, precision: str = "fp32", size: int = 1024,
-                     budget_s: float = 0.5) -> float:
+                     budget_s: float = 0.3) -> float:
     """FLOP/s of a square ``size`` matmul on ``device`` in ``precision``: the best of short
     repeats within about ``budget_s`` (after one warm-up), so a busy moment costs little."""
     dtype = _DTYPES[precision]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainwright.config import Config
 from trainwright.dist import collective as coll
@@ -52,7 +53,8 @@ def _step_cost(cfg: Config, build_layers: Callable[[], list], data, device: torc
                ranks: int, step: int) -> StepCost:
     t = cfg.train
     x, y = read_share(data, step, t.batch_size, 0, 1, inputs=True, targets=True)
-    tokens = int(x.shape[1]) if x.dim() == 2 and not x.is_floating_point() else None
+    token_ids = isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()
+    tokens = int(x.shape[1]) if token_ids else None
     if not cfg.observe.mfu:
         return StepCost(None, None, tokens)
     criterion = loss_fn(cfg)
@@ -60,14 +62,23 @@ def _step_cost(cfg: Config, build_layers: Callable[[], list], data, device: torc
     def fwd_bwd(where: str, xs: torch.Tensor, ys: torch.Tensor) -> int:
         with torch.device(where):
             model = torch.nn.Sequential(*[layer for _, layer in build_layers()])
-        return count_flops(lambda: criterion(model(xs.to(where)), ys.to(where)).backward())
+        # attention as matmuls: FlopCounterMode has no formula for the CPU's fused
+        # attention kernel and would count it as nothing (on meta it decomposes anyway)
+        with sdpa_kernel(SDPBackend.MATH):
+            return count_flops(lambda: criterion(model(xs.to(where)), ys.to(where)).backward())
 
+    # a figure to watch must never stop the training it watches: a model that cannot be
+    # counted on meta is counted on the CPU, and one that cannot be counted has no MFU
     try:
         flops = fwd_bwd("meta", x, y)
-    except (NotImplementedError, RuntimeError) as exc:  # an op without a meta kernel
-        log.info("counting FLOPs on the CPU (the model does not run on meta: %s)", exc)
+    except Exception as exc:  # e.g. an op without a meta kernel, a builder that reads data
+        log.info("counting FLOPs on one CPU micro-batch (not on meta: %s)", exc)
         parts = t.micro_batches * cfg.parallel.dp
-        flops = fwd_bwd("cpu", x.chunk(parts)[0], y.chunk(parts)[0]) * parts
+        try:
+            flops = fwd_bwd("cpu", x.chunk(parts)[0], y.chunk(parts)[0]) * parts
+        except Exception as exc2:
+            log.warning("no MFU for this run: its FLOPs could not be counted (%s)", exc2)
+            return StepCost(None, None, tokens)
     return StepCost(flops, run_peak(device, t.precision, ranks), tokens)
 
 
