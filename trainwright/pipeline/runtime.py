@@ -64,8 +64,6 @@ class StepStats:
     """Per-layer rows of a memory plan made just before this step (None: unchanged)."""
     cuda_max_allocated_bytes: int | None = None
     """``torch.cuda.max_memory_allocated`` over the step (CUDA only)."""
-    process_peak_bytes: int | None = None
-    """The rank's peak resident memory over the step (set when its row is recorded)."""
     events: list = field(default_factory=list)
     """``(kind, mb, start_ns, dur_ns)`` per action, when tracing."""
     migration: dict | None = None
@@ -77,6 +75,8 @@ class StepStats:
     layer_costs: list[dict] | None = None
     """This stage's per-layer cost table, at a profile step whose costs travel to rank 0
     with the stats rather than through a collective (``Trainer._profile_and_check``)."""
+    process_peak_bytes: int | None = None
+    """The rank's peak resident memory over the step (set when its row is recorded)."""
 
     @property
     def idle_s(self) -> float:
