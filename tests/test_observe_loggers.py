@@ -225,3 +225,19 @@ def test_step_cost_counts_off_meta_and_never_stops_a_run(tmp_path):
     assert on_meta.tokens_per_sample == CONTEXT
     none = step_cost(cfg, broken, data, cpu, ranks=1)
     assert (none.flops_per_step, none.peak, none.tokens_per_sample) == (None, None, CONTEXT)
+
+
+def test_cpu_ranks_count_as_at_most_the_cores(monkeypatch):
+    """4 one-thread ranks on a 2-core host count as 2 devices; 1 rank as 1."""
+    import torch
+
+    from trainwright.observe import flops
+
+    monkeypatch.setattr(flops, "calibrate_matmul", lambda device, precision: 1e9)
+    monkeypatch.setattr(flops.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu = torch.device("cpu")
+    assert flops.run_peak(cpu, "fp32", 4).devices == 2.0
+    assert flops.run_peak(cpu, "fp32", 4).flops_per_s == 2e9
+    assert flops.run_peak(cpu, "fp32", 1).devices == 1.0
+    assert flops.device_peak(cpu, "fp32")[1].startswith("calibrated")

@@ -113,11 +113,15 @@ def device_peak(device: torch.device, precision: str = "fp32") -> tuple[float, s
 def run_peak(device: torch.device, precision: str, ranks: int) -> Peak:
     """The peak of ``ranks`` devices like ``device``. On a CPU the ranks share the host's
     cores: each rank counts as one device at its thread count, and no more ranks count than
-    the cores can run at once (4 one-thread ranks on 2 cores count as 2)."""
+    the cores can run at once (4 one-thread ranks on 2 cores count as 2). On GPUs, ranks
+    sharing a GPU (more local ranks, ``LOCAL_WORLD_SIZE``, than GPUs) count as that GPU."""
     per, source = device_peak(device, precision)
     devices = float(ranks)
     if device.type == "cpu":
         devices = min(devices, (os.cpu_count() or 1) / torch.get_num_threads())
+    elif device.type == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+        devices *= min(1.0, torch.cuda.device_count() / max(local, 1))
     return Peak(per * devices, per, devices, source)
 
 
