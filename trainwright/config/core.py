@@ -36,6 +36,7 @@ from trainwright.config.sections import (
     HierarchicalConfig,
     MemoryConfig,
     ModelConfig,
+    ObserveConfig,
     ParallelConfig,
     RebalanceConfig,
     RunConfig,
@@ -80,6 +81,7 @@ class Config(BaseModel):
     tokenring: TokenRingConfig = Field(default_factory=TokenRingConfig)
     rebalance: RebalanceConfig = Field(default_factory=RebalanceConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     fault: FaultConfig = Field(default_factory=FaultConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -31,7 +31,8 @@ from trainwright.errors import ConfigError
 
 __all__ = ["Section", "ModelConfig", "DataConfig", "TrainConfig", "ParallelConfig",
            "MemoryConfig", "SyncConfig", "HierarchicalConfig", "TokenRingConfig",
-           "RebalanceConfig", "EvalConfig", "RunConfig", "RuntimeConfig", "FaultConfig",
+           "RebalanceConfig", "EvalConfig", "RunConfig", "ObserveConfig", "RuntimeConfig",
+           "FaultConfig",
            "SECTIONS"]
 
 MEASURED = Allowed("must be >= 0 (0 = measure at start)")
@@ -464,6 +465,36 @@ class RunConfig(Section):
     """Write report.html at the end."""
 
 
+def _installed_loggers(kinds: list[str]) -> list[str]:
+    """Each asked-for logger's package must be importable here (checked before any rank
+    starts, so a run never stops half-way for it)."""
+    import importlib.util
+    for kind in kinds:
+        if importlib.util.find_spec(kind) is None:
+            raise PydanticCustomError(
+                "extra", "{kind} is not installed; install it with "
+                "`pip install 'trainwright[{kind}]'` or remove it from the list",
+                {"kind": kind})
+    if len(set(kinds)) != len(kinds):
+        raise PydanticCustomError("unique", "lists a logger twice")
+    return kinds
+
+
+class ObserveConfig(Section):
+    """``[observe]``: throughput figures and where rank 0's scalars go besides
+    metrics.jsonl."""
+
+    loggers: Annotated[list[Literal["tensorboard", "wandb"]],
+                       AfterValidator(_installed_loggers)] = []
+    """Log the ``step`` and ``eval`` rows' figures to TensorBoard (``RUN_DIR/tensorboard``)
+    and/or Weights & Biases (``RUN_DIR/wandb``; offline unless ``WANDB_MODE`` says otherwise
+    or an API key is known). Each needs its extra: ``pip install 'trainwright[tensorboard]'``."""
+    mfu: bool = True
+    """Count the model's FLOPs per step (one forward and backward on the ``meta`` device)
+    and the devices' peak (a GPU table; on a CPU a matmul calibration of about 0.3 s
+    at start), so every ``step`` row carries ``mfu``."""
+
+
 class RuntimeConfig(Section):
     """``[runtime]``: deadlines of communication and liveness checks."""
 
@@ -493,5 +524,5 @@ SECTIONS: dict[str, type[Section]] = {
     "parallel": ParallelConfig,
     "memory": MemoryConfig, "sync": SyncConfig, "hierarchical": HierarchicalConfig,
     "tokenring": TokenRingConfig, "rebalance": RebalanceConfig, "run": RunConfig,
-    "runtime": RuntimeConfig, "fault": FaultConfig,
+    "observe": ObserveConfig, "runtime": RuntimeConfig, "fault": FaultConfig,
 }

@@ -8,6 +8,10 @@ and its plots, and the profilers (per-layer costs, per saved tensor).
 * :mod:`~trainwright.observe.layer_profile`: per-layer forward/backward time and bytes;
 * :mod:`~trainwright.observe.timing`: timing work where it runs (CUDA events on a GPU);
 * :mod:`~trainwright.observe.tensor_profile`: every saved tensor's size and lifetime.
+* :mod:`~trainwright.observe.flops`: model FLOPs counted from the layers, the devices' peak
+  (GPU table or CPU matmul calibration), ``tokens_per_s`` and ``mfu``;
+* :mod:`~trainwright.observe.process_memory`: a rank's peak resident memory over a step;
+* :mod:`~trainwright.observe.loggers`: TensorBoard and wandb scalars (``[observe] loggers``).
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`, :mod:`trainwright.plan`,
 :mod:`trainwright.config`.

@@ -1,4 +1,5 @@
-"""Console progress bars: training steps (step, loss, samples/s) and a benchmark's runs."""
+"""Console progress bars: training steps (step, loss, samples/s, tokens/s, MFU) and a
+benchmark's runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,18 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-__all__ = ["RunProgress", "StepProgress"]
+__all__ = ["RunProgress", "StepProgress", "rate_text"]
+
+
+def rate_text(samples_per_s: float, tokens_per_s: float | None = None,
+              mfu: float | None = None) -> str:
+    """``"204.1 samples/s  13,062 tokens/s  MFU 41.2%"`` (the parts that are known)."""
+    parts = [f"{samples_per_s:.1f} samples/s"]
+    if tokens_per_s is not None:
+        parts.append(f"{tokens_per_s:,.0f} tokens/s")
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    return "  ".join(parts)
 
 
 class StepProgress:
@@ -27,21 +39,24 @@ class StepProgress:
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eval]}"),
-                TextColumn("{task.fields[rate]} samples/s"),
+                TextColumn("{task.fields[rate]}"),
                 TimeRemainingColumn(), console=console, transient=False)
             self._task = self._bar.add_task("train", total=total, completed=done, loss="-",
-                                            rate="-", eval="")
+                                            rate="- samples/s", eval="")
             self._bar.start()
 
-    def update(self, step: int, loss: float | None, samples_per_s: float) -> None:
-        """Show that ``step`` finished with ``loss`` at ``samples_per_s``."""
+    def update(self, step: int, loss: float | None, samples_per_s: float,
+               tokens_per_s: float | None = None, mfu: float | None = None) -> None:
+        """Show that ``step`` finished with ``loss`` at ``samples_per_s`` (and
+        ``tokens_per_s`` and ``mfu`` where known)."""
         text = "-" if loss is None else f"{loss:.4f}"
+        rate = rate_text(samples_per_s, tokens_per_s, mfu)
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=text, rate=f"{samples_per_s:.1f}")
+            self._bar.update(self._task, completed=step, loss=text, rate=rate)
         elif step == self._total or step - self._last_print >= max(1, self._total // 10):
             self._last_print = step
-            self._console.print(f"step {step}/{self._total}  loss {text}  "
-                                f"{samples_per_s:.1f} samples/s", highlight=False)
+            self._console.print(f"step {step}/{self._total}  loss {text}  {rate}",
+                                highlight=False)
 
     def show_eval(self, loss: float, perplexity: float | None = None) -> None:
         """Show the latest held-out loss (and perplexity) next to the training loss."""
@@ -51,10 +66,20 @@ class StepProgress:
         else:
             self._console.print(text, highlight=False)
 
-    def close(self) -> None:
-        """Stop redrawing."""
+    def close(self, loss: float | None = None, eval_loss: float | None = None,
+              where: object = None) -> None:
+        """Stop redrawing; with ``loss``, end on ``final loss 3.1842 (eval 3.3010) -> WHERE``
+        (the report, or the run directory)."""
         if self._bar is not None:
             self._bar.stop()
+        if loss is None and where is None:
+            return
+        text = "final loss " + ("-" if loss is None else f"{loss:.4f}")
+        if eval_loss is not None:
+            text += f" (eval {eval_loss:.4f})"
+        if where is not None:
+            text += f"  -> {where}"
+        self._console.print(text, highlight=False, soft_wrap=True)
 
 
 class RunProgress:

@@ -189,6 +189,7 @@ def _summary(run_dir: Path, m: RunMetrics) -> list[tuple[str, str]]:
         ("last loss", _fmt(losses[-1]) if losses else "n/a"),
         *_eval_rows(m.evals),
         ("median samples/s", f"{statistics.median(tput):.1f}" if tput else "n/a"),
+        *_throughput_rows(run, m.steps),
         ("mean bubble fraction", f"{statistics.fmean(bub):.1%}" if bub else "n/a"),
     ]
     if m.end is not None:
@@ -201,6 +202,32 @@ def _summary(run_dir: Path, m: RunMetrics) -> list[tuple[str, str]]:
         )
     else:
         rows.append(("finished", "no end record: the run crashed or is still going"))
+    return rows
+
+
+def _throughput_rows(run: dict, steps: list[dict]) -> list[tuple[str, str]]:
+    """Summary rows of tokens/s and MFU (rows that carry them), what MFU is against, and
+    each stage's peak resident memory (the process's, not the activation store's count)."""
+    rows = []
+    tokens = [v for v in (plots.num(s.get("tokens_per_s")) for s in steps) if v is not None]
+    if tokens:
+        rows.append(("median tokens/s", f"{statistics.median(tokens):,.0f}"))
+    mfu = [v for v in (plots.num(s.get("mfu")) for s in steps) if v is not None]
+    if mfu:
+        peak = plots.num(run.get("peak_flops_per_s"))
+        flops = plots.num(run.get("model_flops_per_step"))
+        against = (f" of {peak / 1e12:.3g} TFLOP/s peak ({run.get('peak_source', '?')}); "
+                   f"{flops / 1e9:.4g} GFLOP per step" if peak and flops else "")
+        rows.append(("median MFU", f"{statistics.median(mfu):.1%}{against}"))
+    resident: dict[int, float] = {}
+    for s in steps:
+        for st in s.get("stages") or []:
+            v = plots.num(st.get("process_peak_bytes"))
+            if v is not None and isinstance(st.get("stage"), int):
+                resident[st["stage"]] = max(v, resident.get(st["stage"], 0.0))
+    if resident:
+        rows.append(("peak resident memory", "; ".join(
+            f"stage {k}: {v / 2**20:,.0f} MiB" for k, v in sorted(resident.items()))))
     return rows
 
 

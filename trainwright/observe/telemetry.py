@@ -16,6 +16,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch stays unimported for the CLI's quick paths
+    from trainwright.observe.flops import StepCost
 
 __all__ = ["MetricsWriter", "RunRecorder", "step_record", "write_trace", "setup_logging",
            "atomic_write_text"]
@@ -77,6 +81,9 @@ def step_record(stats: list, samples: int) -> dict:
             "held_microbatches_peak": max(s.held_microbatches_peak for s in mine),
         })
         stages[-1]["host_peak_bytes"] = max(s.host_peak_bytes for s in mine)
+        resident = [s.process_peak_bytes for s in mine if s.process_peak_bytes]
+        if resident:
+            stages[-1]["process_peak_bytes"] = max(resident)
         cuda = [s.cuda_max_allocated_bytes for s in mine if s.cuda_max_allocated_bytes]
         if cuda:
             stages[-1]["cuda_max_allocated_bytes"] = max(cuda)
@@ -152,15 +159,24 @@ class RunRecorder:
         batch_size: global samples per step.
         steps: last step of the run; ``start``: first step of this (possibly resumed) run.
         progress: show a progress bar.
+        cost: FLOPs per step, tokens per sample and the devices' peak
+            (:class:`~trainwright.observe.flops.StepCost`): ``tokens_per_s`` and ``mfu``.
+        loggers: ``observe.loggers`` (:mod:`~trainwright.observe.loggers`).
     """
 
     def __init__(self, run_dir: Path, run_row: dict, stage_of: list[int], batch_size: int,
-                 steps: int, start: int, progress: bool):
+                 steps: int, start: int, progress: bool, cost: StepCost | None = None,
+                 loggers: list[str] = ()):
         self.run_dir, self.stage_of, self.batch_size = Path(run_dir), stage_of, batch_size
-        self.steps = steps
+        self.steps, self.cost = steps, cost
         self.writer = MetricsWriter(self.run_dir / "metrics.jsonl")
-        self.writer.write("run", **run_row, start_step=start, time_started=time.time(),
+        self.writer.write("run", **run_row, **(cost.run_fields() if cost else {}),
+                          start_step=start, time_started=time.time(),
                           started=datetime.datetime.now().isoformat(timespec="seconds"))
+        self.loggers = None
+        if loggers:
+            from trainwright.observe.loggers import ScalarLoggers
+            self.loggers = ScalarLoggers(list(loggers), self.run_dir, run_row.get("config", {}))
         self.progress = None
         if progress:
             from trainwright.observe.progress import StepProgress
@@ -184,9 +200,13 @@ class RunRecorder:
         if stage_of is not None:
             self.stage_of = stage_of
         row = step_record(stats, self.batch_size)
+        if self.cost is not None:
+            row.update(self.cost.step_fields(row["samples_per_s"], row["step_time_s"]))
         row["time"] = time.time() if at is None else at
         self.loss = row["loss"]
         self.writer.write("step", **row)
+        if self.loggers is not None:
+            self.loggers.log("step", row)
         for st in stats:
             if st.memory_plan is not None and st.replica == 0:
                 self.writer.write("memory_plan", step=step, stage=st.stage, **st.memory_plan)
@@ -203,7 +223,8 @@ class RunRecorder:
                     if c["layer"] < len(self.stage_of)]
             self.writer.write("layers", step=step, layers=rows)
         if self.progress is not None:
-            self.progress.update(step, self.loss, row["samples_per_s"])
+            self.progress.update(step, self.loss, row["samples_per_s"], row.get("tokens_per_s"),
+                                 row.get("mfu"))
 
     def step_later(self, step: int, own, others: Callable[[], list],
                    layer_costs: list[dict] | None, stage_of: list[int]) -> None:
@@ -226,19 +247,25 @@ class RunRecorder:
         self.settle()
         self.eval_loss = row["loss"]
         self.writer.write("eval", **row)
+        if self.loggers is not None:
+            self.loggers.log("eval", row)
         if self.progress is not None:
             self.progress.show_eval(row["loss"], row.get("perplexity"))
 
     def finish(self, events: dict[int, list], names: dict[int, str], report: bool) -> None:
-        """Close the progress bar, write trace.json, the ``end`` row and the report."""
+        """Write trace.json, the ``end`` row and the report; close the progress bar with the
+        final loss and where the report (or the run directory) is."""
         self.settle()
-        if self.progress is not None:
-            self.progress.close()
         write_trace(self.run_dir / "trace.json", events, names)
         self.writer.write("end", steps=self.steps, final_loss=self.loss,
                           final_eval_loss=self.eval_loss,
                           wall_s=time.perf_counter() - self._t0)
         self.writer.close()
+        if self.loggers is not None:
+            self.loggers.close()
+        page = None
         if report:
             from trainwright.observe.report import write_report
-            write_report(self.run_dir)
+            page = write_report(self.run_dir)
+        if self.progress is not None:  # its last line: the final loss and where to look
+            self.progress.close(self.loss, self.eval_loss, page or self.run_dir)

@@ -79,6 +79,8 @@ class StepStats:
     layer_costs: list[dict] | None = None
     """This stage's per-layer cost table, at a profile step whose costs travel to rank 0
     with the stats rather than through a collective (``Trainer._profile_and_check``)."""
+    process_peak_bytes: int | None = None
+    """The rank's peak resident memory over the step (set when its row is recorded)."""
 
     @property
     def idle_s(self) -> float:

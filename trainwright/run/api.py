@@ -49,7 +49,7 @@ class RunOutcome:
     """Whether this process announces the outputs: the local launcher; under torchrun rank
     0, or the ring node that saved the model."""
     report: Path | None = None
-    """``report.html``, with ``run.report`` on (not for the token ring)."""
+    """``report.html``, with ``run.report`` on (a token ring's is its host node's)."""
     model: Path | None = None
     """``model.pt``, the token ring's trained weights."""
 
@@ -190,7 +190,7 @@ def _launch_ring(cfg: Config, run_dir: Path, resume: Path | None) -> RunOutcome:
         return RunOutcome(1, run_dir, error=f"token ring run failed: {result.message()}. "
                                             f"Outputs are in {run_dir}")
     return RunOutcome(0, run_dir, warnings=result.warnings(), names_outputs=True,
-                      model=run_dir / "model.pt")
+                      model=run_dir / "model.pt", report=_report(cfg, run_dir))
 
 
 def _ring_node(cfg: Config, resume: Path | None) -> RunOutcome:

@@ -9,7 +9,9 @@ the first node sends everyone its weights and optimizer state, and gradients tra
 
 Each node writes ``node<index>.json`` (parameter hash after every applied step, steps it
 contributed to, membership events, close times); the first node writes the checkpoints
-(``run.checkpoint_every``, and the last step) and ``model.pt``.
+(``run.checkpoint_every``, and the last step) and ``model.pt``. The hosting node also
+writes ``metrics.jsonl``, the progress lines and ``report.html``
+(:class:`~trainwright.run.records.NodeRecords`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from trainwright.config import Config, load_config
 from trainwright.dist.topology import Topology
 from trainwright.errors import CommError
 from trainwright.observe.telemetry import atomic_write_text
+from trainwright.run.records import NodeRecords
 from trainwright.run.trainer import Trainer, TrainerOptions
 from trainwright.tokenring.exchange import RingExchange, param_hash
 from trainwright.tokenring.membership import Epoch, Rendezvous, join_rendezvous, local_address
@@ -86,6 +89,9 @@ class RingNode:
                                    mesh=Topology(pp=1, dp=1, rank=0), grad_sync=self.exchange,
                                    shard=(want, cfg.tokenring.nodes), outputs=False))
         self.params = self.trainer.stage.parameters()
+        # the host reports the run as a pipeline's rank 0 does: metrics, progress, report
+        self.records = (NodeRecords(cfg, run_dir, self.trainer)
+                        if role == "host" and not restarted else None)
         self.ctx = zmq.Context()
         self.index = want
         self.joined: list[dict] = []
@@ -167,7 +173,8 @@ class RingNode:
         self.exchange.index = self.index
         self.trainer.shard = (self.index, self.cfg.tokenring.nodes)
         self.exchange.use(ring, applied)
-        self.trainer.fit(start=applied + 1)
+        self.trainer.fit(start=applied + 1,
+                         on_step=self.records.step if self.records is not None else None)
         return self.exchange.last_applied
 
     # ------------------------------------------------------------ outputs
@@ -239,6 +246,8 @@ class RingNode:
             ring.stop()
             if first:
                 self.save_model()
+            if self.records is not None:
+                self.records.finish()
             self.write_stats("done")
             return 0
         except RingFailed as exc:

@@ -51,7 +51,7 @@ from trainwright.run import trainer_setup as setup
 from trainwright.run.ckpt_writer import CheckpointWriter
 from trainwright.run.evaluate import check_eval_data, maybe_evaluate
 from trainwright.run.precision import autocast_factory
-from trainwright.run.records import StepRecords
+from trainwright.run.records import StepRecords, step_cost
 from trainwright.run.trainer_setup import TrainerOptions
 from trainwright.run.update import UpdateRules
 from trainwright.schedule.actions import build_schedule, stage_ranks
@@ -186,7 +186,9 @@ class Trainer:
         self.pipeline_costs: list[dict] = []
         """Per-layer costs of every stage of the pipeline, refreshed at profile steps."""
         self.records = StepRecords(cfg, topo, self.run_dir, [n for n, _ in named],
-                                   self.stage_of, self.start, self.outputs)
+                                   self.stage_of, self.start, self.outputs,
+                                   cost=lambda: step_cost(cfg, self.build_layers, self.data,
+                                                          self.device, topo.world_size))
 
         # 11. checkpoints (in the background with run.async_checkpoint); then the resumed
         # state, once everything that holds some exists
