@@ -7,6 +7,7 @@
 #   tools/gpu_check.sh [OUT.json]        (default docs/bench/gpu.json)
 #   GPU_CHECK_TESTS_S / GPU_CHECK_BENCH_S: time limits of the two parts (default 270 / 300 s)
 #   GPU_CHECK_WORK: where the logs, the junit XML and the bench JSON go (default: a temp dir)
+#   GPU_CHECK_TESTS_K: a pytest -k expression to run only some CUDA tests (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,7 +23,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 start=$(date +%s)
 echo "gpu_check: CUDA tests (log: $WORK/tests.log)"
 timeout "${GPU_CHECK_TESTS_S:-270}" "$PY" -m pytest -m cuda tests/test_cuda.py -p no:cacheprovider \
-  -q -rfEs --junitxml="$WORK/cuda.xml" 2>&1 | tee "$WORK/tests.log"
+  -q -rfEs --junitxml="$WORK/cuda.xml" ${GPU_CHECK_TESTS_K:+-k "$GPU_CHECK_TESTS_K"} 2>&1 \
+  | tee "$WORK/tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu_check: bench memory --device cuda (log: $WORK/bench.log)"
 timeout "${GPU_CHECK_BENCH_S:-300}" "$PY" -m trainwright bench memory --device cuda \
