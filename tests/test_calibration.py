@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from trainwright.errors import PlanError
-from trainwright.plan.calibration import (Calibration, fit_overhead, fit_slowdown, load, save,
-                                          scaled, with_overheads)
+from trainwright.plan.calibration import (
+    Calibration,
+    fit_overhead,
+    fit_slowdown,
+    load,
+    save,
+    scaled,
+    with_overheads,
+)
 from trainwright.plan.simulate import StageCost
 from trainwright.schedule.base import ActionKind
 

@@ -36,8 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainwright.plan.calibration import (Calibration, default_path, fit_overhead,
-                                          fit_slowdown, load, save)
+from trainwright.plan.calibration import (
+    Calibration,
+    default_path,
+    fit_overhead,
+    fit_slowdown,
+    load,
+    save,
+)
 
 __all__ = ["calibrate", "measure"]
 
