@@ -6,7 +6,8 @@ Ours train through :class:`~trainwright.run.trainer.Trainer`; the peers (torch
 pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers`).
 
 * benchmarks: ``pipeline`` (+ ``pipeline_figures``, ``stage_overhead``), ``rebalance``,
-  ``memory``, ``planner`` (+ ``planner_forecast``, ``planner_predict``), ``sparse``,
+  ``memory``, ``planner`` (+ ``planner_forecast``, ``planner_predict``, ``calibrate``: the
+  machine's step-time terms), ``sparse``,
   ``hierarchical`` (+ ``netns``, a two-tier network on one host), ``straggler``;
 * the shared workload and how it is compared: ``spec`` (+ ``spec_overrides``), ``paired``
   (paired rounds), ``ours`` (our rank under the peers' harness);
