@@ -229,6 +229,10 @@ def _layout(spec: ForecastSpec, pp: int, schedule: str):
     from trainwright.schedule.actions import VIRTUAL_SCHEDULES, stage_ranks
 
     v = 2 if schedule in VIRTUAL_SCHEDULES else 1
+    if pp * v > spec.n_layers:
+        raise ValueError(f"{schedule} on pp {pp} cuts the model into {pp * v} stages but it "
+                         f"has {spec.n_layers} layers: raise n_blocks to at least "
+                         f"{pp * v - 2} or drop that configuration")
     parts = spec.parts(pp * v)
     idx = [list(range(sum(parts[:s]), sum(parts[: s + 1]))) for s in range(pp * v)]
     return v, idx, stage_ranks(schedule, pp, v)
