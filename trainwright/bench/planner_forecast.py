@@ -369,9 +369,11 @@ def _err(pred: float, meas: float) -> float:
 
 
 def _calibration(spec: ForecastSpec, max_ranks: int):
+    """Measured afresh in this run (the machine's state now is the one the runs see; a
+    cache from a loaded hour would skew the sweep), and cached for ``trainwright plan``."""
     from trainwright.bench.calibrate import calibrate
 
-    return calibrate(Path(spec.calibration) if spec.calibration else None,
+    return calibrate(Path(spec.calibration) if spec.calibration else None, refresh=True,
                      max_ranks=max_ranks)
 
 
@@ -383,7 +385,7 @@ def run(spec: ForecastSpec, progress=None) -> dict:
     say = progress or (lambda *_: None)
     keys = [tuple(c) for c in spec.configs]
     total = spec.repeats * len(keys)
-    say("calibrate the machine (cached per host)", 0, total)
+    say("calibrate the machine", 0, total)
     cal = _calibration(spec, max(k[0] for k in keys))
     say("profile (one process, one micro-batch)", 0, total)
     profile = take_profile(spec)
