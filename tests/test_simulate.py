@@ -180,3 +180,41 @@ def test_plan_and_simulate_cli(tmp_path, capsys):
     assert main(["plan", "--topology", "nosuch", "--json", str(bad)]) == 2
     assert "not a preset" in capsys.readouterr().err and not bad.exists()
     assert main(["simulate", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_calibrated_action_overheads_lengthen_the_step_by_their_closed_form(name):
+    from trainwright.plan.calibration import Calibration, with_overheads
+
+    p, m, f, b, n_layers = 2, 4, 1.0, 2.0, 3
+    cal = Calibration({}, 2, action_s=0.01, segment_s=0.002, send_s=0.0, recv_s=0.0)
+    costs = with_overheads([StageCost(f, b) for _ in range(p)], [n_layers] * p, cal)
+    r = simulate(build_schedule(name, p, m), costs, _links(p))
+    o = cal.action_s + n_layers * cal.segment_s  # on every F and every B
+    assert r.step_s == pytest.approx((m + p - 1) * (f + b + 2 * o))
+
+
+def test_receive_overhead_is_on_the_critical_path():
+    from trainwright.plan.calibration import Calibration, with_overheads
+
+    cal = Calibration({}, 2, recv_s=0.25)
+    costs = with_overheads([StageCost(1.0, 1.0) for _ in range(2)], [1, 1], cal)
+    r = simulate(build_schedule("gpipe", 2, 1), costs, _links(2))
+    # F0, recv (0.25), F1, B1, recv (0.25), B0
+    assert r.step_s == pytest.approx(4.5)
+
+
+def test_ranks_sharing_one_core_cannot_beat_their_summed_work():
+    # four ranks on one core: k ranks computing at once each run k times slower
+    p, m = 4, 8
+    costs = [StageCost(1.0, 2.0, step_s=0.5) for _ in range(p)]
+    sched = build_schedule("1f1b", p, m)
+    alone = simulate(sched, costs, _links(p))
+    work = sum(alone.busy_s) + p * 0.5
+    assert alone.step_s < 0.6 * work  # without the term: ranks run as if on cores of their own
+    shared = simulate(sched, costs, _links(p), slowdown=lambda k: k)
+    assert shared.slowdown > 1.5
+    assert shared.step_s >= 0.95 * work
+    # a host with a core per rank changes nothing
+    assert simulate(sched, costs, _links(p), slowdown=lambda k: 1.0).step_s == \
+        pytest.approx(alone.step_s)

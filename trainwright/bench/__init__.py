@@ -7,8 +7,9 @@ pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers
 
 * benchmarks: ``pipeline`` (+ ``pipeline_figures``, ``stage_overhead``), ``rebalance``,
   ``memory`` (+ ``memory_cuda``, its GPU variant), ``planner`` (+ ``planner_forecast``,
-  ``planner_predict``), ``sparse``, ``hierarchical`` (+ ``netns``, a two-tier network on
-  one host), ``straggler``, ``checkpoint`` (async checkpoint saves vs blocking ones);
+  ``planner_predict``, ``calibrate``: the machine's step-time terms), ``sparse``,
+  ``hierarchical`` (+ ``netns``, a two-tier network on one host), ``straggler``,
+  ``checkpoint`` (async checkpoint saves vs blocking ones);
 * the shared workload and how it is compared: ``spec`` (+ ``spec_overrides``), ``paired``
   (paired rounds, intervals, verdicts), ``targets`` (every target, judged from the JSONs),
   ``ours`` (our rank under the peers' harness);

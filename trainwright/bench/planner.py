@@ -2,17 +2,15 @@
 
 Questions:
 
-1. **Simulator accuracy.** For 2 and 4 stages, GPipe and 1F1B, without and with a memory
-   limit (stage 0 limited to ``limit_fraction`` of its all-keep peak; the planner's plan:
-   peer swap, then recompute), train the GPT for real and predict the same run with
-   :func:`trainwright.plan.simulate.simulate`. Compute costs come from the run's own
-   measurements: the traced forward/backward action times per stage (split over layers by
-   the per-layer profile, :class:`~trainwright.observe.layer_profile.LayerProfiler`) and the work of
-   receives and peer-swap posts beyond waiting; link latency and bandwidth from a gloo
-   ping-pong; tensor sizes from :mod:`trainwright.observe.tensor_profile`.
-   Each step after warm-up is predicted from that step's own costs (the machine's load
-   changes from step to step); errors are ``|predicted - measured| / measured`` of the
-   mean step time (slowest rank per step) and of each stage's activation peak.
+1. **Forecast** (:mod:`~trainwright.bench.planner_forecast`): from one single-process
+   profile and the machine's calibration (:mod:`~trainwright.bench.calibrate`), predict
+   the step time and per-stage peak of 28 configurations (pp 2 and 4; 2, 4, 8
+   micro-batches; GPipe, 1F1B, ZB-H1, ZB-H2, interleaved 1F1B, ZB-V; keep, recompute,
+   swap, and plans under limits of 30 / 50 / 80 % of the unconstrained peak), then train
+   each with ``trainwright run`` and compare: step error median and max, peak error
+   median and max against the live-storage meter, plans over their limit, and the best
+   predicted configuration against the best measured, by samples/s. Each target has a
+   verdict (on the value itself: per-configuration errors, not paired ratios).
 2. **Policy families alone** (4 stages, 1F1B, same model, same stage-0 limit): peer swap
    only, host swap only, recompute only; ``repeats`` rounds interleaved in one process
    group; median over rounds of the mean step time.
@@ -286,7 +284,14 @@ def _family_budgets(spec: PlannerBenchSpec, tensor_rows: list, forecast: Forecas
 def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True,
         forecast: ForecastSpec | None = None, with_families: bool = True) -> dict:
     """Every measurement of the module docstring; returns the JSON."""
-    from rich.progress import Progress
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     from trainwright.observe.tensor_profile import profile_tensors
     from trainwright.run.harness import job_batch, job_layers
@@ -295,11 +300,13 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True,
                                         n_heads=spec.n_heads, context=spec.context,
                                         micro_batch_size=spec.micro_batch_size)
     out: dict = {"benchmark": "planner"}
-    with Progress(transient=True) as bar:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
         task = bar.add_task("bench planner", total=None)
 
-        def say(s: str) -> None:
-            bar.update(task, description=f"bench planner: {s}")
+        def say(s: str, done: int | None = None, total: int | None = None) -> None:
+            bar.update(task, description=f"bench planner: {s}", completed=done, total=total)
 
         got = run_forecast(forecast, progress=say)
         out.update(got)
@@ -334,16 +341,18 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True,
 def main(args: argparse.Namespace) -> dict:
     """CLI entry: ``trainwright bench planner [--repeats N] [--steps N]``.
 
-    ``--repeats`` sets the rounds of the forecast's configurations and of the policy
-    families alike (the forecast's paired ratios have one entry per round).
+    ``--repeats`` sets the rounds of the forecast's configurations (default 2: the sweep
+    has 28, and with ``bench memory`` must finish within 40 minutes) and of the policy
+    families (default 3) alike; ``--stages`` keeps the configurations of that depth.
     """
     spec = PlannerBenchSpec()
+    forecast = ForecastSpec(n_blocks=spec.n_blocks, d_model=spec.d_model, n_heads=spec.n_heads,
+                            context=spec.context, micro_batch_size=spec.micro_batch_size)
     if args.steps:
-        spec.steps = args.steps
+        spec.steps = forecast.steps = args.steps
     if args.stages:
         spec.stage_counts = [args.stages]
-    repeats = args.repeats or 5
-    forecast = ForecastSpec(n_blocks=spec.n_blocks, d_model=spec.d_model, n_heads=spec.n_heads,
-                            context=spec.context, micro_batch_size=spec.micro_batch_size,
-                            repeats=repeats)
-    return run(spec, repeats=repeats, forecast=forecast)
+        forecast.configs = [c for c in forecast.configs if c[0] == args.stages]
+    if args.repeats:
+        forecast.repeats = args.repeats
+    return run(spec, repeats=args.repeats or 3, forecast=forecast)

@@ -12,15 +12,26 @@ warm-up), per-stage peak from an independent instrument, the live-storage meter
 (:mod:`~trainwright.bench.live_meter`) during the run's warm-up steps (the store's own
 accounting is reported beside it). Configurations run in rounds, in alternating order.
 
+Configurations: pp 2 and 4; 2, 4 and 8 micro-batches; GPipe, 1F1B, ZB-H1, ZB-H2,
+interleaved 1F1B and ZB-V (two chunks per rank); every layer kept, recomputed or swapped,
+and plans made under a limit of 30 %, 50 % and 80 % of each stage's predicted
+unconstrained peak (``limitNN``: the planner, :func:`~trainwright.plan.planner.make_plan`
+with host swap and recompute, plans from the profile; the run executes the plan's
+per-layer policies).
+
 Prediction: :func:`~trainwright.plan.simulate.simulate` over the schedule's action lists,
-with stage costs from the profile (:func:`~trainwright.plan.planner.stage_costs`), and one
-CPU rule the simulator does not know: ``p`` ranks on ``c`` cores cannot finish a step
-faster than their summed compute over ``c`` (``max(simulated step, sum(busy) / c)``).
+with stage costs from the profile (:func:`~trainwright.plan.planner.stage_costs`) and the
+machine's calibration (:mod:`~trainwright.plan.calibration`, measured once by
+:mod:`~trainwright.bench.calibrate` and cached): per-action, per-segment, send and receive
+overhead, and ranks sharing the host's cores. Per-stage peaks come from one call,
+:func:`predicted_peaks` (the footprint model's when it lands; today the simulator's
+activation peak).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -32,15 +43,29 @@ from pathlib import Path
 
 import torch
 
-from trainwright.bench.paired import host_info, paired, round_order, seconds
+from trainwright.bench.paired import host_info, paired, round_order, seconds, verdict
 
-__all__ = ["ForecastSpec", "Profile", "take_profile", "predict", "run_config", "run"]
+__all__ = ["ForecastSpec", "Profile", "take_profile", "predict", "predicted_peaks",
+           "plan_limit", "run_config", "run"]
 
 DEFAULT_CONFIGS = [  # (pp, micro-batches, schedule, policy)
-    (2, 4, "gpipe", "keep"), (2, 4, "1f1b", "recompute"), (2, 8, "gpipe", "swap"),
-    (2, 8, "1f1b", "keep"), (4, 4, "gpipe", "recompute"), (4, 4, "1f1b", "swap"),
-    (4, 8, "gpipe", "keep"), (4, 8, "1f1b", "recompute"),
+    (2, 2, "gpipe", "keep"), (2, 4, "1f1b", "keep"), (2, 8, "1f1b", "recompute"),
+    (2, 4, "gpipe", "swap"), (2, 8, "zb-h1", "keep"), (2, 4, "zb-h2", "recompute"),
+    (2, 4, "interleaved-1f1b", "keep"), (2, 8, "zb-v", "keep"),
+    (4, 4, "gpipe", "keep"), (4, 8, "1f1b", "keep"), (4, 2, "1f1b", "swap"),
+    (4, 8, "gpipe", "recompute"), (4, 4, "zb-h1", "swap"), (4, 8, "zb-h2", "keep"),
+    (4, 4, "interleaved-1f1b", "recompute"), (4, 8, "zb-v", "keep"),
+    *[(pp, 8, sched, f"limit{pct}") for pct in (30, 50, 80)
+      for pp, sched in ((4, "1f1b"), (4, "gpipe"), (2, "1f1b"), (4, "zb-h1"))],
 ]
+"""28 configurations; the 12 under a limit plan 42 stages."""
+
+TARGETS = {"predict_step_error_median": 0.08, "predict_step_error_max": 0.15,
+           "predict_peak_error_median": 0.03, "predict_peak_error_max": 0.08,
+           "plans_over_limit": 0, "best_predicted_vs_best_measured": 1.05}
+"""Issue 32's targets (all at most)."""
+
+MIN_PLANNED_STAGES = 40
 
 
 @dataclass(kw_only=True)
@@ -52,19 +77,30 @@ class ForecastSpec:
     n_heads: int = 4
     context: int = 64
     micro_batch_size: int = 4
-    steps: int = 17
+    steps: int = 12
     warmup: int = 2
     repeats: int = 2
     profile_repeats: int = 5
     configs: list = field(default_factory=lambda: [list(c) for c in DEFAULT_CONFIGS])
+    calibration: str = ""
+    """Where the machine's calibration is cached ("": ``~/.cache/trainwright``)."""
 
-    def parts(self, pp: int) -> list[int]:
-        """Layers per stage, as even as possible (the first stages get the extra ones)."""
-        n = self.n_blocks + 2
-        return [n // pp + (s < n % pp) for s in range(pp)]
+    @property
+    def n_layers(self) -> int:
+        """Embedding, blocks and head."""
+        return self.n_blocks + 2
 
-    def overrides(self, pp: int, mbs: int, schedule: str, policy: str) -> list[str]:
-        """``--set`` values of one configuration."""
+    def parts(self, n_stages: int) -> list[int]:
+        """Layers per (model) stage, as even as possible (the first get the extra ones)."""
+        n = self.n_layers
+        return [n // n_stages + (s < n % n_stages) for s in range(n_stages)]
+
+    def overrides(self, pp: int, mbs: int, schedule: str, policy) -> list[str]:
+        """``--set`` values of one configuration (``policy``: one name, or one per layer)."""
+        from trainwright.schedule.actions import VIRTUAL_SCHEDULES
+
+        v = 2 if schedule in VIRTUAL_SCHEDULES else 1
+        pols = [policy] if isinstance(policy, str) else list(policy)
         return [f"model.n_blocks={self.n_blocks}", f"model.d_model={self.d_model}",
                 f"model.n_heads={self.n_heads}", f"model.context={self.context}",
                 'model.factory="trainwright.bench.live_meter:bench_gpt"',
@@ -72,8 +108,10 @@ class ForecastSpec:
                 f"train.batch_size={mbs * self.micro_batch_size}",
                 f"train.micro_batches={mbs}", f'train.schedule="{schedule}"',
                 "train.optimizer=sgd", "train.lr=0.01", f"parallel.pp={pp}",
-                f"parallel.partition={self.parts(pp)}", "parallel.threads_per_rank=1",
-                f'memory.policies=["{policy}"]', "run.report=false", "run.progress=false",
+                f"parallel.virtual_stages={v}",
+                f"parallel.partition={self.parts(pp * v)}", "parallel.threads_per_rank=1",
+                f"memory.policies={json.dumps(pols)}", "run.report=false",
+                "run.progress=false",
                 "run.checkpoint_every=0", "run.trace_steps=0", "run.profile_every=1000"]
 
 
@@ -186,35 +224,118 @@ def take_profile(spec: ForecastSpec) -> Profile:
     return Profile(rows, opt, latency, bandwidth, host, time.perf_counter() - t0)
 
 
+def _layout(spec: ForecastSpec, pp: int, schedule: str):
+    """``(virtual stages, layers of each model stage, rank of each model stage)``."""
+    from trainwright.schedule.actions import VIRTUAL_SCHEDULES, stage_ranks
+
+    v = 2 if schedule in VIRTUAL_SCHEDULES else 1
+    if pp * v > spec.n_layers:
+        raise ValueError(f"{schedule} on pp {pp} cuts the model into {pp * v} stages but it "
+                         f"has {spec.n_layers} layers: raise n_blocks to at least "
+                         f"{pp * v - 2} or drop that configuration")
+    parts = spec.parts(pp * v)
+    idx = [list(range(sum(parts[:s]), sum(parts[: s + 1]))) for s in range(pp * v)]
+    return v, idx, stage_ranks(schedule, pp, v)
+
+
+def _segments(layers: list[int], policies: dict[int, str]) -> int:
+    """Autograd segments one compute action of these layers launches on a fused step
+    (``trainwright run`` without a limit): each run of consecutive kept layers is one,
+    every other layer one of its own."""
+    n, prev_keep = 0, False
+    for i in layers:
+        keep = policies.get(i, "keep") == "keep"
+        n += not (keep and prev_keep)
+        prev_keep = keep
+    return n
+
+
+def _policies(spec: ForecastSpec, policy) -> dict[int, str]:
+    if isinstance(policy, str):
+        return dict.fromkeys(range(spec.n_layers), policy)
+    return dict(enumerate(policy))
+
+
 def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
-            policy: str, cores: int | None = None) -> dict:
-    """Predicted step time and per-stage peak of one configuration, from the profile only."""
+            policy, cal=None) -> dict:
+    """Predicted step time and per-stage activation peak of one configuration, from the
+    profile (and the machine's calibration ``cal``; None: the profile alone).
+
+    ``policy``: one name for every layer, or one per layer."""
     from trainwright.bench.planner_predict import _layer_policy_placement
+    from trainwright.plan.calibration import with_overheads
     from trainwright.plan.planner import stage_costs
     from trainwright.plan.simulate import Links, simulate
     from trainwright.schedule.actions import build_schedule
+    from trainwright.schedule.carry import simulated_lists
 
-    parts = spec.parts(pp)
-    idx = [list(range(sum(parts[:s]), sum(parts[: s + 1]))) for s in range(pp)]
-    placement = _layer_policy_placement(profile.rows, idx,
-                                        {i: policy for i in range(len(profile.rows))})
+    v, idx, ranks = _layout(spec, pp, schedule)
+    pols = _policies(spec, policy)
+    per_rank = [[i for s, layers in enumerate(idx) if ranks[s] == r for i in layers]
+                for r in range(pp)]
+    placement = _layer_policy_placement(profile.rows, per_rank, pols)
     step_s = [sum(profile.opt_step_s[i] for i in layers) for layers in idx]
-    costs = stage_costs(profile.rows, idx, placement, list(range(pp)), step_s, [0.0] * pp)
+    costs = stage_costs(profile.rows, idx, placement, list(range(pp)), step_s,
+                        [0.0] * len(idx), rank_of=ranks if v > 1 else None)
+    if cal is not None:
+        costs = with_overheads(costs, [_segments(layers, pols) for layers in idx], cal)
     bw = [[0.0 if i == j else profile.bandwidth_Bps for j in range(pp)] for i in range(pp)]
     links = Links(list(range(pp)), bw, host_bandwidth=profile.host_bandwidth_Bps,
                   latency_s=profile.latency_s)
-    sim = simulate(build_schedule(schedule, pp, mbs), costs, links)
-    cores = cores or os.cpu_count() or 1
-    work_bound = sum(sim.busy_s) / cores
-    return {"step_s": max(sim.step_s, work_bound), "schedule_bound_s": sim.step_s,
-            "work_bound_s": work_bound, "peak_bytes": list(sim.own_peak_bytes)}
+    lists = simulated_lists(schedule, build_schedule(schedule, pp, mbs, v))
+    sim = simulate(lists, costs, links, slowdown=cal.factor if cal is not None else None)
+    return {"step_s": sim.step_s, "slowdown": sim.slowdown, "busy_s": list(sim.busy_s),
+            "peak_bytes": list(sim.own_peak_bytes)}
 
 
-def run_config(spec: ForecastSpec, config: list, work: Path, tag: str) -> dict:
+def predicted_peaks(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
+                    policy) -> dict:
+    """Per-stage predicted peaks of one configuration: ``{"device": [...], "host": [...] or
+    None}``. The one call to repoint at the footprint model (plan/footprint.py) when it
+    lands; today the simulator's activation-store peak, and no host prediction."""
+    return {"device": predict(profile, spec, pp, mbs, schedule, policy)["peak_bytes"],
+            "host": None}
+
+
+def plan_limit(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
+               fraction: float) -> dict:
+    """Per-layer policies planned from the profile for each stage's limit of ``fraction``
+    of its predicted unconstrained peak (:func:`predicted_peaks`, every layer kept).
+
+    Returns:
+        ``limits`` (bytes per rank), ``policies`` (one per layer), ``fits`` (per rank, the
+        planner's word).
+    """
+    from trainwright.pipeline.peer_setup import runtime_policies
+    from trainwright.plan.devices import DeviceTopology
+    from trainwright.plan.placement import Rules
+    from trainwright.plan.planner import PlanRequest, make_plan
+
+    v, idx, _ = _layout(spec, pp, schedule)
+    keep = predicted_peaks(profile, spec, pp, mbs, schedule, "keep")["device"]
+    limits = [int(fraction * p) for p in keep]
+    bw = [[0.0 if i == j else profile.bandwidth_Bps for j in range(pp)] for i in range(pp)]
+    topo = DeviceTopology("loopback", [max(keep) * 4] * pp, bw,
+                          [profile.host_bandwidth_Bps] * pp)
+    req = PlanRequest(profile.rows, schedule, pp, mbs, topo, budget=limits,
+                      partition=[len(x) for x in idx], peer_swap=False, virtual_stages=v,
+                      latency_s=profile.latency_s,
+                      rules=Rules(short_s=math.inf, long_s=math.inf,
+                                  families=("host", "recompute")))
+    plan = make_plan(req).to_dict()
+    got = runtime_policies(plan)
+    return {"limits": limits, "fits": list(plan["fits"]),
+            "policies": [got.get(i, "keep") for i in range(spec.n_layers)]}
+
+
+def run_config(spec: ForecastSpec, config: list, work: Path, tag: str,
+               policies: list[str] | None = None) -> dict:
     """Train one configuration with ``python -m trainwright run``; what its run measured.
 
+    ``policies``: per-layer policies (a limit's plan) in place of the configuration's.
     Returns the median telemetry step time after warm-up, the store's per-stage peak, and
-    the live-storage meter's per-stage peak (metered during the warm-up steps only).
+    the live-storage meter's per-stage peak (metered during the warm-up steps only;
+    ``metered_host_peak_bytes`` too when the meter reports host copies apart).
     """
     pp, mbs, schedule, policy = config
     name = f"{tag}-pp{pp}-m{mbs}-{schedule}-{policy}"
@@ -222,7 +343,7 @@ def run_config(spec: ForecastSpec, config: list, work: Path, tag: str) -> dict:
     meter_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TW_BENCH_METER_DIR": str(meter_dir),
            "TW_BENCH_METER_STEPS": str(spec.warmup)}
-    sets = [*spec.overrides(pp, mbs, schedule, policy), f"train.steps={spec.steps}",
+    sets = [*spec.overrides(pp, mbs, schedule, policies or policy), f"train.steps={spec.steps}",
             f'run.dir="{work}"', f'run.name="{name}"']
     cmd = [sys.executable, "-m", "trainwright", "run"]
     for s in sets:
@@ -233,87 +354,166 @@ def run_config(spec: ForecastSpec, config: list, work: Path, tag: str) -> dict:
                            f"{got.stderr.strip()[-2000:]}")
     rows = [json.loads(x) for x in (work / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["kind"] == "step"]
-    return {"step_s": statistics.median(r["step_time_s"] for r in steps[spec.warmup:]),
-            "store_peak_bytes": [max(r["stages"][s]["activation_peak_bytes"] for r in steps)
-                                 for s in range(pp)],
-            "metered_peak_bytes": [
-                json.loads((meter_dir / f"rank{s}.json").read_text())["peak_bytes"]
-                for s in range(pp)]}
+    meter = [json.loads((meter_dir / f"rank{s}.json").read_text()) for s in range(pp)]
+    out = {"step_s": statistics.median(r["step_time_s"] for r in steps[spec.warmup:]),
+           "store_peak_bytes": [max(r["stages"][s]["activation_peak_bytes"] for r in steps)
+                                for s in range(pp)],
+           "metered_peak_bytes": [m["peak_bytes"] for m in meter]}
+    if all("host_peak_bytes" in m for m in meter):
+        out["metered_host_peak_bytes"] = [m["host_peak_bytes"] for m in meter]
+    return out
 
 
 def _err(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas if meas else 0.0
 
 
+def _calibration(spec: ForecastSpec, max_ranks: int):
+    """Measured afresh in this run (the machine's state now is the one the runs see; a
+    cache from a loaded hour would skew the sweep), and cached for ``trainwright plan``."""
+    from trainwright.bench.calibrate import calibrate
+
+    return calibrate(Path(spec.calibration) if spec.calibration else None, refresh=True,
+                     max_ranks=max_ranks)
+
+
 def run(spec: ForecastSpec, progress=None) -> dict:
-    """Profile once, predict every configuration, run each, compare; the JSON's fields."""
-    say = progress or (lambda _: None)
-    say("profile (one process, one micro-batch)")
-    profile = take_profile(spec)
+    """Calibrate (or read the cache), profile once, plan the limits, predict every
+    configuration, run each in rounds (alternating order), compare; the JSON's fields.
+
+    ``progress(description, done, total)`` is told each run as it starts."""
+    say = progress or (lambda *_: None)
     keys = [tuple(c) for c in spec.configs]
-    preds = {k: predict(profile, spec, *k) for k in keys}
+    total = spec.repeats * len(keys)
+    say("calibrate the machine", 0, total)
+    cal = _calibration(spec, max(k[0] for k in keys))
+    say("profile (one process, one micro-batch)", 0, total)
+    profile = take_profile(spec)
+    plans = {k: plan_limit(profile, spec, k[0], k[1], k[2], int(k[3][5:]) / 100)
+             for k in keys if k[3].startswith("limit")}
+    pols = {k: plans[k]["policies"] if k in plans else k[3] for k in keys}
+    preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal),
+                 "uncalibrated_step_s": predict(profile, spec, *k[:3], pols[k])["step_s"],
+                 "peaks": predicted_peaks(profile, spec, *k[:3], pols[k])} for k in keys}
     runs: dict = {k: [] for k in keys}
+    done = 0
     with tempfile.TemporaryDirectory(prefix="tw-forecast-") as d:
         for r in range(spec.repeats):
             for k in round_order(keys, r):
                 say(f"round {r + 1}/{spec.repeats}: pp {k[0]}, {k[1]} micro-batches, {k[2]}, "
-                    f"{k[3]}")
-                runs[k].append(run_config(spec, list(k), Path(d), f"r{r}"))
-    return _result(spec, profile, keys, preds, runs)
+                    f"{k[3]}", done, total)
+                runs[k].append(run_config(spec, list(k), Path(d), f"r{r}",
+                                          plans[k]["policies"] if k in plans else None))
+                done += 1
+    say("done", done, total)
+    return _result(spec, profile, cal, keys, preds, plans, runs)
 
 
-def _config_row(k, pred, runs) -> dict:
+def _config_row(spec, k, pred, plan, runs) -> dict:
     times = [r["step_s"] for r in runs]
     step = statistics.median(times)
     met = {key: [max(v) for v in zip(*(r[key] for r in runs), strict=True)]
-           for key in ("metered_peak_bytes", "store_peak_bytes")}
-    peak_err = [_err(p, m) for p, m in zip(pred["peak_bytes"], met["metered_peak_bytes"],
+           for key in ("metered_peak_bytes", "store_peak_bytes", "metered_host_peak_bytes")
+           if all(key in r for r in runs)}
+    peak_err = [_err(p, m) for p, m in zip(pred["peaks"]["device"], met["metered_peak_bytes"],
                                            strict=True)]
-    return {"pp": k[0], "micro_batches": k[1], "schedule": k[2], "policy": k[3],
-            "predicted_step_s": round(pred["step_s"], 5),
-            "schedule_bound_s": round(pred["schedule_bound_s"], 5),
-            "work_bound_s": round(pred["work_bound_s"], 5),
-            "measured_step_s": round(step, 5),
-            "measured_step_s_per_round": [seconds(t) for t in times],
-            "step_error": round(_err(pred["step_s"], step), 4),
-            "predicted_peak_bytes": pred["peak_bytes"],
-            "metered_peak_bytes": met["metered_peak_bytes"],
-            "store_peak_bytes": met["store_peak_bytes"],
-            "peak_error_max": round(max(peak_err), 4),
-            "peak_error_vs_store_max": round(max(
-                _err(p, m) for p, m in zip(pred["peak_bytes"], met["store_peak_bytes"],
-                                           strict=True)), 4)}
+    samples = k[1] * spec.micro_batch_size
+    row = {"pp": k[0], "micro_batches": k[1], "schedule": k[2], "policy": k[3],
+           "samples_per_step": samples,
+           "predicted_step_s": round(pred["step_s"], 5),
+           "predicted_step_s_uncalibrated": round(pred["uncalibrated_step_s"], 5),
+           "predicted_slowdown": round(pred["slowdown"], 4),
+           "measured_step_s": round(step, 5),
+           "measured_step_s_per_round": [seconds(t) for t in times],
+           "step_error": round(_err(pred["step_s"], step), 4),
+           "step_error_uncalibrated": round(_err(pred["uncalibrated_step_s"], step), 4),
+           "predicted_samples_per_s": round(samples / pred["step_s"], 3),
+           "measured_samples_per_s": round(samples / step, 3),
+           "predicted_peak_bytes": pred["peaks"]["device"],
+           "metered_peak_bytes": met["metered_peak_bytes"],
+           "store_peak_bytes": met["store_peak_bytes"],
+           "peak_errors": [round(e, 4) for e in peak_err],
+           "peak_error_max": round(max(peak_err), 4),
+           "peak_error_vs_store_max": round(max(
+               _err(p, m) for p, m in zip(pred["peak_bytes"], met["store_peak_bytes"],
+                                          strict=True)), 4)}
+    host_pred = pred["peaks"]["host"]
+    if host_pred is not None and "metered_host_peak_bytes" in met:
+        row["predicted_host_peak_bytes"] = host_pred
+        row["metered_host_peak_bytes"] = met["metered_host_peak_bytes"]
+        row["host_peak_errors"] = [round(_err(p, m), 4) for p, m in
+                                   zip(host_pred, met["metered_host_peak_bytes"], strict=True)]
+    if plan is not None:
+        row.update({"limit_bytes": plan["limits"], "planned_fits": plan["fits"],
+                    "planned_policies": plan["policies"],
+                    "over_limit": [bool(f and m > lim) for f, m, lim in zip(
+                        plan["fits"], met["metered_peak_bytes"], plan["limits"], strict=True)]})
+    return row
 
 
-def _result(spec, profile, keys, preds, runs) -> dict:
-    rows = [_config_row(k, preds[k], runs[k]) for k in keys]
+def _target(value: float, target: float, at_most: bool = True) -> dict:
+    """A target judged on the value itself: these are per-configuration errors (their
+    median or max over the sweep), or counts, not paired per-round ratios."""
+    return {"value": value, "target": target, "target_is": "at_most" if at_most else "at_least",
+            "verdict": verdict((value, value), target, at_most=at_most),
+            "judged_on": "the value itself (a median / max / count over the sweep's "
+                         "configurations, not a paired ratio)"}
+
+
+def _result(spec, profile, cal, keys, preds, plans, runs) -> dict:
+    rows = [_config_row(spec, k, preds[k], plans.get(k), runs[k]) for k in keys]
     meas = {k: [r["step_s"] for r in runs[k]] for k in keys}
     errs = [r["step_error"] for r in rows]
-    best_pred = min(rows, key=lambda r: r["predicted_step_s"])
-    best_meas = min(r["measured_step_s"] for r in rows)
+    raw = [r["step_error_uncalibrated"] for r in rows]
+    peak_errs = [e for r in rows for e in r["peak_errors"]]
+    host_errs = [e for r in rows for e in r.get("host_peak_errors", [])]
+    # ranked by samples/s: the configurations train different batch sizes
+    best_pred = max(rows, key=lambda r: r["predicted_samples_per_s"])
+    best_meas = max(r["measured_samples_per_s"] for r in rows)
+    planned = [r for r in rows if "over_limit" in r]
+    planned_stages = sum(sum(r["planned_fits"]) for r in planned)
+    over = sum(sum(r["over_limit"]) for r in planned)
     # per round: the median over configurations of measured / predicted (drift shows here)
     rounds = list(zip(*(meas[k] for k in keys), strict=True))
     pred_list = [preds[k]["step_s"] for k in keys]
     per_round = [statistics.median(m / p for m, p in zip(rnd, pred_list, strict=True))
                  for rnd in rounds]
     pr = paired(per_round, [1.0] * len(per_round))
-    return {
-        "question": "from one single-process profile, does the simulator predict the step "
-                    "time and per-stage peak of trainwright runs it never saw?",
-        "spec": asdict(spec), "profile": profile.summary(), "configs": rows,
+    out = {
+        "question": "from one single-process profile and the machine's calibration, does the "
+                    "simulator predict the step time and per-stage peak of trainwright runs "
+                    "it never saw, and do plans made under a limit fit by the meter?",
+        "spec": asdict(spec), "profile": profile.summary(), "calibration": cal.to_dict(),
+        "configs": rows,
         "peak_meter": "LiveStorageMeter (trainwright/bench/live_meter.py) inside each "
                       "trainwright run, during its warm-up steps (max over rounds)",
         "predict_step_error_median": round(statistics.median(errs), 4),
         "predict_step_error_max": round(max(errs), 4),
-        "predict_peak_error_max": round(max(r["peak_error_max"] for r in rows), 4),
+        "predict_step_error_uncalibrated_median": round(statistics.median(raw), 4),
+        "predict_step_error_uncalibrated_max": round(max(raw), 4),
+        "predict_peak_error_median": round(statistics.median(peak_errs), 4),
+        "predict_peak_error_max": round(max(peak_errs), 4),
         "predict_peak_error_vs_store_max": round(max(r["peak_error_vs_store_max"]
                                                      for r in rows), 4),
+        "plans_over_limit": over, "planned_stages": planned_stages,
         "best_predicted": {k: best_pred[k] for k in ("pp", "micro_batches", "schedule",
                                                      "policy")},
-        "best_predicted_vs_best_measured": round(best_pred["measured_step_s"] / best_meas, 4),
+        "best_predicted_vs_best_measured": round(best_meas / best_pred["measured_samples_per_s"],
+                                                 4),
+        "best_ranked_by": "samples/s (configurations train different batch sizes)",
         "paired_ratios": pr["paired_ratios"], "ratio": pr["ratio"],
         "ratio_spread": pr["ratio_spread"],
         "ratio_note": "per round, the median over configurations of measured / predicted "
                       "step time (all configurations run in that round, ABBA order)",
         "host": host_info(),
     }
+    if host_errs:
+        out["predict_host_peak_error_median"] = round(statistics.median(host_errs), 4)
+        out["predict_host_peak_error_max"] = round(max(host_errs), 4)
+    verdicts = {key: _target(out[key], t) for key, t in TARGETS.items()}
+    for key in ("predict_host_peak_error_median", "predict_host_peak_error_max"):
+        if key in out:
+            verdicts[key] = _target(out[key], TARGETS[key.replace("host_", "")])
+    verdicts["planned_stages"] = _target(planned_stages, MIN_PLANNED_STAGES, at_most=False)
+    out["verdicts"] = verdicts
+    return out

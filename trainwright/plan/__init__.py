@@ -7,6 +7,8 @@
 * :mod:`~trainwright.plan.placement`, :mod:`~trainwright.plan.planner`,
   :mod:`~trainwright.plan.simulate`: the peer-swap planner: device mapping,
   planner and event simulator;
+* :mod:`~trainwright.plan.calibration`: the step-time terms a profile does not see
+  (per-action overhead, ranks sharing cores), fitted from a machine's timings and cached;
 * :mod:`~trainwright.plan.choose`: ``trainwright plan --schedule auto``'s candidate
   schedules (several chunks per rank included) and the best of their plans.
 

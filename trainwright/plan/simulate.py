@@ -34,6 +34,11 @@ compute action and each transfer takes its own stage's row, ``SYNC`` / ``STEP`` 
 of the rank's chunks', and a rank's memory and busy time add up its chunks'. A message
 between two stages of one rank (ZB-V's turn) is handed over in memory: no link, no time.
 
+Ranks sharing cores (``slowdown``, :mod:`~trainwright.plan.calibration`): ``k`` ranks
+computing at once each run ``slowdown(k)`` times slower than alone. The replay is repeated
+with every rank's CPU work scaled by ``f`` until ``f = slowdown(c)``, where ``c`` is the
+replay's mean concurrency, ``sum(busy) / step`` (a fixed point, damped; a few replays).
+
 Memory per device (bytes the activation store counts, plus chunks held for peers):
 ``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
 ``+peer_in`` at ``PEER_FETCH(m)``, ``+transient`` from the start of ``B(m)``, and all of
@@ -44,9 +49,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainwright.errors import PlanError
+from trainwright.plan.calibration import scaled
 from trainwright.schedule.base import COMM, COMPUTE, PEER_KINDS, ActionKind
 
 __all__ = ["StageCost", "Links", "SimResult", "Deadlock", "simulate", "liveness"]
@@ -131,11 +138,14 @@ class SimResult:
     """Per stage: ``(time, bytes)`` after each change."""
     times: dict = field(default_factory=dict)
     """``(stage, kind, mb) -> (start, end)`` of compute actions."""
+    slowdown: float = 1.0
+    """Shared-core factor the replay's CPU work was scaled by (1: none)."""
 
     def to_dict(self) -> dict:
         """Headline figures (JSON)."""
         return {"step_s": self.step_s, "busy_s": self.busy_s, "bubble": self.bubble,
-                "peak_bytes": self.peak_bytes, "own_peak_bytes": self.own_peak_bytes}
+                "peak_bytes": self.peak_bytes, "own_peak_bytes": self.own_peak_bytes,
+                "slowdown": self.slowdown}
 
 
 def _peak(events: list[tuple[float, int]]) -> tuple[int, list[tuple[float, int]]]:
@@ -149,8 +159,15 @@ def _peak(events: list[tuple[float, int]]) -> tuple[int, list[tuple[float, int]]
     return peak, curve
 
 
-def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimResult:
+def simulate(schedule: list[list], costs: list[StageCost], links: Links,
+             slowdown: Callable[[float], float] | None = None) -> SimResult:
     """Replay ``schedule`` (one action list per stage, one step) under ``costs``.
+
+    Args:
+        slowdown: concurrent computing ranks -> per-rank time factor (ranks sharing the
+            host's cores, e.g. :meth:`~trainwright.plan.calibration.Calibration.factor`);
+            None: every rank has a core of its own. The result's ``slowdown`` is the
+            factor the replay settled on.
 
     Raises:
         Deadlock: naming every stuck stage's next action and what it waits for.
@@ -163,7 +180,25 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links) -> SimR
                         f"{len(links.mapping)} devices")
     replay = _Replay(schedule, costs, links)
     replay.run()
-    return replay.result()
+    res = replay.result()
+    if slowdown is None:
+        return res
+    f = 1.0
+    for i in range(_FIXED_POINT_ROUNDS):
+        conc = sum(res.busy_s) / res.step_s if res.step_s else 1.0
+        want = max(slowdown(max(conc, 1.0)), 1e-9)
+        if abs(want - f) <= 1e-3 * f:
+            break
+        f = (f + want) / 2 if i else want  # damped after the first jump: c falls as f grows
+        replay = _Replay(schedule, scaled(costs, f), links)
+        replay.run()
+        res = replay.result()
+    res.slowdown = f
+    return res
+
+
+_FIXED_POINT_ROUNDS = 12
+"""Replays at most, to settle the shared-core factor (converges in a few)."""
 
 
 class _Replay:

@@ -1,0 +1,80 @@
+"""The forecast's prediction from one profile: calibrated terms, segments, limit plans.
+
+The profile is a real one of a tiny GPT (one process); nothing here asserts a duration
+measured on the clock, only how the prediction is built from it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from trainwright.bench.planner_forecast import (
+    ForecastSpec,
+    Profile,
+    _segments,
+    plan_limit,
+    predict,
+    predicted_peaks,
+)
+from trainwright.plan.calibration import Calibration
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    from trainwright.bench.planner_forecast import _layers_and_batch
+    from trainwright.model.build import cross_entropy
+    from trainwright.observe.tensor_profile import profile_tensors
+
+    spec = ForecastSpec(n_blocks=2, d_model=32, n_heads=2, context=16, micro_batch_size=2)
+    layers, x, y = _layers_and_batch(spec)
+    rows = profile_tensors(layers, x, y, cross_entropy)
+    # fixed times: the prediction's arithmetic, not this machine's speed, is under test
+    for r in rows:
+        r.forward_s, r.backward_s = 1e-3, 2e-3
+    return spec, Profile(rows, [1e-4] * len(rows), 1e-4, 1e9, 1e10, 0.0)
+
+
+def test_segments_count_runs_of_kept_layers_and_every_other_layer():
+    assert _segments([0, 1, 2, 3], {}) == 1
+    assert _segments([0, 1, 2, 3], {1: "recompute"}) == 3
+    assert _segments([4, 5], {4: "swap", 5: "swap"}) == 2
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v"])
+def test_calibration_adds_overheads_and_shared_cores_but_no_bytes(profile, schedule):
+    spec, prof = profile
+    pp, m = (2 if schedule in ("interleaved-1f1b", "zb-v") else 4), 4  # 4 layers
+    none = Calibration({}, 2)
+    overhead = Calibration({}, 2, action_s=5e-4, segment_s=1e-4, send_s=1e-4, recv_s=2e-4)
+    cores = Calibration({}, 2, slowdown={1: 1.0, 2: 1.5, 4: 3.0})
+    base = predict(prof, spec, pp, m, schedule, "keep")
+    assert predict(prof, spec, pp, m, schedule, "keep", none)["step_s"] == \
+        pytest.approx(base["step_s"])
+    over = predict(prof, spec, pp, m, schedule, "keep", overhead)
+    # at least every F and B of one micro-batch's path pays its action overhead
+    assert over["step_s"] >= base["step_s"] + 2 * m * 5e-4
+    shared = predict(prof, spec, pp, m, schedule, "keep", cores)
+    assert shared["slowdown"] > 1.0 and shared["step_s"] > base["step_s"]
+    assert over["peak_bytes"] == shared["peak_bytes"] == base["peak_bytes"]
+
+
+def test_limit_plans_follow_the_predicted_unconstrained_peak(profile):
+    spec, prof = profile
+    keep = predicted_peaks(prof, spec, 2, 8, "1f1b", "keep")["device"]
+    loose, tight = (plan_limit(prof, spec, 2, 8, "1f1b", f) for f in (0.8, 0.3))
+    assert loose["limits"] == [int(0.8 * p) for p in keep]
+    assert len(loose["policies"]) == spec.n_layers
+    kept = [sum(p == "keep" for p in x["policies"]) for x in (loose, tight)]
+    assert kept[0] >= kept[1] and kept[0] < spec.n_layers
+    for plan in (loose, tight):
+        got = predicted_peaks(prof, spec, 2, 8, "1f1b", plan["policies"])["device"]
+        for fits, peak, limit in zip(plan["fits"], got, plan["limits"], strict=True):
+            assert not fits or peak <= limit  # what the planner says fits, the model agrees
+
+
+def test_a_sweep_deeper_than_the_model_says_how_to_fix_it(profile):
+    spec, prof = profile
+    with pytest.raises(ValueError, match="raise n_blocks to at least 6"):
+        predict(prof, spec, 4, 4, "zb-v", "keep")

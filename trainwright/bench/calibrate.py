@@ -1,0 +1,216 @@
+"""Measure this machine's step-time terms (:class:`~trainwright.plan.calibration.Calibration`).
+
+Three timings, each of the real runtime parts, one thread per rank (as ``trainwright run``
+with ``parallel.threads_per_rank = 1``):
+
+* **actions and segments**: a :class:`~trainwright.pipeline.stage.Stage` of 1 and of
+  ``max_layers`` tiny linear layers runs forward and backward per micro-batch with one
+  autograd segment per layer (a measured step); the same layers are timed by the
+  profiler the planner uses (:func:`~trainwright.observe.tensor_profile.profile_tensors`);
+  what the stage takes beyond the profile, fitted over the layer count
+  (:func:`~trainwright.plan.calibration.fit_overhead`), is the per-action and per-segment
+  overhead;
+* **send and receive**: two gloo ranks; the sender times
+  :meth:`~trainwright.dist.comm.P2P.send` (header and payload posted), the receiver times
+  :meth:`~trainwright.dist.comm.P2P.recv` of a message posted beforehand, minus a plain
+  ``recv`` of one such message (what the simulator's link model already charges);
+* **shared cores**: ``max_ranks`` processes; for ``k = 1 .. max_ranks``, ``k`` of them time
+  the same single-thread matrix products at once (the others wait at a barrier, not
+  spinning); ``slowdown[k]`` = their median time over one rank's alone.
+
+The result is cached per machine (:func:`~trainwright.plan.calibration.load` checks the
+host) in ``~/.cache/trainwright/calibration.json`` unless a path is given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainwright.plan.calibration import (
+    Calibration,
+    default_path,
+    fit_overhead,
+    fit_slowdown,
+    load,
+    save,
+)
+
+__all__ = ["calibrate", "measure"]
+
+log = logging.getLogger(__name__)
+
+_WIDTH = 64
+_SIZES = (256, 65536)
+"""Payload elements (fp32) timed through P2P: a small and a 256 KiB message."""
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _tiny(n: int) -> list[tuple[str, nn.Module]]:
+    torch.manual_seed(0)
+    return [(f"l{i}", nn.Linear(_WIDTH, _WIDTH)) for i in range(n)]
+
+
+def _stage_action_times(n_layers: int, repeats: int) -> tuple[list[float], float]:
+    """Seconds per ``F``/``B`` action (mean of the two, per micro-batch) of a stage of
+    ``n_layers`` tiny layers, one segment each; and the profile's summed layer time for the
+    same (also the mean of forward and backward)."""
+    from trainwright.observe.layer_profile import LayerProfiler
+    from trainwright.observe.tensor_profile import profile_tensors
+    from trainwright.pipeline.stage import LayerSlot, Stage, StepMode
+    from trainwright.pipeline.store import ActivationStore
+
+    layers = _tiny(n_layers)
+    x, y = torch.randn(8, _WIDTH), torch.randn(8, _WIDTH)
+    stage = Stage([LayerSlot(i, name, m) for i, (name, m) in enumerate(layers)],
+                  ActivationStore(), LayerProfiler(), is_first=True, loss_fn=_loss)
+    stage.options.mode = StepMode(fast=False)
+    times = []
+    for mb in range(repeats + 3):
+        t0 = time.perf_counter()
+        stage.forward(mb, (x,), y)
+        t1 = time.perf_counter()
+        stage.backward(mb)
+        t2 = time.perf_counter()
+        stage.profiler.end_step()
+        if mb >= 3:  # warm-up: allocator, autograd's first graphs
+            times.append(((t1 - t0) + (t2 - t1)) / 2)
+    profiled = []
+    for _ in range(max(repeats // 4, 3)):
+        rows = profile_tensors(layers, x, y, _loss)
+        profiled.append(sum(r.forward_s + r.backward_s for r in rows) / 2)
+    return times, statistics.median(profiled)
+
+
+def _p2p_times(rank: int, repeats: int, group) -> dict:
+    """Ranks 0 (sender) and 1 (receiver) of ``group``: see the module docstring."""
+    from trainwright.dist.comm import P2P
+
+    p2p = P2P(group, rank, 60.0, torch.device("cpu"))
+    out: dict = {"send": [], "recv": {n: [] for n in _SIZES}, "raw": {n: [] for n in _SIZES}}
+    # the link model's unit first: one plain message, posted before the receive starts
+    for i in range(repeats + 2):
+        for n in _SIZES:
+            t = torch.randn(n)
+            if rank == 0:
+                w = dist.isend(t, dst=1, group=group, tag=7)
+            dist.barrier(group=group)
+            if rank == 1:
+                t0 = time.perf_counter()
+                dist.recv(t, src=0, group=group, tag=7)
+                if i >= 2:
+                    out["raw"][n].append(time.perf_counter() - t0)
+            else:
+                w.wait()
+            dist.barrier(group=group)
+    # the protocol: header + payload; the receive starts after the send is posted
+    for i in range(repeats + 2):
+        for n in _SIZES:
+            t = torch.randn(n)
+            if rank == 0:
+                t0 = time.perf_counter()
+                p2p.send(1, "act", i, [t])
+                if i >= 2:
+                    out["send"].append(time.perf_counter() - t0)
+            dist.barrier(group=group)
+            if rank == 1:
+                t0 = time.perf_counter()
+                p2p.recv(0, "act", i)
+                if i >= 2:
+                    out["recv"][n].append(time.perf_counter() - t0)
+            else:
+                p2p.wait_sends()
+            dist.barrier(group=group)
+    return out
+
+
+def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[int, list[float]]:
+    """Per ``k``: this rank's seconds per unit of work while ``k`` ranks work at once; the
+    counts are swept ``rounds`` times, ascending then descending (a drift of the machine's
+    load hits every count alike)."""
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    for _ in range(20):
+        torch.mm(a, b)
+    out: dict[int, list[float]] = {}
+    for r in range(rounds):
+        counts = range(1, world + 1) if r % 2 == 0 else range(world, 0, -1)
+        for k in counts:
+            dist.barrier()
+            if rank < k:
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    for _ in range(8):
+                        torch.mm(a, b)
+                    out.setdefault(k, []).append(time.perf_counter() - t0)
+            dist.barrier()
+    return out
+
+
+def _worker(rank: int, world: int, repeats: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    got: dict = {"spin": _spin_times(rank, world, repeats)}
+    pair = dist.new_group([0, 1])  # every rank takes part in creating it
+    if rank < 2:
+        got["p2p"] = _p2p_times(rank, repeats, pair)
+    dist.barrier()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
+
+
+def measure(max_ranks: int = 4, repeats: int = 20, max_layers: int = 6) -> Calibration:
+    """Take every timing of the module docstring and fit them (about 10-20 s)."""
+    from trainwright.bench.paired import host_info
+    from trainwright.dist.testing import run_workers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        acts = {n: _stage_action_times(n, repeats) for n in (1, max_layers)}
+    finally:
+        torch.set_num_threads(threads)
+    action_s, segment_s = fit_overhead({n: t for n, (t, _) in acts.items()},
+                                       {n: p for n, (_, p) in acts.items()})
+    world = max(2, max_ranks)
+    with tempfile.TemporaryDirectory(prefix="tw-calibrate-") as d:
+        run_workers(_worker, world, repeats, d, timeout_s=600)
+        ranks = [json.loads(Path(d, f"rank{r}.json").read_text()) for r in range(world)]
+    spin: dict[int, list[float]] = {}
+    for r in ranks:
+        for k, v in r["spin"].items():
+            spin.setdefault(int(k), []).extend(v)
+    send = statistics.median(ranks[0]["p2p"]["send"])
+    recv = statistics.median(
+        statistics.median(ranks[1]["p2p"]["recv"][str(n)])
+        - statistics.median(ranks[1]["p2p"]["raw"][str(n)]) for n in _SIZES)
+    cal = Calibration(host_info(), os.cpu_count() or 1, action_s=action_s,
+                      segment_s=segment_s, send_s=send, recv_s=max(recv, 0.0),
+                      slowdown=fit_slowdown(spin))
+    log.info("calibration: %s", cal.to_dict())
+    return cal
+
+
+def calibrate(path: Path | None = None, refresh: bool = False, max_ranks: int = 4,
+              repeats: int = 20) -> Calibration:
+    """This machine's calibration: the cached one if it was measured here (and covers
+    ``max_ranks``), else measured now and cached at ``path`` (default
+    :func:`~trainwright.plan.calibration.default_path`)."""
+    from trainwright.bench.paired import host_info
+
+    path = Path(path) if path else default_path()
+    cal = None if refresh else load(path, host_info())
+    if cal is not None and max(cal.slowdown) >= max_ranks:
+        return cal
+    cal = measure(max_ranks=max_ranks, repeats=repeats)
+    save(path, cal)
+    return cal

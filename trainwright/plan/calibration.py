@@ -1,0 +1,196 @@
+"""What a step costs beyond the profile: per-action overhead and ranks sharing cores.
+
+A profile times each layer's forward and backward alone, in one process. A pipeline step
+also pays for
+
+* **actions**: each ``F``/``B``/``W`` runs the stage's bookkeeping (store, hooks, loss)
+  once, plus one autograd **segment** launch per layer (inputs detached, graph kept);
+  each ``SEND_*`` posts a header and payloads; each ``RECV_*`` decodes a header and posts
+  the payload receives after it arrives (a second round trip the link model's one latency
+  does not see);
+* **shared cores**: ``k`` ranks computing at once on a host with fewer than ``k`` free
+  cores each run slower than alone (and even under the core count, memory bandwidth and
+  caches are shared). ``slowdown[k]`` is the per-rank time factor of ``k`` concurrent
+  ranks of compute, 1 at ``k = 1``.
+
+Every term is measured on the machine (:mod:`trainwright.bench.calibrate` takes the
+timings); this module only fits them (pure functions over lists of seconds, testable with
+injected timings) and applies them to simulator costs. The fitted :class:`Calibration` is
+cached per machine as JSON with the host it was measured on; a cache from another host
+is not used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainwright.errors import PlanError
+from trainwright.schedule.base import ActionKind
+
+__all__ = ["Calibration", "fit_overhead", "fit_slowdown", "with_overheads", "scaled",
+           "load", "save", "default_path"]
+
+
+@dataclass
+class Calibration:
+    """Measured step-time terms of one machine (seconds; factors)."""
+
+    host: dict
+    """Where it was measured (:func:`trainwright.bench.paired.host_info`)."""
+    cores: int
+    action_s: float = 0.0
+    """Per ``F``/``B``/``W`` action of a stage, beyond its layers' profiled times."""
+    segment_s: float = 0.0
+    """Per layer segment launched by an ``F``/``B``/``W`` action."""
+    send_s: float = 0.0
+    """Per ``SEND_F``/``SEND_B``: posting header and payload."""
+    recv_s: float = 0.0
+    """Per ``RECV_F``/``RECV_B``, beyond the link model's ``latency + bytes / bandwidth``."""
+    slowdown: dict = field(default_factory=lambda: {1: 1.0})
+    """Concurrent computing ranks ``k`` -> per-rank time factor (1.0 at ``k = 1``)."""
+
+    def factor(self, k: float) -> float:
+        """Time factor of ``k`` (possibly fractional) concurrent ranks: linear between the
+        measured counts, extended along the last two points' line past the largest."""
+        pts = sorted((int(a), float(b)) for a, b in self.slowdown.items())
+        if k <= pts[0][0]:
+            return pts[0][1]
+        for (k0, f0), (k1, f1) in zip(pts, pts[1:], strict=False):
+            if k <= k1:
+                return f0 + (f1 - f0) * (k - k0) / (k1 - k0)
+        if len(pts) == 1:
+            return pts[0][1]
+        (k0, f0), (k1, f1) = pts[-2], pts[-1]
+        return f1 + (f1 - f0) / (k1 - k0) * (k - k1)
+
+    def to_dict(self) -> dict:
+        """JSON view (slowdown keys as strings)."""
+        d = dataclasses.asdict(self)
+        d["slowdown"] = {str(k): v for k, v in sorted(self.slowdown.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Calibration:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        d["slowdown"] = {int(k): float(v) for k, v in d.get("slowdown", {1: 1.0}).items()}
+        return cls(**d)
+
+
+def fit_overhead(action_s_by_segments: Mapping[int, Sequence[float]],
+                 profiled_s_by_segments: Mapping[int, float]) -> tuple[float, float]:
+    """Per-action and per-segment overhead from actions timed at several segment counts.
+
+    Args:
+        action_s_by_segments: segments per action -> measured action seconds.
+        profiled_s_by_segments: segments per action -> the profile's summed layer seconds
+            for the same work.
+
+    Returns:
+        ``(action_s, segment_s)``: least squares of ``median(measured) - profiled =
+        action_s + segments * segment_s``, each clamped at 0 (a negative overhead is
+        noise, not a speed-up to predict).
+
+    Raises:
+        PlanError: fewer than two segment counts, or one without timings.
+    """
+    ns = sorted(action_s_by_segments)
+    if len(ns) < 2 or any(not action_s_by_segments[n] for n in ns):
+        raise PlanError(f"fitting per-action and per-segment overhead needs timings at two or "
+                        f"more segment counts; got {ns}: time actions of 1 and several layers")
+    ys = [statistics.median(action_s_by_segments[n]) - profiled_s_by_segments[n] for n in ns]
+    mx, my = statistics.fmean(ns), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(ns, ys, strict=True)) / \
+        sum((x - mx) ** 2 for x in ns)
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def fit_slowdown(times_by_ranks: Mapping[int, Sequence[float]]) -> dict[int, float]:
+    """``k -> median(time of one unit of work with k ranks at once) / median(alone)``.
+
+    Raises:
+        PlanError: no timings of one rank alone (the reference).
+    """
+    if not times_by_ranks.get(1):
+        raise PlanError("the shared-core slowdown needs timings of one rank alone (k = 1) "
+                        f"as reference; got counts {sorted(times_by_ranks)}")
+    alone = statistics.median(times_by_ranks[1])
+    return {k: statistics.median(v) / alone for k, v in sorted(times_by_ranks.items()) if v}
+
+
+_COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+_RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+def with_overheads(costs: list, segments: Sequence[int], cal: Calibration) -> list:
+    """Copies of simulator ``costs`` whose ``action_s`` carry the calibrated overheads.
+
+    Args:
+        costs: :class:`~trainwright.plan.simulate.StageCost` per (model) stage.
+        segments: autograd segments each stage's compute action launches (its layers).
+        cal: the machine's terms.
+    """
+    out = []
+    for c, n in zip(costs, segments, strict=True):
+        extra = dict.fromkeys(_COMPUTE, cal.action_s + n * cal.segment_s)
+        extra.update(dict.fromkeys(_SENDS, cal.send_s))
+        extra.update(dict.fromkeys(_RECVS, cal.recv_s))
+        acts = dict(c.action_s)
+        for k, v in extra.items():
+            acts[k] = acts.get(k, 0.0) + v
+        out.append(dataclasses.replace(c, action_s=acts))
+    return out
+
+
+_SCALED = ("forward_s", "backward_s", "weight_s", "step_s")
+
+
+def scaled(costs: list, f: float) -> list:
+    """Copies of ``costs`` whose CPU work (compute, optimizer step, action overheads) takes
+    ``f`` times as long: ranks sharing cores (:meth:`Calibration.factor`)."""
+    out = []
+    for c in costs:
+        kw = {k: getattr(c, k) * f for k in _SCALED}
+        kw["action_s"] = {k: v * f for k, v in c.action_s.items()}
+        for name in ("mb_forward_s", "mb_backward_s"):
+            kw[name] = {k: v * f for k, v in getattr(c, name).items()}
+        for name in ("layer_forward_s", "layer_backward_s"):
+            kw[name] = [v * f for v in getattr(c, name)]
+        out.append(dataclasses.replace(c, **kw))
+    return out
+
+
+def default_path() -> Path:
+    """``~/.cache/trainwright/calibration.json``."""
+    return Path.home() / ".cache" / "trainwright" / "calibration.json"
+
+
+def _same_host(a: Mapping, b: Mapping) -> bool:
+    keys = ("cpu_model", "cpus", "platform", "torch")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def load(path: Path, host: Mapping) -> Calibration | None:
+    """The calibration cached at ``path`` if it was measured on ``host``, else None."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    cal = Calibration.from_dict(d)
+    return cal if _same_host(cal.host, host) else None
+
+
+def save(path: Path, cal: Calibration) -> None:
+    """Write ``cal`` to ``path`` (whole file or nothing: via a temporary beside it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=1))
+    tmp.replace(path)
