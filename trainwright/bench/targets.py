@@ -70,6 +70,7 @@ TARGETS: list[Target] = [
            0.03),
     _ratio("planner", "peak prediction error per stage, max", "predict_peak_error_max", 0.08),
     _ratio("planner", "stages over the limit their plan was made for", "plans_over_limit", 0),
+    _ratio("planner", "planned stages in the sweep", "planned_stages", 40, at_most=False),
     _ratio("planner", "best predicted / best measured (samples/s)",
            "best_predicted_vs_best_measured", 1.05),
     Target("memory", "every planned stage within its limit, by the meter",
