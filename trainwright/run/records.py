@@ -49,6 +49,7 @@ class StepRecords:
             t = cfg.train
             meta = dict(config=cfg.to_dict(), world_size=topo.world_size, pp=topo.pp,
                         dp=topo.dp, schedule=t.schedule, layer_names=layer_names,
+                        mapping=[topo.rank_of(s, 0) for s in range(topo.pp)],
                         partition=[[i for i, r in enumerate(stage_of) if r == k]
                                    for k in range(topo.pp)])
             self.recorder = RunRecorder(run_dir, meta, stage_of, t.batch_size, t.steps, start,
