@@ -56,3 +56,46 @@ def test_permuted_mapping_trains_equal_to_reference(tiny):
             held = json.loads((run_dir / f"layers_{rank}.json").read_text())
             assert held == list(range(first, first + parts[stage])), (rank, stage, held)
         assert _run_row(run_dir)["mapping"] == order
+
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768,
+        "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(170)
+@pytest.mark.parametrize("name,hf,params", [("llama8b", LLAMA_8B, 8_030_261_248),
+                                            ("gpt2", GPT2, 124_439_808)])
+def test_plan_hf_config(tmp_path, name, hf, params):
+    pytest.importorskip("transformers")
+    import time
+
+    from trainwright.cli.main import main
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf))
+    out = tmp_path / "plan.json"
+    cpu0 = time.process_time()
+    assert main(["plan", "--model", str(folder / "config.json"), "--topology", "nvswitch8",
+                 "--gpu-memory", "80GB", "--nodes", "2", "--global-batch", "256", "--dtype",
+                 "bfloat16", "--json", str(out)]) == 0
+    cpu = time.process_time() - cpu0  # wall time on this shared 2-core host is the load's
+    assert cpu < 30, f"planning took {cpu:.1f} s of CPU"
+    plan = json.loads(out.read_text())
+    assert plan["params"] == params
+    per = plan["bytes_per_param"]
+    assert (per["weights"], per["grads"], per["optimizer"]) == (2, 2, 12)  # bf16, AdamW
+    held = sum(sum(s.values()) for s in plan["state_bytes"])
+    assert held * plan["dp"] == pytest.approx(params * 16 * plan["dp"], rel=0.01)
+    rows = plan["ranked"]
+    assert rows[0]["fits"] and rows[0]["step_s"] == min(r["step_s"] for r in rows if r["fits"])
+    assert {r["schedule"] for r in rows} >= {"1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v",
+                                             "interleaved-1f1b"}
+    assert all(r["reason"] for r in rows if not r["fits"])
+    assert max(rows[0]["peak_bytes"]) <= 80e9
+    assert Path(plan["toml"]).exists()
