@@ -18,6 +18,7 @@ import pytest
 from tests.helpers import check_against_reference
 from trainwright.config import Config
 from trainwright.dist.testing import run_workers
+from trainwright.errors import ConfigError
 from trainwright.run.launch import create_run_dir
 
 
@@ -99,3 +100,79 @@ def test_plan_hf_config(tmp_path, name, hf, params):
     assert all(r["reason"] for r in rows if not r["fits"])
     assert max(rows[0]["peak_bytes"]) <= 80e9
     assert Path(plan["toml"]).exists()
+
+
+TINY = ["--set", "model.n_blocks=2", "--set", "model.d_model=32", "--set", "model.n_heads=2",
+        "--set", "model.context=16", "--set", "data.name=synthetic", "--set",
+        "train.batch_size=16", "--set", "train.optimizer=sgd", "--set", "train.lr=0.1",
+        "--set", "train.steps=3"]
+
+
+def _slow_link_topology(path: Path) -> Path:
+    """Four CPU ranks, every link at loopback speed except devices 1 <-> 2, nearly cut: a
+    pipeline 0-1-2-3 on ranks 0-1-2-3 would cross it, so the best mapping is not the
+    identity."""
+    fast, n = 2.6e9, 4
+    bw = [[0.0 if i == j else fast for j in range(n)] for i in range(n)]
+    bw[1][2] = bw[2][1] = 1e5
+    path.write_text(json.dumps({"name": "cpu4-slow-link", "kind": "cpu", "memory": [2**31] * n,
+                                "bandwidth": bw, "host_bandwidth": [5.4e9] * n}))
+    return path
+
+
+@pytest.mark.timeout(240)
+def test_run_plan_trains_the_pick_permuted_equal_to_reference(tmp_path):
+    from trainwright.cli.main import main
+    from trainwright.run.plan_file import load_plan_config
+
+    topo = _slow_link_topology(tmp_path / "topo.json")
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", *TINY, "--topology", str(topo), "--pp", "4",
+                 "--reserve", "0", "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    order = plan["run_config"]["parallel"]["mapping"]
+    assert order != [0, 1, 2, 3], plan["mapping"]
+    stage_of = {o: s for s, o in enumerate(order)}
+    for s in range(3):  # no pipeline neighbours on the nearly cut link
+        assert {order[s], order[s + 1]} != {1, 2}, order
+    assert len(stage_of) == 4
+    runs = tmp_path / "runs"
+    extra = [f'run.dir="{runs}"', "run.report=false", "run.progress=false"]
+    cfgs = [load_plan_config(out, extra, cuda=False),
+            load_plan_config(Path(plan["toml"]), extra, cuda=False)]
+    assert cfgs[0].to_dict() == cfgs[1].to_dict()
+    cfg = cfgs[0]
+    assert (cfg.parallel.pp, cfg.train.schedule, cfg.train.micro_batches) == \
+        (plan["pp"], plan["schedule"], plan["micro_batches"])
+    assert cfg.parallel.partition == [len(p) for p in plan["partition"]]
+    assert cfg.parallel.mapping == order
+    run_dir = create_run_dir(cfg)
+    run_workers(_train_recording_layers, 4, [(cfg, str(run_dir))], timeout_s=220)
+    check_against_reference(cfg, run_dir)
+    assert _run_row(run_dir)["mapping"] == order
+    held = {r: json.loads((run_dir / f"layers_{r}.json").read_text()) for r in range(4)}
+    starts = [sum(cfg.parallel.partition[:s]) for s in range(4)]
+    assert all(held[order[s]][0] == starts[s] for s in range(4)), (held, order)
+
+
+def test_run_plan_refuses_other_devices_and_other_models(tmp_path, capsys):
+    from trainwright.cli.main import main
+    from trainwright.run.plan_file import load_plan_config
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", *TINY, "--topology", "cpu", "--devices", "2",
+                 "--pp", "2", "--reserve", "0", "--micro-batch-size", "4", "--schedule",
+                 "1f1b", "--json", str(out)]) == 0
+    load_plan_config(out, cuda=False)  # the plan's own model on the plan's devices
+    with pytest.raises(ConfigError, match="made for gpt .*4 layers.*builds 5 layers"):
+        load_plan_config(out, ["model.n_blocks=3"], cuda=False)
+    with pytest.raises(ConfigError, match="made for CPU ranks and this machine has GPUs"):
+        load_plan_config(out, cuda=True)
+    gpus = json.loads(out.read_text())
+    gpus["fingerprint"]["device_kind"] = "cuda"
+    other = tmp_path / "gpus.json"
+    other.write_text(json.dumps(gpus))
+    capsys.readouterr()
+    assert main(["run", "--plan", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was made for 2 GPUs" in err[0], err

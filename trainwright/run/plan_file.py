@@ -80,11 +80,17 @@ def load_plan_config(path: str | Path, overrides: list[str] | tuple = (),
     data = read_config(None, list(overrides))
     for sec, keys in sections.items():
         data[sec] = {**keys, **data.get(sec, {})}
+    # the model first: a plan's partition and policies would not validate against another
+    # model, and the message should say that the model changed
+    bare = {**data, "parallel": {k: v for k, v in data.get("parallel", {}).items()
+                                 if k not in ("partition", "virtual_stages")},
+            "memory": {k: v for k, v in data.get("memory", {}).items() if k != "policies"},
+            "train": {k: v for k, v in data.get("train", {}).items() if k != "schedule"}}
+    check_plan_model(Config.from_dict(bare), fp, path)
     cfg = Config.from_dict(data)
     if cfg.world_size != fp.get("devices", cfg.world_size):
         raise ConfigError(f"--plan {path} was made for {fp['devices']} devices; this run has "
                           f"parallel.pp x dp = {cfg.world_size}; plan again for it")
-    check_plan_model(cfg, fp, path)
     return cfg
 
 
