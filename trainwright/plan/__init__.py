@@ -8,7 +8,9 @@
   :mod:`~trainwright.plan.simulate`: the peer-swap planner: device mapping,
   planner and event simulator;
 * :mod:`~trainwright.plan.choose`: ``trainwright plan --schedule auto``'s candidate
-  schedules (several chunks per rank included) and the best of their plans.
+  schedules (several chunks per rank included) and the best of their plans;
+* :mod:`~trainwright.plan.candidates`: ``trainwright plan --model SPEC``'s ranked answer
+  (pp x dp, schedule, micro-batches, peer swap; state bytes per parameter).
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`.
 """
