@@ -176,3 +176,69 @@ def test_run_plan_refuses_other_devices_and_other_models(tmp_path, capsys):
     assert main(["run", "--plan", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was made for 2 GPUs" in err[0], err
+
+
+class _StepTimer:
+    """An injected :class:`LayerTimer`: the n-th timed piece of work takes n seconds."""
+
+    def __init__(self):
+        self.n = 0
+
+    def start(self):
+        return None
+
+    def stop(self, mark) -> float:
+        self.n += 1
+        return float(self.n)
+
+
+def test_profile_times_come_from_the_device_timer():
+    import torch
+
+    from trainwright.observe.tensor_profile import (
+        LayerTimer,
+        WallTimer,
+        layer_timer,
+        profile_tensors,
+    )
+
+    assert isinstance(layer_timer(torch.device("cpu")), WallTimer)
+    torch.manual_seed(0)
+    layers = [("a", torch.nn.Linear(4, 4)), ("b", torch.nn.Linear(4, 2))]
+    timer = _StepTimer()
+    assert not isinstance(timer, LayerTimer)  # duck-typed: anything with start / stop
+    rows = profile_tensors(layers, torch.randn(3, 4), steps=1, timer=timer)
+    # forward a, forward b, then backward b, backward a: 1, 2, 3, 4 seconds
+    assert [(r.forward_s, r.backward_s) for r in rows] == [(1.0, 4.0), (2.0, 3.0)]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_cuda_event_timer_times_kernels():
+    import torch
+
+    from trainwright.observe.tensor_profile import CudaEventTimer, layer_timer
+
+    timer = layer_timer(torch.device("cuda"))
+    assert isinstance(timer, CudaEventTimer)
+    a = torch.randn(2048, 2048, device="cuda")
+    mark = timer.start()
+    for _ in range(8):
+        a = a @ a / 2048
+    assert timer.stop(mark) > 0
+
+
+def _gather_free(rank: int, world: int, out: str) -> None:
+    from trainwright.dist.topology import Topology
+    from trainwright.pipeline.peer_setup import stage_free_bytes
+
+    topo = Topology.create(2, 1, [1, 0])  # stage 0 on rank 1
+    got = stage_free_bytes(topo, 1000 + rank)
+    Path(out, f"free_{rank}.json").write_text(json.dumps(got))
+    topo.destroy()
+
+
+@pytest.mark.timeout(120)
+def test_each_stage_plans_with_its_own_free_memory(tmp_path):
+    run_workers(_gather_free, 2, str(tmp_path), timeout_s=100)
+    for rank in range(2):  # stage order, each stage's own figure (not rank 0's twice)
+        assert json.loads((tmp_path / f"free_{rank}.json").read_text()) == [1001, 1000]
