@@ -136,6 +136,10 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _size(n: float) -> str:
+    return _gib(n) if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def _row(o, batch: int, tokens: int, memory: int) -> dict:
     c = o.candidate
     ok = o.plan is not None and o.step_s < float("inf")
@@ -230,7 +234,7 @@ def format_ranked(out: dict, limit: int = 12) -> str:
     order = out["run_config"]["parallel"]["mapping"]
     lines.append(f"pick: {fits[0]['label']}, stage -> rank {order}"
                  f"; weights+grads+optimizer per stage "
-                 f"{[round(sum(s.values()) / 2**30, 2) for s in out['state_bytes']]} GiB")
+                 f"{' / '.join(_size(sum(s.values())) for s in out['state_bytes'])}")
     if out.get("toml"):
         lines.append(f"run it with: trainwright run --plan {out['toml']}")
     return "\n".join(lines)
