@@ -25,6 +25,7 @@ Two modes:
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -37,14 +38,16 @@ __all__ = ["SavedTensor", "LayerTensors", "profile_tensors", "profile_tensors_me
            "saved_storages", "LayerTimer", "WallTimer", "CudaEventTimer", "layer_timer"]
 
 
-class LayerTimer:
+class LayerTimer(ABC):
     """Times one piece of work: ``mark = start()`` before it, ``stop(mark)`` seconds after."""
 
+    @abstractmethod
     def start(self) -> object:
-        raise NotImplementedError
+        """A mark taken before the work."""
 
+    @abstractmethod
     def stop(self, mark: object) -> float:
-        raise NotImplementedError
+        """Seconds the work took since ``mark``."""
 
 
 class WallTimer(LayerTimer):
