@@ -185,3 +185,48 @@ def test_nvidia_smi_parse_matches_dgx1_preset():
                 assert 0 < parsed.bandwidth[i][j] < 25e9
     assert sum(1 for j in range(8) if d.bandwidth[0][j]) == 4
     assert sum(d.bandwidth[0]) == 6 * 25e9  # six NVLinks per V100
+
+
+# ------------------------------------------------------- plan --model SPEC: candidates
+def test_bytes_per_param_by_precision_and_optimizer():
+    from trainwright.plan.candidates import bytes_per_param
+
+    assert bytes_per_param(2, "adamw").total == 16  # bf16 + fp32 master + two fp32 moments
+    assert bytes_per_param(4, "adam").total == 16  # fp32: weights, grads, two moments
+    assert bytes_per_param(4, "sgd").total == 8
+    assert bytes_per_param(4, "sgd", momentum=True).total == 12
+    assert bytes_per_param(2, "sgd").optimizer == 4  # the master copy alone
+
+
+def test_candidates_cover_every_schedule_and_say_what_is_left_out():
+    from trainwright.plan.candidates import enumerate_candidates
+
+    cands, skipped = enumerate_candidates(16, 8, 34, 256, [1, 2])
+    assert {c.pp for c in cands} == {1, 2, 4, 8, 16}
+    assert all(c.pp * c.dp == 16 and c.dp * c.micro_batch_size * c.micro_batches == 256
+               for c in cands)
+    assert {c.schedule for c in cands if c.pp == 4} == {
+        "1f1b", "gpipe", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"}
+    assert {c.virtual_stages for c in cands if c.schedule == "interleaved-1f1b"} == {2, 3, 4}
+    assert all(c.peer_swap == (c.schedule in ("1f1b", "gpipe")) for c in cands)
+    # 16 x 3 chunks need 48 layers; the model has 34
+    assert any(s["pp"] == 16 and s["virtual_stages"] == 3 for s in skipped)
+    _, bad = enumerate_candidates(4, 4, 8, 6, [4])
+    assert bad and all("does not split" in s["skipped"] for s in bad)
+
+
+def test_sync_time_crosses_nodes_only_when_replicas_do():
+    from trainwright.plan.candidates import sync_time
+    from trainwright.plan.devices import cluster, preset
+
+    topo = cluster(preset("nvswitch8", 2**30), 2, 25e9)
+    assert sync_time(1e9, 4, 1, topo) == 0.0
+    assert sync_time(1e9, 2, 4, topo) == pytest.approx(2 * 3 / 4 * 1e9 / 300e9)  # in a node
+    assert sync_time(1e9, 4, 4, topo) == pytest.approx(2 * 3 / 4 * 1e9 / 25e9)  # across
+
+
+def test_mapping_becomes_rank_order_inside_a_replica():
+    from trainwright.cli.plan_model import _local_order
+
+    assert _local_order([0, 1, 3, 2]) == [0, 1, 3, 2]
+    assert _local_order([4, 6, 5, 7]) == [0, 2, 1, 3]  # devices of the second node

@@ -35,7 +35,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if args.config:
             raise ConfigError("give either CONFIG or --resume RUN_DIR (the run keeps its config; "
                               "change keys with --set)")
-    cfg = load_run_config(args.config, args.set, resume_dir)
+    if args.plan:
+        if args.config or resume_dir:
+            raise ConfigError("give --plan PLAN alone (it holds the whole configuration; "
+                              "change keys with --set)")
+        from trainwright.run.plan_file import load_plan_config
+        cfg = load_plan_config(args.plan, args.set, args.candidate)
+    else:
+        cfg = load_run_config(args.config, args.set, resume_dir)
     outcome = run_job(cfg, resume_dir, via="cli", on_start=_start_line)
     if outcome.error:
         print(f"error: {outcome.error}", file=sys.stderr)
@@ -153,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config key, e.g. --set parallel.pp=4 (repeatable)")
     run.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    run.add_argument("--plan", metavar="PLAN", help="train with exactly what `trainwright plan "
+                     "--model SPEC --json PLAN.json` chose (the JSON or its .toml)")
+    run.add_argument("--candidate", type=int, default=1, help="with --plan JSON: run its K-th "
+                     "best candidate (plan --top K writes them)")
     run.set_defaults(func=_cmd_run)
 
     rep = sub.add_parser("report", help="write RUN_DIR/report.html from a run's outputs")

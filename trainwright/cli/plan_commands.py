@@ -6,6 +6,10 @@ GPU exists) and budgets, and prints and writes the plan: partition, stage-to-dev
 per-tensor policies, predicted step time and per-device peak. ``--pp auto`` tries several
 pipeline depths (``pp * dp`` = all devices) and keeps the fastest plan that fits.
 
+``--model SPEC`` with a Hugging Face ``config.json``, a model factory or a built-in model
+(``gpt``, ``mlp``), or ``--rank`` with a preset, gives the ranked answer of
+:mod:`trainwright.cli.plan_model` instead: every candidate best first, the rejected with why.
+
 ``trainwright simulate PLAN.json`` replays a written plan and draws its timeline.
 """
 
@@ -59,9 +63,23 @@ def _topology(args):
             topo = DeviceTopology.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as exc:
             raise ConfigError(f"--topology {path}: not JSON ({exc})") from None
+    if args.devices:
+        topo = _first(topo, args.devices)
     if args.nodes > 1:
         topo = cluster(topo, args.nodes, args.inter_node_gbps * 1e9)
     return topo
+
+
+def _first(topo, n: int):
+    """The first ``n`` devices of a one-node table."""
+    from dataclasses import replace
+
+    if not 1 <= n <= topo.n:
+        raise ConfigError(f"--devices {n}: the topology {topo.name} has {topo.n} devices per "
+                          f"node; give 1..{topo.n}")
+    return replace(topo, memory=topo.memory[:n], bandwidth=[r[:n] for r in topo.bandwidth[:n]],
+                   host_bandwidth=topo.host_bandwidth[:n], node_size=n,
+                   labels=topo.labels[:n])
 
 
 def _pp_options(args, n_devices: int, n_layers: int, node: int) -> list[int]:
@@ -97,24 +115,27 @@ def cmd_plan(args: argparse.Namespace) -> dict:
     from trainwright.plan.placement import Rules
     from trainwright.plan.planner import PlanRequest
 
-    if args.model not in PRESET_MODELS:
-        raise ConfigError(f"--model {args.model!r}: choose one of {sorted(PRESET_MODELS)}")
+    if args.rank or args.model not in PRESET_MODELS:
+        from trainwright.cli.plan_model import cmd_plan_model
+        return cmd_plan_model(args, _topology(args))
+    args.schedule = args.schedule or "1f1b"
     _check_virtual_stages(args.schedule, args.virtual_stages)
     topo = _topology(args)
     n_dev = topo.node_size * max(args.nodes, 1)
     t0 = time.perf_counter()
     nb, d, h, ctx, vocab = PRESET_MODELS[args.model]
     meta = args.meta or d * d * nb * 12 > 2e8
-    layers = gpt_profile(nb, d, h, ctx, vocab, args.micro_batch_size, meta, args.dtype,
-                         args.flops * 1e12, args.mem_gbps * 1e9)
+    layers = gpt_profile(nb, d, h, ctx, vocab, args.micro_batch_size or 1, meta, args.dtype,
+                         (args.flops or 125.0) * 1e12, (args.mem_gbps or 900.0) * 1e9)
     t_prof = time.perf_counter() - t0
     best = None
     tried = []
     for pp in _pp_options(args, n_dev, len(layers), topo.node_size):
         dp = n_dev // pp
-        if args.global_batch % (dp * args.micro_batch_size):
+        mbs, batch = args.micro_batch_size or 1, args.global_batch or 64
+        if batch % (dp * mbs):
             continue
-        m = args.global_batch // dp // args.micro_batch_size
+        m = batch // dp // mbs
         grad = sum(x.param_bytes for x in layers) / pp
         sync = 2 * (dp - 1) / dp * grad / (topo.inter_node_bandwidth or 1e10) if dp > 1 else 0.0
         if args.schedule == "auto":
@@ -156,7 +177,11 @@ def _fmt(n: float) -> str:
 
 
 def format_plan(out: dict) -> str:
-    """The plan as the table ``trainwright plan`` prints."""
+    """The plan as the table ``trainwright plan`` prints (the ranked table for a plan of
+    ``--model SPEC``)."""
+    if "ranked" in out:
+        from trainwright.cli.plan_model import format_ranked
+        return format_ranked(out)
     v = out.get("virtual_stages", 1)
     ranks = out.get("stage_ranks") or list(range(out["pp"]))
     chunks = f" x {v} chunks per rank" if v > 1 else ""
@@ -255,35 +280,60 @@ def add_parsers(sub, on_plan, on_simulate) -> None:
     which print what :func:`cmd_plan` / :func:`cmd_simulate` return)."""
     p = sub.add_parser("plan", help="plan partition, device mapping and per-tensor memory "
                        "policies (peer swap, host swap, recompute) and predict step time and peaks")
-    p.add_argument("--model", default="gpt-small", help=f"one of {sorted(PRESET_MODELS)}")
+    p.add_argument("--model", default="gpt-small", metavar="SPEC",
+                   help=f"a Hugging Face config.json (or its folder), a model factory "
+                        f"'package.module:function', a built-in model (gpt, mlp: sized by "
+                        f"--config / --set) or a preset: {sorted(PRESET_MODELS)}")
+    p.add_argument("--rank", action="store_true", help="the ranked answer for a preset too "
+                   "(automatic for any other SPEC)")
+    p.add_argument("--config", default=None, help="run configuration TOML (model, data and "
+                   "training keys of a built-in or factory model)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="run configuration "
+                   "override, as in `trainwright run` (repeatable)")
+    p.add_argument("--device", default=None, help="device peak figures for the cost model: "
+                   "h100, a100 or v100 (default v100; --flops / --mem-gbps override)")
+    p.add_argument("--optimizer", default=None, choices=["adam", "adamw", "sgd"],
+                   help="optimizer state per parameter (default: the run config's; adamw "
+                        "for a config.json)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample of a "
+                   "config.json model (default: its max_position_embeddings)")
+    p.add_argument("--devices", type=int, default=0, help="use the first N devices of a "
+                   "node (e.g. --topology cpu --devices 4)")
+    p.add_argument("--top", type=int, default=3, help="plan this many candidates in full and "
+                   "write their run configurations (run one with run --plan --candidate K)")
     p.add_argument("--meta", action="store_true", help="profile on the meta device (automatic "
                    "for large models)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--topology", default="dgx1", help="nvswitch8, dgx1, pcie8, nvidia-smi or "
-                   "a topology JSON file")
+    p.add_argument("--topology", default="dgx1", help="nvswitch8, dgx1, pcie8, cpu (ranks "
+                   "on this host), nvidia-smi or a topology JSON file")
     p.add_argument("--gpu-memory", default="32GiB", help="memory per device")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s per device "
                    "between nodes")
     p.add_argument("--pp", default="auto", help="pipeline stages, or 'auto'")
-    p.add_argument("--schedule", default="1f1b",
+    p.add_argument("--schedule", default=None,
                    choices=["1f1b", "gpipe", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v",
                             "auto"],
-                   help="pipeline schedule, or 'auto': the one of least predicted step time, "
+                   help="pipeline schedule (default 1f1b; with --model SPEC: auto), or "
+                        "'auto': the one of least predicted step time, "
                         "interleaved 1F1B (2..4 chunks per rank) and ZB-V included (all but "
                         "1f1b and gpipe are planned without peer swap)")
     p.add_argument("--virtual-stages", type=int, default=None,
                    help="model chunks per rank for interleaved-1f1b (default 2; zb-v: 2)")
-    p.add_argument("--global-batch", type=int, default=64, help="sequences per step")
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step "
+                   "(default 64; with --model SPEC: the run config's train.batch_size)")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="samples per micro-batch "
+                   "(default 1; with --model SPEC: 1, 2 and 4 are tried)")
     p.add_argument("--budget", default="", help="activation bytes per device (default: memory "
                    "minus state_factor x parameters minus reserve)")
     p.add_argument("--state-factor", type=float, default=4.0, help="device bytes per parameter "
                    "byte for parameters, gradients and optimizer state (4: fp32 Adam)")
     p.add_argument("--reserve", default="2GiB")
     p.add_argument("--no-peer-swap", action="store_true")
-    p.add_argument("--flops", type=float, default=125.0, help="device TFLOP/s (cost model)")
-    p.add_argument("--mem-gbps", type=float, default=900.0, help="device memory GB/s")
+    p.add_argument("--flops", type=float, default=None, help="device TFLOP/s (cost model; "
+                   "default 125)")
+    p.add_argument("--mem-gbps", type=float, default=None, help="device memory GB/s "
+                   "(default 900)")
     p.add_argument("--latency-us", type=float, default=10.0)
     p.add_argument("--json", metavar="PATH", help="write the plan here")
     p.set_defaults(func=on_plan)

@@ -135,6 +135,10 @@ class Config(BaseModel):
         if self.fault.kill_rank >= self.world_size:
             raise ConfigError(f"fault.kill_rank = {self.fault.kill_rank} is not a rank of this "
                               f"job; ranks are 0..{self.world_size - 1} (parallel.pp * dp)")
+        if par.mapping and sorted(par.mapping) != list(range(par.pp)):
+            raise ConfigError(f"parallel.mapping = {par.mapping} is not a permutation of "
+                              f"0..{par.pp - 1}; give each of the parallel.pp = {par.pp} stages "
+                              f"its own rank, or leave it empty (the identity)")
         bad = [x for x in self.memory.policies if x not in POLICIES]
         if bad:
             raise ConfigError(f"memory.policies has {bad[0]!r}; allowed: {', '.join(POLICIES)}")

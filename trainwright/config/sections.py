@@ -207,6 +207,10 @@ class ParallelConfig(Section):
     partition: list[PositiveInt] = []
     """Layers per stage, e.g. ``[3, 3]`` (``pp * virtual_stages`` entries, in model order,
     when interleaving); empty = as even as possible."""
+    mapping: list[NonNegativeInt] = []
+    """Stage-to-rank mapping inside each replica's block of ``pp`` ranks: stage ``s`` runs
+    on rank ``replica * pp + mapping[s]`` (a permutation, as ``trainwright plan`` chooses
+    it; send/receive peers and data-parallel groups follow it); empty = the identity."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``"auto"`` (NCCL with CUDA, else gloo), ``"gloo"`` or ``"nccl"``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

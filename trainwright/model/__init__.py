@@ -8,7 +8,8 @@ what a configuration builds (layers, optimizer, loss, data).
 * :mod:`~trainwright.model.ties`: tied weights between layers;
 * :mod:`~trainwright.model.gpt`, :mod:`~trainwright.model.gpt_split`,
   :mod:`~trainwright.model.mlp`: built-in models; :mod:`~trainwright.model.gpt_profile`:
-  the built-in GPT's tensor profiles for the planner;
+  the built-in GPT's tensor profiles for the planner; :mod:`~trainwright.model.spec`: any
+  ``plan --model SPEC`` (config.json on the meta device, factory, built-in) as cost rows;
 * :mod:`~trainwright.model.data`, :mod:`~trainwright.model.text_data`: built-in data sets,
   text files and the user's ``Dataset``; :mod:`~trainwright.model.hf_data`: Hugging Face
   data sets packed into token windows (``data.name = "hf"``);

@@ -164,7 +164,7 @@ def _fmt(value: Any) -> str:
 def _summary(run_dir: Path, m: RunMetrics) -> list[tuple[str, str]]:
     run = m.runs[-1] if m.runs else {}
     rows = [("run dir", str(run_dir))]
-    for key in ("started", "world_size", "pp", "dp", "schedule"):
+    for key in ("started", "world_size", "pp", "dp", "schedule", "mapping"):
         if key in run:
             rows.append((key, str(run[key])))
     part = run.get("partition")

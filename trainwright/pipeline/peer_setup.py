@@ -52,8 +52,18 @@ def _free_bytes(device: torch.device, local_ranks: int) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(local_ranks, 1)
 
 
+def stage_free_bytes(topo, free: int) -> list[int]:
+    """Every stage's own free memory, in stage order (collective over this rank's
+    pipeline): ``free`` is this rank's (``_free_bytes`` of its own device), so a GPU with
+    less free memory is planned as such rather than as rank 0's."""
+    rows = coll.all_gather_objects((topo.stage, int(free)), topo.pp, group=topo.pp_group)
+    by_stage = dict(rows)
+    return [by_stage[s] for s in range(topo.pp)]
+
+
 def plan_job(cfg, named: list, parts: list[int], limits: list[int | None], topology,
-             sample: tuple[torch.Tensor, torch.Tensor]) -> dict:
+             sample: tuple[torch.Tensor, torch.Tensor],
+             device: torch.device | None = None) -> dict:
     """The plan (``trainwright plan`` JSON form) for this job's model and limits.
 
     Args:
@@ -62,6 +72,8 @@ def plan_job(cfg, named: list, parts: list[int], limits: list[int | None], topol
         limits: activation bytes per stage (None: what the device has free).
         topology: a :class:`~trainwright.plan.devices.DeviceTopology` with one device per stage.
         sample: one micro-batch ``(inputs, targets)``.
+        device: where the layers are profiled (copies, default CPU; on a GPU timed with CUDA events:
+            :func:`~trainwright.observe.timing.device_timer`).
 
     Raises:
         ConfigError: a stage that cannot fit its limit even with peer swap, recompute and
@@ -71,9 +83,11 @@ def plan_job(cfg, named: list, parts: list[int], limits: list[int | None], topol
     from trainwright.observe.tensor_profile import profile_tensors
     from trainwright.plan.planner import PlanRequest, make_plan
 
-    with torch.random.fork_rng(devices=[]):  # profiling must not move training's RNG
-        rows = profile_tensors([(n, copy.deepcopy(m).cpu()) for n, m in named],
-                               sample[0].cpu(), sample[1].cpu(), loss_fn(cfg))
+    device = device or torch.device("cpu")
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # profiling must not move training's RNG
+        rows = profile_tensors([(n, copy.deepcopy(m).to(device)) for n, m in named],
+                               sample[0].to(device), sample[1].to(device), loss_fn(cfg))
     budgets = [lim if lim is not None else topology.memory[s] for s, lim in enumerate(limits)]
     req = PlanRequest(rows, cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches,
                       topology, budget=budgets, partition=list(parts))
@@ -107,13 +121,14 @@ def agree_plan(cfg, named: list, parts: list[int], limits: list[int | None], top
     else:
         matrix = measure_p2p(group=topo.pp_group).bandwidth  # collective on every replica
     box: list = [None]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    free = stage_free_bytes(topo, _free_bytes(device, local))  # each stage's own device
     if topo.rank == 0:
         host = cfg.memory.host_bandwidth or measure_host_bandwidth(device)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
-        free = [_free_bytes(device, local)] * pp
         try:
             box[0] = plan_job(cfg, named, parts, limits,
-                              DeviceTopology("measured", free, matrix, [host] * pp), sample)
+                              DeviceTopology("measured", free, matrix, [host] * pp), sample,
+                              device)
         except ConfigError as exc:
             box[0] = exc
     coll.broadcast_object_list(box, src=0)

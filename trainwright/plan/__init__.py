@@ -10,7 +10,9 @@
 * :mod:`~trainwright.plan.calibration`: the step-time terms a profile does not see
   (per-action overhead, ranks sharing cores), fitted from a machine's timings and cached;
 * :mod:`~trainwright.plan.choose`: ``trainwright plan --schedule auto``'s candidate
-  schedules (several chunks per rank included) and the best of their plans.
+  schedules (several chunks per rank included) and the best of their plans;
+* :mod:`~trainwright.plan.candidates`: ``trainwright plan --model SPEC``'s ranked answer
+  (pp x dp, schedule, micro-batches, peer swap; state bytes per parameter).
 
 May import: :mod:`trainwright.errors`, :mod:`trainwright.schedule`.
 """

@@ -39,6 +39,11 @@ NVLINK2_GBPS = 25.0
 PCIE3_GBPS = 12.0
 """A PCIe 3 x16 direction as measured in practice, GB/s."""
 
+CPU_LOOPBACK_GBPS = 2.6
+"""gloo send/recv between two local processes on this 2-core host, GB/s (docs/planner.md)."""
+CPU_COPY_GBPS = 5.4
+"""A host memcpy on this host, GB/s (docs/planner.md)."""
+
 # Links per pair in the DGX-1 V100 hybrid cube-mesh, as `nvidia-smi topo -m` prints it.
 _DGX1_LINKS = {
     (0, 1): 1, (0, 2): 1, (0, 3): 2, (0, 4): 2, (1, 2): 2, (1, 3): 1, (1, 5): 2,
@@ -68,6 +73,10 @@ class DeviceTopology:
     node_size: int = 0
     inter_node_bandwidth: float = 0.0
     labels: list[str] = field(default_factory=list)
+    kind: str = "cuda"
+    """What the devices are: ``"cuda"`` (GPUs; every preset) or ``"cpu"`` (ranks on one
+    host, the ``cpu`` preset); ``trainwright run --plan`` refuses a plan made for another
+    kind than the machine has."""
 
     def __post_init__(self):
         n = len(self.memory)
@@ -98,7 +107,8 @@ class DeviceTopology:
         """Plain dict (JSON)."""
         return {"name": self.name, "memory": self.memory, "bandwidth": self.bandwidth,
                 "host_bandwidth": self.host_bandwidth, "node_size": self.node_size,
-                "inter_node_bandwidth": self.inter_node_bandwidth, "labels": self.labels}
+                "inter_node_bandwidth": self.inter_node_bandwidth, "labels": self.labels,
+                "kind": self.kind}
 
     @classmethod
     def from_dict(cls, d: dict) -> DeviceTopology:
@@ -109,7 +119,7 @@ class DeviceTopology:
                        host_bandwidth=[float(x) for x in d["host_bandwidth"]],
                        node_size=int(d.get("node_size", 0)),
                        inter_node_bandwidth=float(d.get("inter_node_bandwidth", 0.0)),
-                       labels=list(d.get("labels", [])))
+                       labels=list(d.get("labels", [])), kind=str(d.get("kind", "cuda")))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"device topology: {exc!s}; need keys memory (bytes per device), "
                               f"bandwidth (n x n bytes/s) and host_bandwidth (n bytes/s)") from None
@@ -176,11 +186,16 @@ def preset(name: str, memory_bytes: int = 32 * 2**30) -> DeviceTopology:
         return _from_links(name, n, _DGX1_LINKS, NVLINK2_GBPS * GB, 0.0, memory_bytes, host)
     if name == "pcie8":
         return _from_links(name, n, {}, 0.0, PCIE3_GBPS * GB / 2, memory_bytes, host)
+    if name == "cpu":  # ranks on this host: gloo over loopback, a memcpy to "host" memory
+        topo = _from_links(name, n, {}, 0.0, CPU_LOOPBACK_GBPS * GB, memory_bytes,
+                           CPU_COPY_GBPS * GB)
+        topo.kind = "cpu"
+        return topo
     raise ConfigError(f"unknown topology preset {name!r}; choose one of {sorted(PRESETS)} or "
                       f"give a topology JSON file")
 
 
-PRESETS = ("nvswitch8", "dgx1", "pcie8")
+PRESETS = ("nvswitch8", "dgx1", "pcie8", "cpu")
 
 
 def cluster(base: DeviceTopology, nodes: int, inter_node_bandwidth: float) -> DeviceTopology:
@@ -188,7 +203,8 @@ def cluster(base: DeviceTopology, nodes: int, inter_node_bandwidth: float) -> De
     the planner uses the node for peer swap, which stays inside a node)."""
     return DeviceTopology(f"{nodes}x{base.name}", base.memory, base.bandwidth,
                           base.host_bandwidth, node_size=base.n,
-                          inter_node_bandwidth=inter_node_bandwidth, labels=base.labels)
+                          inter_node_bandwidth=inter_node_bandwidth, labels=base.labels,
+                          kind=base.kind)
 
 
 _NV = re.compile(r"^NV(\d+)$")

@@ -13,6 +13,7 @@ single-process reference.
   ``ckpt_writer``: blocking or background saves);
 * :mod:`~trainwright.run.api`, :mod:`~trainwright.run.export`: the Python API (``fit``,
   ``load_model``, the ``run_job`` that ``trainwright run`` calls too), ``trainwright export``;
+  :mod:`~trainwright.run.plan_file`: ``trainwright run --plan``'s checked configuration;
 * :mod:`~trainwright.run.ring_launch`, :mod:`~trainwright.run.ring_torchrun`,
   :mod:`~trainwright.run.ring_node`: token-ring nodes, local or under torchrun;
 * :mod:`~trainwright.run.reference`: the single-process oracle; :mod:`~trainwright.run.harness`:

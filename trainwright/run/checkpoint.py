@@ -153,10 +153,10 @@ def save(run_dir: Path, step: int, state: dict, meta: dict | None = None) -> Pat
 
 
 def checkpoint_meta(topo, partition: list[int], rebalance_target: list[int] | None) -> dict:
-    """What ``meta.json`` records: the mesh and the partition (a pending re-partition
-    target too)."""
-    return dict(pp=topo.pp, dp=topo.dp, world_size=topo.world_size, partition=partition,
-                rebalance_target=rebalance_target)
+    """What ``meta.json`` records: the mesh, its stage-to-rank mapping and the partition (a
+    pending re-partition target too)."""
+    return dict(pp=topo.pp, dp=topo.dp, world_size=topo.world_size, mapping=list(topo.order),
+                partition=partition, rebalance_target=rebalance_target)
 
 
 def rank_state(layers: dict, objects: dict[str, tuple[object, bool]], rank: int) -> dict:
@@ -256,10 +256,11 @@ def _load_optimizer(slot: LayerSlot, got: dict) -> None:
 
 def load_state(run_dir: Path, step: int, slots: list[LayerSlot], *, with_optim: bool = True,
                objects: dict[str, tuple[object, bool]] | None = None,
-               rank: int | None = None, mesh: tuple[int, int] | None = None) -> list[str]:
+               rank: int | None = None, mesh: tuple | None = None) -> list[str]:
     """Load what ``slots`` (and the registered ``objects``, and this rank's RNG states when
-    the checkpoint was written at the same ``(pp, dp)`` mesh) need from the checkpoint of
-    ``step``. Collective when a process group exists. Returns what was not restored.
+    the checkpoint was written at the same ``(pp, dp[, stage-to-rank mapping])`` mesh) need
+    from the checkpoint of ``step``. Collective when a process group exists. Returns what
+    was not restored.
 
     Raises:
         FileNotFoundError: the checkpoint lacks one of the layers (different model).
@@ -278,7 +279,9 @@ def load_state(run_dir: Path, step: int, slots: list[LayerSlot], *, with_optim: 
             missing.append(name)
     meta = read_meta(run_dir, step)
     rng_key = f"rng.rank{rank}"
-    same_mesh = rank is not None and (meta.get("pp"), meta.get("dp")) == mesh
+    same_mesh = rank is not None and mesh is not None and \
+        (meta.get("pp"), meta.get("dp")) == tuple(mesh[:2]) and \
+        (len(mesh) < 3 or meta.get("mapping", list(range(mesh[0]))) == list(mesh[2]))
     if same_mesh and rng_key in stored:
         want[rng_key] = None
     elif rank is not None:

@@ -83,12 +83,13 @@ def _step_cost(cfg: Config, build_layers: Callable[[], list], data, device: torc
 
 
 def _recorder(cfg: Config, run_dir: Path, world: int, pp: int, dp: int, layer_names: list[str],
-              stage_of: list[int], start: int,
-              cost: Callable[[], StepCost] | None) -> RunRecorder:
-    """Rank 0's recorder, its ``run`` row describing the mesh and the partition."""
+              stage_of: list[int], start: int, cost: Callable[[], StepCost] | None,
+              mapping: list[int] | None = None) -> RunRecorder:
+    """Rank 0's recorder, its ``run`` row describing the mesh, the partition and the
+    stage-to-rank ``mapping`` (None: stage s on rank s)."""
     t = cfg.train
     meta = dict(config=cfg.to_dict(), world_size=world, pp=pp, dp=dp, schedule=t.schedule,
-                layer_names=layer_names,
+                layer_names=layer_names, mapping=mapping or list(range(pp)),
                 partition=[[i for i, r in enumerate(stage_of) if r == k] for k in range(pp)])
     return RunRecorder(run_dir, meta, stage_of, t.batch_size, t.steps, start, cfg.run.progress,
                        cost=cost() if cost else None, loggers=cfg.observe.loggers)
@@ -119,7 +120,8 @@ class StepRecords:
         """Rank 0's metrics, progress and report writer (None on other ranks)."""
         if topo.rank == 0 and outputs:
             self.recorder = _recorder(cfg, run_dir, topo.world_size, topo.pp, topo.dp,
-                                      layer_names, stage_of, start, cost)
+                                      layer_names, stage_of, start, cost,
+                                      mapping=[topo.rank_of(s, 0) for s in range(topo.pp)])
 
     @property
     def needs_collective(self) -> bool:

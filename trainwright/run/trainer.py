@@ -84,7 +84,8 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.outputs = o.outputs
         self._own_mesh, self._fitting = o.mesh is None, False
-        topo = self.topo = o.mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp)
+        topo = self.topo = o.mesh or Topology.create(cfg.parallel.pp, cfg.parallel.dp,
+                                                    cfg.parallel.mapping)
         self.build_layers = o.layers or (lambda: build_layers(cfg))
         self.data = o.data if o.data is not None else build_data(cfg)
         if cfg.eval.every:

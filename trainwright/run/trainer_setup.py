@@ -195,7 +195,7 @@ def load_resumed(run_dir: Path, step: int, slots: list[LayerSlot], objects: dict
     objects, RNG states and any re-partition still under way, from the checkpoint of
     ``step``."""
     missing = checkpoint.load_state(run_dir, step, slots, objects=objects, rank=topo.rank,
-                                    mesh=(topo.pp, topo.dp))
+                                    mesh=(topo.pp, topo.dp, topo.order))
     target = checkpoint.read_meta(run_dir, step).get("rebalance_target")
     if rebalancer is not None and target and len(target) == topo.pp:
         rebalancer.set_target(target, "resumed while re-partitioning")

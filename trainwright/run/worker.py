@@ -116,7 +116,8 @@ def run_worker(cfg: Config, run_dir: Path | None,
     """
     env = DistEnv.from_env()
     rt = cfg.runtime
-    setup_logging(f"[rank {env.rank} stage {env.rank % cfg.parallel.pp}]",
+    order = cfg.parallel.mapping or list(range(cfg.parallel.pp))
+    setup_logging(f"[rank {env.rank} stage {order.index(env.rank % cfg.parallel.pp)}]",
                   logging.INFO if env.rank == 0 else logging.WARNING)
     threads = cfg.parallel.threads_per_rank or max(1, (os.cpu_count() or 1) // env.local_world_size)
     torch.set_num_threads(threads)
@@ -131,7 +132,8 @@ def run_worker(cfg: Config, run_dir: Path | None,
     def lost(rank: int, reason: str) -> None:
         once.acquire()  # the watchdog thread and the main thread may both get here; log once
         who = "the launcher (store host)" if rank < 0 else \
-            f"rank {rank} (stage {rank % cfg.parallel.pp}, replica {rank // cfg.parallel.pp})"
+            f"rank {rank} (stage {order.index(rank % cfg.parallel.pp)}, " \
+            f"replica {rank // cfg.parallel.pp})"
         log.error("lost %s: %s. Stopping this rank. %s", who, reason, resume_hint(run_dir))
         exit_now(EXIT_PEER_LOST)
 
