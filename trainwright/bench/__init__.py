@@ -9,7 +9,8 @@ pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers
   ``memory`` (+ ``memory_cuda``, its GPU variant), ``planner`` (+ ``planner_forecast``,
   ``planner_predict``, ``calibrate``: the machine's step-time terms), ``sparse``,
   ``hierarchical`` (+ ``netns``, a two-tier network on one host), ``straggler``,
-  ``checkpoint`` (async checkpoint saves vs blocking ones);
+  ``checkpoint`` (async checkpoint saves vs blocking ones), ``plan_pick`` (the plan's
+  pick against its next candidates; planning a real model's time);
 * the shared workload and how it is compared: ``spec`` (+ ``spec_overrides``), ``paired``
   (paired rounds, intervals, verdicts), ``targets`` (every target, judged from the JSONs),
   ``ours`` (our rank under the peers' harness);
@@ -32,6 +33,7 @@ BENCHMARKS = {
     "planner": "trainwright.bench.planner",
     "straggler": "trainwright.bench.straggler",
     "checkpoint": "trainwright.bench.checkpoint",
+    "plan_pick": "trainwright.bench.plan_pick",
 }
 
 

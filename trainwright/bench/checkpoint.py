@@ -118,5 +118,6 @@ def main(args) -> dict:
     return {"benchmark": "checkpoint", "spec": asdict(spec), "host": host_info(),
             "rows": rows, "per_round": per_round,
             "async_save_step_over_plain": rows[0]["save_over_plain"]["median"],
+            "async_save_step_over_plain_judged": rows[0]["save_over_plain"],
             "async_verdict": rows[0]["save_over_plain"]["verdict"],
             "blocking_save_longer_than_a_step": blocking_extra > plain}
