@@ -4,12 +4,13 @@ how long does planning a real model take?
 Two questions of the "plan your own model" issue, answered the way a user meets them,
 through the command line:
 
-* **the pick**: ``trainwright plan --model gpt ... --topology cpu --top 3 --json PLAN`` on
-  this host, then ``trainwright run --plan PLAN --candidate K`` for K = 1, 2, 3, in
-  ``repeats`` rounds, the candidates in alternating order. Per round, the pick's samples/s
-  (median over the steps after ``warmup``) over the best of the other two; target: at
-  least 0.95 (the pick is the fastest, or within 5 % of it), judged on the far end of the
-  90 % interval (:func:`~trainwright.bench.paired.judged`);
+* **the pick**: ``trainwright plan --model gpt ... --topology cpu --devices CORES --top 3
+  --json PLAN`` on this host (one device per core), then ``trainwright run --plan PLAN
+  --candidate K`` for K = 1, 2, 3, in ``repeats`` rounds, the candidates in alternating
+  order. Per round, the pick's samples/s (median over the steps after ``warmup``) over
+  the best of the other two; target: at least 0.95 (the pick is the fastest, or within 5
+  % of it), judged on the far end of the 90 % interval
+  (:func:`~trainwright.bench.paired.judged`);
 * **planning time**: the wall time of ``trainwright plan --model CONFIG.json --topology
   nvswitch8 --gpu-memory 80GB --nodes 2 --global-batch 256`` (a fresh process, as a user
   runs it) for a Llama-style 8 B ``config.json`` and GPT-2's, each written here (no
@@ -94,7 +95,8 @@ def pick_rounds(spec: PlanPickSpec, work: Path, say=print) -> dict:
     """Plan the tiny model for this host, then race the top candidates (module docstring)."""
     plan = work / "plan.json"
     got = _cli("plan", "--model", "gpt", *_model_sets(spec), "--topology", "cpu",
-               "--top", str(spec.top), "--json", str(plan))
+               "--devices", str(os.cpu_count() or 1), "--top", str(spec.top),
+               "--json", str(plan))
     if got.returncode != 0:
         raise RuntimeError(f"trainwright plan failed: {got.stderr.strip()[-600:]}")
     doc = json.loads(plan.read_text())
@@ -108,8 +110,7 @@ def pick_rounds(spec: PlanPickSpec, work: Path, say=print) -> dict:
     # step seconds -> the pick's samples/s over the best other's, per round
     ratios = [min(per[x][r] for x in names[1:]) / per[names[0]][r]
               for r in range(spec.repeats)] if n > 1 else []
-    return {"candidates": [{"rank": k + 1, "summary": doc["top"][k].get("summary"),
-                            "predicted_step_s": doc["top"][k].get("step_s"),
+    return {"candidates": [{"rank": k + 1, "label": doc["top"][k]["label"],
                             "step_s_per_round": [seconds(t) for t in per[names[k]]]}
                            for k in range(n)],
             "pick_vs_best_other": round(statistics.median(ratios), 4) if ratios else None,
