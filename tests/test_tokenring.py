@@ -356,3 +356,56 @@ def test_bench_straggler_runs_tiny():
     assert result["spec"]["transient_slow_nodes_per_step"] == slow_pattern(spec)
     assert any(slow_pattern(spec))
     assert result["host"]["cpus"] >= 1
+
+
+@pytest.mark.timeout(30)
+def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
+    from trainwright.tokenring.grace import AdaptiveGrace
+    from trainwright.tokenring.ring import RingTimes, Token, TokenRing
+
+    g = AdaptiveGrace(cap_s=0.5, factor=2.0, window=3)
+    assert g.grace_s() == 0.5  # nothing measured yet: the cap
+    for step, spread in ((1, 0.010), (2, 0.030), (3, 0.020)):
+        g.ready(step, 0, 10.0)
+        g.ready(step, 1, 10.0 + spread)
+        assert g.measure(step, 2) == pytest.approx(spread)
+        assert g.measure(step, 2) is None  # once per step
+    assert g.grace_s() == pytest.approx(0.040)  # 2 x median(10, 30, 20 ms)
+    for step in (4, 5, 6):  # a slower host: the spread grows, the window forgets the old
+        g.ready(step, 0, 0.0)
+        g.ready(step, 1, 1.0)
+        g.measure(step, 2)
+    assert g.grace_s() == 0.5  # 2 s, capped
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("tcp://127.0.0.1:*")
+    epoch = Epoch((0, 0), {i: f"tcp://127.0.0.1:{9000 + i}" for i in range(4)})
+    clock = FakeClock(100.0)
+    ring = TokenRing(ctx, 0, pull, epoch, close_fraction=0.5, min_nodes=2, total_steps=10,
+                     times=RingTimes(close_grace_s=1.0), clock=clock)
+    try:
+        for step in (1, 2):  # on-time nodes ready 4 ms apart: the grace becomes 8 ms
+            for node in range(4):
+                ring.grace.ready(step, node, clock.now + node * 0.004)
+            assert ring._may_close(Token(step, [0, 1, 2, 3], 0, 1))  # all in: at once
+        assert ring.grace.grace_s() == pytest.approx(0.008)
+        half = Token(3, [0, 1], 0, 1)
+        ring.grace.ready(3, 0, clock.now)
+        ring.grace.ready(3, 1, clock.now + 0.004)
+        assert not ring._may_close(half)  # the quorum: the grace starts
+        clock.advance(0.007)
+        assert not ring._may_close(half)
+        clock.advance(0.001)
+        assert ring._may_close(half)  # 8 ms, not the 1 s cap
+        late = Token(4, [0, 1], 0, 1)
+        for node in (0, 1, 3):  # node 3 said it is ready: never cut off
+            ring.grace.ready(4, node, clock.now)
+        assert not ring._may_close(late)
+        clock.advance(10)
+        assert not ring._may_close(late)
+        late.contribs.append(3)
+        assert ring._may_close(late)  # 3 of 4, node 2 not ready, the grace long gone
+    finally:
+        pull.close(0)
+        ctx.term()

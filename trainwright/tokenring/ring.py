@@ -31,6 +31,7 @@ import torch
 import zmq
 
 from trainwright.errors import CommError
+from trainwright.tokenring.grace import AdaptiveGrace
 from trainwright.tokenring.links import Links
 from trainwright.tokenring.membership import Epoch, Rendezvous, announce_delay, ring_distance
 from trainwright.tokenring.token import (
@@ -116,6 +117,8 @@ class TokenRing:
         self.close_time: dict[int, float] = {}
         self._quorum_at: dict[int, float] = {}
         """Per step: when this node first saw its contributions reach the fraction rule."""
+        self.grace = AdaptiveGrace(times.close_grace_s)
+        """Readiness times per step and the grace they imply (:mod:`.grace`)."""
         self._early = list(early or [])
         self._ever = set(epoch.members)
         self._stop = threading.Event()
@@ -130,6 +133,7 @@ class TokenRing:
         """Make this node's gradient of ``step`` available; it is sent when the token comes."""
         with self.cv:
             self._offer = (step, grads)
+            self.grace.ready(step, self.index, self.clock())
 
     def closed(self, step: int) -> bool:
         """Whether ``step`` has closed."""
@@ -310,8 +314,9 @@ class TokenRing:
             return
         offer, t = self._offer, self.tok
         if (offer is not None and t is not None and offer[0] > self._wanted_sent
-                and t.holder != self.index and offer[0] == t.step):
-            # tell the ring a gradient waits, so that holders stop keeping an idle token
+                and offer[0] == t.step):
+            # tell the ring a gradient is ready: holders stop keeping an idle token, nobody
+            # closes the step without it, and every member measures the arrival spread
             self._wanted_sent = offer[0]
             self._broadcast({"t": "want", "step": offer[0]})
         if t is not None and t.holder == self.index:
@@ -339,6 +344,7 @@ class TokenRing:
                                            "node": header["node"]}, have)
             elif kind == "want":
                 self._wants[src] = header["step"]
+                self.grace.ready(header["step"], src, self.clock())
             elif kind == "done":
                 self._done.add(src)
             elif kind == "fail":
@@ -462,19 +468,29 @@ class TokenRing:
         self._send_token()
 
     def _may_close(self, t: Token) -> bool:
-        """The close rule: every member contributed, or the contributions met the fraction
-        rule (the floor) at least ``close_grace_s`` ago, so that a node only a little later
-        than the others is not thrown away. The grace runs on each node's own clock from
-        when it first saw the quorum (no clock agreement between hosts needed)."""
+        """The close rule: every member contributed; or the contributions met the fraction
+        rule (the floor), no member that said its gradient is ready is still missing, and
+        the adaptive grace (:mod:`~trainwright.tokenring.grace`: twice the on-time nodes'
+        arrival spread, at most ``close_grace_s``) has passed since the quorum, so that a
+        node only a little later than the others is not thrown away. The grace runs on
+        each node's own clock from when it first saw the quorum (no clock agreement
+        between hosts needed)."""
         members = len(self.epoch.members)
+        now = self.clock()
+        needed = contributors_needed(self.close_fraction, members)
+        if len(t.contribs) < needed:
+            return False
+        self.grace.measure(t.step, needed)
         if len(t.contribs) >= members:
             return True
-        if len(t.contribs) < contributors_needed(self.close_fraction, members):
-            return False
-        since = self._quorum_at.setdefault(t.step, self.clock())
+        since = self._quorum_at.setdefault(t.step, now)
+        if any(self.grace.is_ready(t.step, m) for m in self.epoch.members
+               if m not in t.contribs):
+            return False  # ready, its contribution on its way: never cut off
         for old in [k for k in self._quorum_at if k < t.step - CLOSE_WINDOW]:
             del self._quorum_at[old]
-        return self.clock() - since >= self.times.close_grace_s
+        self.grace.forget(t.step - CLOSE_WINDOW)
+        return now - since >= self.grace.grace_s()
 
     def _wanted(self, t: Token) -> bool:
         """Whether a member said its gradient for the token's step is ready."""
