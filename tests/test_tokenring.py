@@ -78,6 +78,37 @@ def test_ring_arithmetic():
 
 
 @pytest.mark.timeout(30)
+def test_sum_pass_chunks_cover_the_sum_and_a_rebuilt_sum_is_the_tokens_bit_for_bit():
+    from trainwright.tokenring.sumpass import (
+        SumAssembly,
+        chunk_plan,
+        chunk_tensor,
+        fold,
+        layout_of,
+    )
+
+    grads = {c: [torch.randn(37, 11) * 10 ** c, torch.randn(5), torch.empty(0)]
+             for c in (2, 0, 3)}
+    order = [2, 0, 3]  # the token's order
+    hop = list(grads[2])  # as the token does it, hop by hop
+    for c in order[1:]:
+        hop = [a + g for a, g in zip(hop, grads[c], strict=True)]
+    rebuilt = fold([grads[c] for c in order])
+    assert all(torch.equal(a, b) for a, b in zip(hop, rebuilt, strict=True))
+    layout = layout_of(hop)
+    plan = chunk_plan(layout, chunk_bytes=64)  # 16 floats a chunk
+    assert [p for p in plan if p[0] == 0][-1] == (0, 400, 407) and (2, 0, 0) in plan
+    asm = SumAssembly(layout, chunk_bytes=64)
+    for k in reversed(range(len(plan))):  # any order, duplicates ignored
+        assert asm.add(k, chunk_tensor(hop, plan[k]).clone())
+        assert not asm.add(k, chunk_tensor(hop, plan[k]))
+        assert asm.complete == (k == 0)
+    assert all(torch.equal(a, b) for a, b in zip(asm.tensors, hop, strict=True))
+    with pytest.raises(ValueError, match="disagree on the chunk plan"):
+        SumAssembly(layout, chunk_bytes=64).add(0, torch.zeros(3))
+
+
+@pytest.mark.timeout(30)
 def test_canonical_sum_is_order_independent_bitwise():
     g = {i: [torch.randn(1000) * 10 ** i] for i in range(4)}
     a = sum_canonical(g)
@@ -229,6 +260,12 @@ def test_no_faults_equals_synchronous_data_parallel(tmp_path):
         assert r["contributed"] == [1, 2, 3, 4, 5] and r["gaps"] == 0
         assert all(sorted(c) == [0, 1, 2, 3] for c in r["closes"].values())
     assert_identical_replicas(reps, range(1, 6))
+    # the sum travels with the token and then once round the ring: each node sends about
+    # two gradients per step (not n - 1 copies of its own), and nothing was rebuilt
+    for r in reps.values():
+        assert r["steps_applied"] == 5 and r["grad_bytes"] > 0
+        assert 0.5 <= r["tensor_bytes_sent_per_step_over_grad"] <= 2.5, r
+        assert r["sums_rebuilt"] == 0 and r["running_sums_dropped"] == 0
     # reference: one process, whole global batch, w <- w - lr * grad
     model = nn.Sequential(*[m for _, m in build_layers(cfg)])
     data, lossf = build_data(cfg), loss_fn(cfg)

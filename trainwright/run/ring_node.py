@@ -51,6 +51,26 @@ def _times(cfg: Config) -> RingTimes:
                      close_grace_s=r.close_grace_s)
 
 
+def traffic(rings: list[TokenRing], steps: int) -> dict:
+    """Bytes this node sent and received (headers and tensors), and per applied step in
+    units of one gradient: what ``bench straggler`` reports as the busiest node's load.
+    Welcomes (weights and optimizer state for a joining node, once per join) are counted
+    apart and left out of the sent bytes; received bytes include them."""
+    tensors = sum(g.links.tensor_bytes_sent for g in rings)
+    sent = tensors + sum(g.links.header_bytes_sent for g in rings)
+    received = sum(g.stats.bytes_received for g in rings)
+    grad = max((g.grad_bytes for g in rings), default=0)
+    per = (lambda b: round(b / steps / grad, 4)) if steps and grad else (lambda b: None)
+    return {"bytes_sent": sent, "bytes_received": received, "grad_bytes": grad,
+            "tensor_bytes_sent": tensors, "steps_applied": steps,
+            "welcome_bytes_sent": sum(g.links.welcome_bytes_sent for g in rings),
+            "bytes_sent_per_step_over_grad": per(sent),
+            "tensor_bytes_sent_per_step_over_grad": per(tensors),
+            "bytes_received_per_step_over_grad": per(received),
+            "sums_rebuilt": sum(g.stats.rebuilt for g in rings),
+            "running_sums_dropped": sum(g.stats.dropped_sums for g in rings)}
+
+
 def _node_config(cfg: Config) -> Config:
     """The trainer's view of a node: the whole model as one stage, the node's shard as one
     micro-batch (``train.micro_batches`` is the pipeline's)."""
@@ -210,6 +230,7 @@ class RingNode:
                "gaps": sum(g.stats.gaps for g in rings),
                "fetches": sum(g.stats.fetches for g in rings),
                "retransmissions": sum(g.stats.retransmissions for g in rings),
+               **traffic(rings, self.exchange.steps_applied),
                "shard_samples": self.cfg.train.batch_size // self.cfg.tokenring.nodes,
                "members": rings[-1].epoch.order if rings else [],
                "addr": self.addr, "host": socket.gethostname(), "pid": os.getpid()}

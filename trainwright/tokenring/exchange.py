@@ -25,7 +25,7 @@ import torch
 from trainwright.config import TokenRingConfig
 from trainwright.dist.faults import ring_fault
 from trainwright.sync.base import GradSync, LayerOptimizers, WeightUpdate
-from trainwright.tokenring.ring import TokenRing, sum_canonical
+from trainwright.tokenring.ring import TokenRing
 from trainwright.tokenring.state import snapshot
 
 __all__ = ["RingExchange", "RingUpdate", "param_hash", "transient_slow", "is_slow"]
@@ -77,6 +77,8 @@ class RingExchange(GradSync):
         self.hashes: dict[int, str] = {}
         """Parameter hash after every applied step (``tokenring.record_hashes``)."""
         self.last_applied = 0
+        self.steps_applied = 0
+        """Steps this process applied (the denominator of its bytes per step)."""
         self._step, self._t0 = 0, 0.0
         self._computes: list[float] = []
         self.step_start: dict[int, float] = {}
@@ -136,15 +138,16 @@ class RingExchange(GradSync):
         return self.last_applied
 
     def apply(self, step: int, layers: LayerOptimizers) -> None:
-        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer
-        (any ``torch.optim`` optimizer: the ring only decides what goes into ``p.grad``)."""
+        """``p.grad = sum / n`` (the step's closed sum, ``n`` its contributors), then every
+        layer's optimizer (any ``torch.optim`` optimizer: the ring only decides what goes
+        into ``p.grad``)."""
         ring = self.ring
         contributors = ring.close_of(step)
-        acc = sum_canonical(ring.gradients(step, contributors))
+        total = ring.summed(step, contributors)
         slots = layers.stage.slots
         params = [p for slot in slots for p in slot.module.parameters()]
-        for p, a in zip(params, acc, strict=True):
-            p.grad = a.div_(len(contributors))
+        for p, a in zip(params, total, strict=True):
+            p.grad = a / len(contributors)  # a new tensor: the ring keeps the sum to serve
         layers.step()
         if self.cfg.record_hashes:
             self.hashes[step] = param_hash(params)
@@ -152,6 +155,7 @@ class RingExchange(GradSync):
         if self.cfg.record_weights:
             self.snapshots.append({"step": step, "params": [p.detach().clone() for p in params]})
         self.last_applied = step
+        self.steps_applied += 1
         every = self.cfg.batch_steps
         if ring.wants_weights(step, every):  # admitting: parameters and optimizer state
             tensors, skeleton = snapshot(slots)
