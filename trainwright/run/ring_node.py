@@ -29,6 +29,7 @@ from torch import nn
 from trainwright.config import Config, load_config
 from trainwright.dist.topology import Topology
 from trainwright.errors import CommError
+from trainwright.model.text_data import read_share
 from trainwright.observe.telemetry import atomic_write_text
 from trainwright.run.trainer import Trainer, TrainerOptions
 from trainwright.tokenring.exchange import RingExchange, param_hash
@@ -80,6 +81,26 @@ def _node_config(cfg: Config) -> Config:
     return Config.from_dict(data)
 
 
+class WorkData:
+    """The node's data source as the trainer sees it: step ``s`` reads the unit the work
+    queue gives this node (:meth:`~trainwright.tokenring.exchange.RingExchange.unit_for`),
+    so a dropped node's share is trained later by the others; everything else is the
+    wrapped source's."""
+
+    def __init__(self, data, exchange: RingExchange):
+        self.data, self.exchange = data, exchange
+
+    def share(self, step: int, batch_size: int, index: int, parts: int, inputs: bool,
+              targets: bool):
+        """Shard ``j`` of nominal step ``t``, the unit of ``(step, index)``."""
+        nominal, shard = self.exchange.unit_for(step)
+        return read_share(self.data, nominal, batch_size, shard, parts, inputs=inputs,
+                          targets=targets)
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)
+
+
 class RingNode:
     """One node process: model, data shard, ring, and the training loop.
 
@@ -106,6 +127,9 @@ class RingNode:
                                    mesh=Topology(pp=1, dp=1, rank=0), grad_sync=self.exchange,
                                    shard=(want, cfg.tokenring.nodes), outputs=False))
         self.params = self.trainer.stage.parameters()
+        self.trainer.data = WorkData(self.trainer.data, self.exchange)
+        self._work: dict | None = None
+        """The data assignment's state from the welcome (None: a new run's)."""
         self.ctx = zmq.Context()
         self.index = want
         self.joined: list[dict] = []
@@ -161,6 +185,7 @@ class RingNode:
         r = self.cfg.tokenring
         h, weights, early = wait_welcome(pull, r.standby_timeout_s)
         restore(self.trainer.stage.slots, weights, h.get("state"))
+        self._work = h.get("work")
         closes = {int(s): c for s, c in h["closes"].items()}
         ring = self._ring(pull, Epoch.from_json(h["ep"]), closes=closes, applied=h["applied"],
                           early=early)
@@ -186,7 +211,7 @@ class RingNode:
         applied step."""
         self.exchange.index = self.index
         self.trainer.shard = (self.index, self.cfg.tokenring.nodes)
-        self.exchange.use(ring, applied)
+        self.exchange.use(ring, applied, self._work)
         self.trainer.fit(start=applied + 1)
         return self.exchange.last_applied
 
@@ -232,10 +257,26 @@ class RingNode:
                "retransmissions": sum(g.stats.retransmissions for g in rings),
                **traffic(rings, self.exchange.steps_applied),
                "shard_samples": self.cfg.train.batch_size // self.cfg.tokenring.nodes,
+               **self._samples(),
                "members": rings[-1].epoch.order if rings else [],
                "addr": self.addr, "host": socket.gethostname(), "pid": os.getpid()}
         name = f"node{self.index}{'-restart' if self.restarted else ''}.json"
         atomic_write_text(self.run_dir / name, json.dumps(row) + "\n")
+
+    def _samples(self) -> dict:
+        """Samples this node trained, samples skipped (handed out, neither trained nor
+        waiting: 0) and waiting in the backlog when the run ended; the first node adds every
+        contributor's unit per step (``[nominal step, shard]``)."""
+        ex, shard = self.exchange, self.cfg.train.batch_size // self.cfg.tokenring.nodes
+        mine = sum(self.index in units for units in ex.trained_units.values())
+        out = {"samples_trained": mine * shard,
+               "samples_skipped": None if ex.work is None else ex.work.skipped() * shard,
+               "samples_pending": None if ex.work is None else len(ex.work.backlog) * shard,
+               "read_units": {str(s): list(u) for s, u in ex.read_units.items()}}
+        if self.rings and self.rings[-1].epoch.first() == self.index:
+            out["trained_units"] = {str(s): {str(c): list(u) for c, u in units.items()}
+                                    for s, units in ex.trained_units.items()}
+        return out
 
     def run(self) -> int:
         """The node's whole life; returns its exit code."""

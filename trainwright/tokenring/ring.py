@@ -151,6 +151,11 @@ class TokenRing:
         self._fetch_sum: list[int] = []
         self.grad_bytes = 0
         """Bytes of one gradient (this node's offers)."""
+        self._heard: dict[int, float] = {}
+        """When this node last heard from each node (any message)."""
+        self._pred: tuple[tuple[int, int], float] | None = None
+        """(epoch key, when this node started watching its predecessor in it)."""
+        self._alive_sent = float("-inf")
         """Readiness times per step and the grace they imply (:mod:`.grace`)."""
         self._early = list(early or [])
         self._ever = set(epoch.members)
@@ -381,6 +386,7 @@ class TokenRing:
         header, tensors = unpack(frames)
         src, kind = header["src"], header["t"]
         self.stats.bytes_received += sum(len(f) for f in frames)
+        self._heard[src] = self.clock()
         lost = self.links.check(header)
         if lost:
             self.stats.gaps += 1
@@ -657,10 +663,32 @@ class TokenRing:
 
     # ---------------------------------------------------------------- failures
     def _check_silence(self) -> None:
+        """Relay a quiet ring's last token; declare a silent holder or predecessor lost.
+
+        The token now visits only nodes that are ready, so a dead node that never holds it
+        would go unnoticed: every member sends its successor a few bytes (``alive``) every
+        quarter of ``token_timeout_s``, and the successor of a node silent for
+        ``token_timeout_s + succession_s`` declares it lost, as the first successor of a
+        silent holder does.
+        """
         if self.tok is None or self.total in self.closes:
             return
-        quiet = self.clock() - self._last_heard
-        T = self.times
+        T, now = self.times, self.clock()
+        order = self.epoch.order
+        if len(order) > 1 and self.index in self.epoch.members:
+            succ = self.epoch.successor(self.index)
+            if now - self._alive_sent > T.token_timeout_s / 4:
+                self._alive_sent = now
+                self._send(succ, self.epoch.members[succ], {"t": "alive"})
+            pred = order[order.index(self.index) - 1]
+            if self._pred is None or self._pred[0] != self.epoch.key:
+                self._pred = (self.epoch.key, now)
+            heard = max(self._heard.get(pred, float("-inf")), self._pred[1])
+            if pred != self.tok.holder and now - heard > announce_delay(1, T.token_timeout_s,
+                                                                        T.succession_s):
+                self._announce_lost(pred, now - heard)
+                return
+        quiet = now - self._last_heard
         if (self._last_tok is not None and not self._retx_done and quiet > T.token_timeout_s
                 and self._last_tok["ep"]["key"] == list(self.epoch.key)):
             self._retx_done = True
@@ -677,7 +705,7 @@ class TokenRing:
         new = self.epoch.without(lost, self.index)
         self.stats.events.append({"event": "lost", "node": lost, "quiet_s": round(quiet, 3),
                                   "key": list(new.key), "members": new.order, "t": time.time()})
-        log.warning("token ring node %d: holder %d silent for %.2f s; dropping it (members %s)",
+        log.warning("token ring node %d: node %d silent for %.2f s; dropping it (members %s)",
                     self.index, lost, quiet, new.order)
         if len(new.members) < self.min_nodes:
             lost_all = sorted(self._ever - set(new.members))
@@ -690,8 +718,8 @@ class TokenRing:
             return
         t = self.tok
         self.epoch = new
-        self.tok = Token(t.step, [c for c in t.contribs if c in new.members],
-                          new.successor(lost), 0, 0)
+        holder = new.successor(lost) if t.holder == lost else t.holder
+        self.tok = Token(t.step, [c for c in t.contribs if c in new.members], holder, 0, 0)
         self.links.keep_only(self.epoch.members)
         self._acted_hop = None
         self._send_token()
