@@ -546,3 +546,27 @@ def test_a_dropped_nodes_share_is_trained_by_the_others_every_sample_once(tmp_pa
     assert len(units) == len(set(units))  # no unit of any epoch twice
     assert max(t for t, _ in units) > per_epoch  # the run went past epoch 1
 
+
+@pytest.mark.timeout(30)
+def test_scale_model_against_hand_arithmetic():
+    from trainwright.tokenring.ring import CLOSE_WINDOW
+    from trainwright.tokenring.scale import ScaleModel, header_bytes, simulate
+
+    m = ScaleModel(grad_bytes=1e6, compute_s=0.1, slow_factor=3.0, alpha_s=1e-4, beta=1e9,
+                   chunk_bytes=1e5, want_bytes=0)
+    h = header_bytes(4, CLOSE_WINDOW)
+    assert 500 < h < header_bytes(8) < header_bytes(256)  # the header grows with the ring
+    ddp = simulate(m, 4, straggler=True)["torch_ddp"]
+    assert ddp["step_s"] == pytest.approx(0.3 + 6 * (1e-4 + 2.5e5 / 1e9))
+    assert ddp["busiest_bytes_over_grad"] == pytest.approx(1.5)
+    ring = simulate(m, 4, straggler=False)["tokenring"]
+    hop = 1e-4 + (1e6 + 3 * h) / 1e9
+    pass_s = (1e-4 + 3 * h / 1e9) + 1e6 / 1e9 + 3 * (1e-4 + 1e5 / 1e9)
+    assert ring["step_s"] == pytest.approx(0.1 + 3 * hop + pass_s)
+    assert ring["busiest_bytes_over_grad"] == pytest.approx((2e6 + 4 * h) / 1e6)
+    slow = simulate(m, 4, straggler=True)
+    assert slow["tokenring"]["step_s"] == pytest.approx(0.1 + 2 * hop + pass_s)  # 3 add
+    assert slow["tokenring"]["step_s"] < slow["torch_ddp"]["step_s"]
+    big = simulate(ScaleModel(grad_bytes=400e6), 256, straggler=False)
+    assert big["tokenring"]["busiest_bytes_over_grad"] <= 2.5
+    assert big["tokenring_pipelined_sum"]["step_s"] < big["tokenring"]["step_s"]
