@@ -671,10 +671,11 @@ class TokenRing:
         ``token_timeout_s + succession_s`` declares it lost, as the first successor of a
         silent holder does.
         """
-        if self.tok is None or self.total in self.closes:
+        if self.tok is None or self.status != "running":
             return
         T, now = self.times, self.clock()
         order = self.epoch.order
+        over = self.total in self.closes  # members linger (finish): only the watch goes on
         if len(order) > 1 and self.index in self.epoch.members:
             succ = self.epoch.successor(self.index)
             if now - self._alive_sent > T.token_timeout_s / 4:
@@ -684,10 +685,12 @@ class TokenRing:
             if self._pred is None or self._pred[0] != self.epoch.key:
                 self._pred = (self.epoch.key, now)
             heard = max(self._heard.get(pred, float("-inf")), self._pred[1])
-            if pred != self.tok.holder and now - heard > announce_delay(1, T.token_timeout_s,
-                                                                        T.succession_s):
+            if ((over or pred != self.tok.holder) and pred not in self._done
+                    and now - heard > announce_delay(1, T.token_timeout_s, T.succession_s)):
                 self._announce_lost(pred, now - heard)
                 return
+        if over:
+            return
         quiet = now - self._last_heard
         if (self._last_tok is not None and not self._retx_done and quiet > T.token_timeout_s
                 and self._last_tok["ep"]["key"] == list(self.epoch.key)):
