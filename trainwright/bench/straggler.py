@@ -14,7 +14,8 @@ dozens of steps. Three scenarios:
 * ``permanent``: node 3 is 3x slower in every step.
 
 Systems: ``trainwright_tokenring`` (``sync.strategy = "tokenring"``: a step closes when
-every node contributed, or ``close_grace_s`` after ``close_fraction`` of them did),
+every node contributed, or an adaptive grace, at most ``close_grace_s``, after
+``close_fraction`` of them did; a late node's share is trained in the next step),
 ``torch_ddp`` (``DistributedDataParallel`` over gloo on all four nodes) and, for
 ``permanent``, ``torch_ddp_fast_only`` (DDP on the three fast nodes, as if an operator had
 removed the slow machine; each keeps its 359-sample shard).
@@ -33,7 +34,10 @@ closed step). Every rank runs one intra-op thread.
 
 Rounds run the seven (system, scenario) runs in ABBA order
 (:func:`~trainwright.bench.paired.round_order`); each ratio is the median over rounds of
-the paired per-round ratio of times to target.
+the paired per-round ratio of times to target, and every target of :data:`TARGETS` gets a
+``judged`` block (median, 90 % interval, verdict on its far end). A run that never reaches
+the target counts at ``time_limit_s`` (its round is kept and listed). :func:`main` runs the
+4-node spec and the 8-node row (:func:`eight_node_spec`, under ``nodes_8``).
 """
 
 from __future__ import annotations
