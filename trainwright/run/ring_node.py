@@ -56,7 +56,8 @@ def traffic(rings: list[TokenRing], steps: int) -> dict:
     """Bytes this node sent and received (headers and tensors), and per applied step in
     units of one gradient: what ``bench straggler`` reports as the busiest node's load.
     Welcomes (weights and optimizer state for a joining node, once per join) are counted
-    apart and left out of the sent bytes; received bytes include them."""
+    apart and left out of the sent bytes; the received side never sees them (a joiner
+    reads its welcome before its ring starts)."""
     tensors = sum(g.links.tensor_bytes_sent for g in rings)
     sent = tensors + sum(g.links.header_bytes_sent for g in rings)
     received = sum(g.stats.bytes_received for g in rings)
