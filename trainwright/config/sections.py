@@ -312,9 +312,9 @@ class TokenRingConfig(Section):
     """T: the k-th successor of a silent holder declares it lost after
     ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""
     idle_hold_s: PositiveFloat = 0.02
-    """A holder keeps a token that went a full round without news this long, waiting for
-    its own gradient, instead of spinning the token around an idle ring; a node whose
-    gradient is ready sends a small *want* notice, and nobody keeps the token then."""
+    """No longer used by the protocol (kept so existing configs load): a holder with
+    nobody else ready now keeps the token for ``token_timeout_s / 4``, and nodes whose
+    gradient is ready say so (*want*), so the token goes straight to them."""
     close_timeout_s: PositiveFloat = 120.0
     """Deadline for a step to close and for the gradients of a closed step to arrive."""
     batch_steps: PositiveInt = 10

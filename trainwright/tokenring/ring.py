@@ -136,7 +136,6 @@ class TokenRing:
         self._admit: tuple[list[torch.Tensor], int] | None = None
         self._fetch: list[tuple[int, int]] = []
         self._done: set[int] = set()
-        self._wants: dict[int, int] = {}
         self._wanted_sent = 0
         self._finishing = self._done_sent = False
         self.close_time: dict[int, float] = {}
@@ -411,7 +410,6 @@ class TokenRing:
                     self._send(src, addr, {"t": "grad", "step": header["step"],
                                            "node": header["node"]}, have)
             elif kind == "want":
-                self._wants[src] = header["step"]
                 self.grace.ready(header["step"], src, self.clock())
             elif kind == "done":
                 self._done.add(src)
