@@ -388,7 +388,12 @@ def summarise(got: dict, spec: StragglerSpec, repeats: int) -> dict:
         out[f"ratio_{name}"] = pr["ratio"]
         out[f"ratio_{name}_paired"] = pr
         if f"ratio_{name}" in TARGETS:
-            out[f"ratio_{name}_judged"] = judged(pr["paired_ratios"], TARGETS[f"ratio_{name}"])
+            block = judged(pr["paired_ratios"], TARGETS[f"ratio_{name}"])
+            late = [r["round"] for r in pr["rounds_at_limit"] if "numerator" in r["missed"]]
+            if late:  # there the ratio is only a lower bound: an "at most" target is not shown
+                block.update(verdict="missed", why=f"{num[0]} never reached the target in "
+                             f"round(s) {late}: its ratio there is only a lower bound")
+            out[f"ratio_{name}_judged"] = block
     busiest = [v for r in rows for v in r.get("busiest_node_bytes_per_step_over_grad_rounds",
                                                 [])]
     if busiest:  # every token-ring run of every scenario and round
