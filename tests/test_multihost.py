@@ -105,9 +105,11 @@ def test_token_ring_on_two_hosts_with_two_nodes_each(tmp_path):
     assert cfg.tokenring.nodes == 4  # WORLD_SIZE
     model, _ = train_reference(cfg)
     torch.testing.assert_close(torch.load(run_dir / "model.pt"), model.state_dict())
-    # every gradient went to the two nodes on the other host: 2 nodes x 2 peers x steps
+    # the step's sum crosses between the hosts (with the token or in the closed sum's pass)
+    # at least once a step; no longer every contribution to every remote node (issue 37)
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())
-    assert all(b >= 2 * 2 * 4 * grad_bytes for b in sent), (sent, grad_bytes)
+    assert sum(sent) >= 4 * grad_bytes and all(b > 0 for b in sent), (sent, grad_bytes)
+    assert all(r["bytes_sent_per_step_over_grad"] > 0 for r in reps.values())
 
 
 @pytest.mark.timeout(600)

@@ -331,9 +331,9 @@ class TokenRingConfig(Section):
     """T: the k-th successor of a silent holder declares it lost after
     ``token_timeout_s + k * T`` of silence (staggered, so one node announces)."""
     idle_hold_s: PositiveFloat = 0.02
-    """A holder keeps a token that went a full round without news this long, waiting for
-    its own gradient, instead of spinning the token around an idle ring; a node whose
-    gradient is ready sends a small *want* notice, and nobody keeps the token then."""
+    """No longer used by the protocol (kept so existing configs load): a holder with
+    nobody else ready now keeps the token for ``token_timeout_s / 4``, and nodes whose
+    gradient is ready say so (*want*), so the token goes straight to them."""
     close_timeout_s: PositiveFloat = 120.0
     """Deadline for a step to close and for the gradients of a closed step to arrive."""
     batch_steps: PositiveInt = 10
@@ -369,10 +369,11 @@ class TokenRingConfig(Section):
     that replicas are bit-identical; costs a pass over the weights per step)."""
     close_grace_s: Annotated[NonNegativeFloat,
                              Allowed("must be >= 0 (0 = close at the fraction at once)")] = 0.05
-    """A step closes as soon as every member contributed; once the contributions meet
-    ``close_fraction`` it closes after this many more seconds even without the rest, so a
-    node that is only a little late is not thrown away (0 = close at the fraction at once,
-    the token ring's plain rule). Set it to a small share of a step's compute time."""
+    """The longest grace: a step closes as soon as every member contributed; once the
+    contributions meet ``close_fraction`` it waits for the rest twice the on-time nodes'
+    measured arrival spread (median of recent steps), at most this many seconds, and never
+    cuts off a node that said its gradient is ready (0 = close at the fraction at once, the
+    token ring's plain rule). Before any step was measured the grace is this cap."""
     slow_probability: Annotated[UNIT, Allowed("must be in [0, 1] (0 = no transient "
                                               "stragglers)")] = 0.0
     """Emulation (benchmarks): in every step every node is independently ``slow_factor``

@@ -31,6 +31,7 @@ from torch import nn
 from trainwright.config import Config, load_config
 from trainwright.dist.topology import Topology
 from trainwright.errors import CommError
+from trainwright.model.text_data import read_share
 from trainwright.observe.telemetry import atomic_write_text
 from trainwright.run.records import NodeRecords
 from trainwright.run.trainer import Trainer, TrainerOptions
@@ -54,6 +55,27 @@ def _times(cfg: Config) -> RingTimes:
                      close_grace_s=r.close_grace_s)
 
 
+def traffic(rings: list[TokenRing], steps: int) -> dict:
+    """Bytes this node sent and received (headers and tensors), and per applied step in
+    units of one gradient: what ``bench straggler`` reports as the busiest node's load.
+    Welcomes (weights and optimizer state for a joining node, once per join) are counted
+    apart and left out of the sent bytes; the received side never sees them (a joiner
+    reads its welcome before its ring starts)."""
+    tensors = sum(g.links.tensor_bytes_sent for g in rings)
+    sent = tensors + sum(g.links.header_bytes_sent for g in rings)
+    received = sum(g.stats.bytes_received for g in rings)
+    grad = max((g.grad_bytes for g in rings), default=0)
+    per = (lambda b: round(b / steps / grad, 4)) if steps and grad else (lambda b: None)
+    return {"bytes_sent": sent, "bytes_received": received, "grad_bytes": grad,
+            "tensor_bytes_sent": tensors, "steps_applied": steps,
+            "welcome_bytes_sent": sum(g.links.welcome_bytes_sent for g in rings),
+            "bytes_sent_per_step_over_grad": per(sent),
+            "tensor_bytes_sent_per_step_over_grad": per(tensors),
+            "bytes_received_per_step_over_grad": per(received),
+            "sums_rebuilt": sum(g.stats.rebuilt for g in rings),
+            "running_sums_dropped": sum(g.stats.dropped_sums for g in rings)}
+
+
 def _node_config(cfg: Config) -> Config:
     """The trainer's view of a node: the whole model as one stage, the node's shard as one
     micro-batch (``train.micro_batches`` is the pipeline's)."""
@@ -61,6 +83,26 @@ def _node_config(cfg: Config) -> Config:
     data["train"]["micro_batches"] = 1
     data["parallel"].update(pp=1, dp=1, partition=[])
     return Config.from_dict(data)
+
+
+class WorkData:
+    """The node's data source as the trainer sees it: step ``s`` reads the unit the work
+    queue gives this node (:meth:`~trainwright.tokenring.exchange.RingExchange.unit_for`),
+    so a dropped node's share is trained later by the others; everything else is the
+    wrapped source's."""
+
+    def __init__(self, data, exchange: RingExchange):
+        self.data, self.exchange = data, exchange
+
+    def share(self, step: int, batch_size: int, index: int, parts: int, inputs: bool,
+              targets: bool):
+        """Shard ``j`` of nominal step ``t``, the unit of ``(step, index)``."""
+        nominal, shard = self.exchange.unit_for(step)
+        return read_share(self.data, nominal, batch_size, shard, parts, inputs=inputs,
+                          targets=targets)
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)
 
 
 class RingNode:
@@ -89,6 +131,9 @@ class RingNode:
                                    mesh=Topology(pp=1, dp=1, rank=0), grad_sync=self.exchange,
                                    shard=(want, cfg.tokenring.nodes), outputs=False))
         self.params = self.trainer.stage.parameters()
+        self.trainer.data = WorkData(self.trainer.data, self.exchange)
+        self._work: dict | None = None
+        """The data assignment's state from the welcome (None: a new run's)."""
         # the host reports the run as a pipeline's rank 0 does: metrics, progress, report
         self.records = (NodeRecords(cfg, run_dir, self.trainer)
                         if role == "host" and not restarted else None)
@@ -147,6 +192,7 @@ class RingNode:
         r = self.cfg.tokenring
         h, weights, early = wait_welcome(pull, r.standby_timeout_s)
         restore(self.trainer.stage.slots, weights, h.get("state"))
+        self._work = h.get("work")
         closes = {int(s): c for s, c in h["closes"].items()}
         ring = self._ring(pull, Epoch.from_json(h["ep"]), closes=closes, applied=h["applied"],
                           early=early)
@@ -172,7 +218,7 @@ class RingNode:
         applied step."""
         self.exchange.index = self.index
         self.trainer.shard = (self.index, self.cfg.tokenring.nodes)
-        self.exchange.use(ring, applied)
+        self.exchange.use(ring, applied, self._work)
         self.trainer.fit(start=applied + 1,
                          on_step=self.records.step if self.records is not None else None)
         return self.exchange.last_applied
@@ -217,11 +263,28 @@ class RingNode:
                "gaps": sum(g.stats.gaps for g in rings),
                "fetches": sum(g.stats.fetches for g in rings),
                "retransmissions": sum(g.stats.retransmissions for g in rings),
+               **traffic(rings, self.exchange.steps_applied),
                "shard_samples": self.cfg.train.batch_size // self.cfg.tokenring.nodes,
+               **self._samples(),
                "members": rings[-1].epoch.order if rings else [],
                "addr": self.addr, "host": socket.gethostname(), "pid": os.getpid()}
         name = f"node{self.index}{'-restart' if self.restarted else ''}.json"
         atomic_write_text(self.run_dir / name, json.dumps(row) + "\n")
+
+    def _samples(self) -> dict:
+        """Samples this node trained, samples skipped (handed out, neither trained nor
+        waiting: 0) and waiting in the backlog when the run ended; the first node adds every
+        contributor's unit per step (``[nominal step, shard]``)."""
+        ex, shard = self.exchange, self.cfg.train.batch_size // self.cfg.tokenring.nodes
+        mine = sum(self.index in units for units in ex.trained_units.values())
+        out = {"samples_trained": mine * shard,
+               "samples_skipped": None if ex.work is None else ex.work.skipped() * shard,
+               "samples_pending": None if ex.work is None else len(ex.work.backlog) * shard,
+               "read_units": {str(s): list(u) for s, u in ex.read_units.items()}}
+        if self.rings and self.rings[-1].epoch.first() == self.index:
+            out["trained_units"] = {str(s): {str(c): list(u) for c, u in units.items()}
+                                    for s, units in ex.trained_units.items()}
+        return out
 
     def run(self) -> int:
         """The node's whole life; returns its exit code."""

@@ -25,8 +25,9 @@ import torch
 from trainwright.config import TokenRingConfig
 from trainwright.dist.faults import ring_fault
 from trainwright.sync.base import GradSync, LayerOptimizers, WeightUpdate
-from trainwright.tokenring.ring import TokenRing, sum_canonical
+from trainwright.tokenring.ring import TokenRing
 from trainwright.tokenring.state import snapshot
+from trainwright.tokenring.work import Unit, WorkQueue
 
 __all__ = ["RingExchange", "RingUpdate", "param_hash", "transient_slow", "is_slow"]
 
@@ -77,6 +78,8 @@ class RingExchange(GradSync):
         self.hashes: dict[int, str] = {}
         """Parameter hash after every applied step (``tokenring.record_hashes``)."""
         self.last_applied = 0
+        self.steps_applied = 0
+        """Steps this process applied (the denominator of its bytes per step)."""
         self._step, self._t0 = 0, 0.0
         self._computes: list[float] = []
         self.step_start: dict[int, float] = {}
@@ -85,10 +88,29 @@ class RingExchange(GradSync):
         """Wall time at which each step's update was applied here."""
         self.snapshots: list[dict] = []
         """With ``record_weights``: ``{"step", "params"}`` after every applied step."""
+        self.work: WorkQueue | None = None
+        """Which unit of data each node trains in each step (:mod:`.work`)."""
+        self.trained_units: dict[int, dict[int, Unit]] = {}
+        """Per applied step: the unit each contributor trained."""
+        self.read_units: dict[int, Unit] = {}
+        """Per step this node computed: the unit it read."""
 
-    def use(self, ring: TokenRing, applied: int) -> None:
-        """Exchange through ``ring`` from now on (after formation or a rejoin)."""
+    def use(self, ring: TokenRing, applied: int, work: dict | None = None) -> None:
+        """Exchange through ``ring`` from now on (after formation or a rejoin); ``work``: the
+        data assignment's state after ``applied`` (from a welcome; None: a new run's)."""
         self.ring, self.last_applied = ring, applied
+        self.work = (WorkQueue(self.cfg.nodes, applied) if work is None
+                     else WorkQueue.from_json(work))
+
+    def unit_for(self, step: int) -> Unit:
+        """The ``(nominal step, shard)`` this node trains in ``step`` (every close before
+        ``step`` applied, so every node computes the same assignment)."""
+        if self.work.step != step - 1:
+            raise RuntimeError(f"token ring node {self.index}: data of step {step} asked with "
+                               f"the closes applied through step {self.work.step}")
+        unit = self.work.assignment()[self.index]
+        self.read_units[step] = unit
+        return unit
 
     @property
     def _slow(self) -> bool:
@@ -136,15 +158,17 @@ class RingExchange(GradSync):
         return self.last_applied
 
     def apply(self, step: int, layers: LayerOptimizers) -> None:
-        """``p.grad = sum / n`` over the step's contributors, then every layer's optimizer
-        (any ``torch.optim`` optimizer: the ring only decides what goes into ``p.grad``)."""
+        """``p.grad = sum / n`` (the step's closed sum, ``n`` its contributors), then every
+        layer's optimizer (any ``torch.optim`` optimizer: the ring only decides what goes
+        into ``p.grad``)."""
         ring = self.ring
         contributors = ring.close_of(step)
-        acc = sum_canonical(ring.gradients(step, contributors))
+        total = ring.summed(step, contributors)
         slots = layers.stage.slots
         params = [p for slot in slots for p in slot.module.parameters()]
-        for p, a in zip(params, acc, strict=True):
-            p.grad = a.div_(len(contributors))
+        for p, a in zip(params, total, strict=True):
+            p.grad = a / len(contributors)  # a new tensor: the ring keeps the sum to serve
+        self.trained_units[step] = self.work.close(step, contributors)
         layers.step()
         if self.cfg.record_hashes:
             self.hashes[step] = param_hash(params)
@@ -152,10 +176,12 @@ class RingExchange(GradSync):
         if self.cfg.record_weights:
             self.snapshots.append({"step": step, "params": [p.detach().clone() for p in params]})
         self.last_applied = step
+        self.steps_applied += 1
         every = self.cfg.batch_steps
         if ring.wants_weights(step, every):  # admitting: parameters and optimizer state
             tensors, skeleton = snapshot(slots)
-            ring.note_applied(step, tensors, every, extra={"state": skeleton})
+            ring.note_applied(step, tensors, every, extra={"state": skeleton,
+                                                           "work": self.work.to_json()})
         else:
             ring.note_applied(step, None, every)
         if self.on_applied is not None:

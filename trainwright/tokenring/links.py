@@ -29,6 +29,11 @@ class Links:
         self._push: dict[int, tuple[str, zmq.Socket]] = {}
         self._seq_out: dict[int, int] = {}
         self._seq_in: dict[tuple[int, int], int] = {}
+        self.tensor_bytes_sent = 0
+        """Tensor bytes sent in the protocol's messages (welcomes excluded: one-off)."""
+        self.header_bytes_sent = 0
+        self.welcome_bytes_sent = 0
+        """Weights and optimizer state sent to nodes joining (once per join, not per step)."""
 
     def _sock(self, idx: int, addr: str) -> zmq.Socket:
         have = self._push.get(idx)
@@ -50,6 +55,12 @@ class Links:
         self._seq_out[idx] += 1
         frames = pack({**header, "src": self.index, "inc": self.inc,
                        "sq": self._seq_out[idx]}, list(tensors))
+        if header["t"] == "welcome":
+            self.welcome_bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes
+                                           for f in frames)
+        else:
+            self.tensor_bytes_sent += sum(f.nbytes for f in frames[1:])
+            self.header_bytes_sent += len(frames[0])
         sock.send_multipart(frames, copy=False)
 
     def broadcast(self, members: dict[int, str], header: dict,

@@ -1,22 +1,34 @@
-"""Token-ring gradient exchange: the token, broadcasts, step closing, receiver thread.
+"""Token-ring gradient exchange: the token and its running sum, step closing, the closed
+sum's pass, receiver thread.
 
-A token circulates over the ring members. Only its holder broadcasts: a holder whose
-gradient for the token's step is ready sends it to every member as raw tensor frames and
-adds itself to the token's contributions; a holder not ready passes the token at once.
-When every member has contributed, the holder closes the step at once; when the
-contributions cover ``close_fraction`` of the members (the plain rule: the floor), it closes
-it once ``close_grace_s`` has passed since that quorum, so a node only a little late is not
-thrown away:
-``close(step, contributors)`` travels inside every later token (a window of recent closes),
-so a node that misses one message still learns every close. Every node applies exactly the
-listed contributors, summed in index order, ``w <- w - lr * sum / n``: replicas stay
-bit-identical. A background thread (:class:`TokenRing`) does all of this while the trainer
-computes; the trainer only offers gradients and waits for closes.
+A token circulates over the ring members and carries the open step's **running sum**: a
+holder whose gradient for the token's step is ready adds it to the sum (``sum + g``, in the
+token's order) and appends itself to the token's contributions; a holder not ready passes
+the token on, or keeps it (with its sum) while nobody else is ready. Every node announces
+when its gradient is ready (``want``, a few bytes), and a holder hands the token straight
+to a ready node, so the sum only travels to nodes that add to it. When every member has
+contributed, the holder closes the step at once; when the contributions cover
+``close_fraction`` of the members, it closes it once the adaptive grace
+(:mod:`~trainwright.tokenring.grace`) has passed with no ready node still missing.
+The closer then sends the closed sum around the ring in pipelined chunks
+(:mod:`~trainwright.tokenring.sumpass`): each member forwards each chunk once. A node thus
+sends about two gradients per step (the sum once with the token, once in the pass), not
+``n - 1`` copies of its own as the original design's broadcast did.
+
+``close(step, contributors)`` travels inside every later token message (a window of recent
+closes), so a node that misses one message still learns every close. Every node applies the
+same closed sum, ``w <- w - lr * sum / n``: replicas stay bit-identical. A background
+thread (:class:`TokenRing`) does all of this while the trainer computes; the trainer only
+offers gradients and waits for closes.
 
 Transport (no silent loss): :class:`~trainwright.tokenring.links.Links` (one queued link per
-peer, per-link sequence numbers, so a gap is detected and counted); a gradient that a close
-lists but that has not arrived is fetched again from the members that hold it. Token
-messages are sent to every member, so everyone knows the holder and when the ring went quiet.
+peer, per-link sequence numbers, so a gap is detected and counted). A closed sum that has
+not arrived is fetched from any member that has it; if nobody has it (its closer died
+before its pass), it is rebuilt from the contributions, which every contributor keeps, in
+the close's order (:func:`~trainwright.tokenring.sumpass.fold`: bit for bit the token's sum).
+A running sum lost with a dead holder is dropped and its contributors add again when the
+token reaches them: their offers stand until the step closes. Token headers go to every
+member, so everyone knows the holder and when the ring went quiet.
 """
 
 from __future__ import annotations
@@ -31,8 +43,17 @@ import torch
 import zmq
 
 from trainwright.errors import CommError
+from trainwright.tokenring.grace import AdaptiveGrace
 from trainwright.tokenring.links import Links
 from trainwright.tokenring.membership import Epoch, Rendezvous, announce_delay, ring_distance
+from trainwright.tokenring.sumpass import (
+    CHUNK_BYTES,
+    SumAssembly,
+    chunk_plan,
+    chunk_tensor,
+    fold,
+    layout_of,
+)
 from trainwright.tokenring.token import (
     RingFailed,
     RingLeft,
@@ -60,6 +81,11 @@ class _Stats:
     gaps: int = 0
     fetches: int = 0
     retransmissions: int = 0
+    bytes_received: int = 0
+    rebuilt: int = 0
+    """Closed sums rebuilt from the contributions (their closer died before its pass)."""
+    dropped_sums: int = 0
+    """Running sums lost with a dead holder (their contributors added again)."""
 
 
 class TokenRing:
@@ -110,12 +136,26 @@ class TokenRing:
         self._admit: tuple[list[torch.Tensor], int] | None = None
         self._fetch: list[tuple[int, int]] = []
         self._done: set[int] = set()
-        self._wants: dict[int, int] = {}
         self._wanted_sent = 0
         self._finishing = self._done_sent = False
         self.close_time: dict[int, float] = {}
         self._quorum_at: dict[int, float] = {}
         """Per step: when this node first saw its contributions reach the fraction rule."""
+        self.grace = AdaptiveGrace(times.close_grace_s)
+        self.sums: dict[int, list[torch.Tensor]] = {}
+        """Closed steps' sums (received in the pass, or closed here)."""
+        self._asm: dict[int, SumAssembly] = {}
+        self._acc: tuple[int, tuple[int, ...], list[torch.Tensor]] | None = None
+        """The running sum this node holds: (step, contributors in order, tensors)."""
+        self._fetch_sum: list[int] = []
+        self.grad_bytes = 0
+        """Bytes of one gradient (this node's offers)."""
+        self._heard: dict[int, float] = {}
+        """When this node last heard from each node (any message)."""
+        self._pred: tuple[tuple[int, int], float] | None = None
+        """(epoch key, when this node started watching its predecessor in it)."""
+        self._alive_sent = float("-inf")
+        """Readiness times per step and the grace they imply (:mod:`.grace`)."""
         self._early = list(early or [])
         self._ever = set(epoch.members)
         self._stop = threading.Event()
@@ -130,6 +170,8 @@ class TokenRing:
         """Make this node's gradient of ``step`` available; it is sent when the token comes."""
         with self.cv:
             self._offer = (step, grads)
+            self.grad_bytes = sum(g.nelement() * g.element_size() for g in grads)
+            self.grace.ready(step, self.index, self.clock())
 
     def closed(self, step: int) -> bool:
         """Whether ``step`` has closed."""
@@ -178,28 +220,34 @@ class TokenRing:
         with self.cv:
             return list(self.closes[step])
 
-    def gradients(self, step: int, contributors: list[int]) -> dict[int, list[torch.Tensor]]:
-        """Wait for every listed gradient of ``step``, fetching missing ones again.
+    def summed(self, step: int, contributors: list[int]) -> list[torch.Tensor]:
+        """Wait for the closed sum of ``step`` (fetching it, or rebuilding it from the
+        ``contributors``' gradients, if its pass does not bring it).
 
         Raises:
-            CommError: some are still missing after ``close_timeout_s``.
+            CommError: neither arrived after ``close_timeout_s``.
         """
         end = self.clock() + self.times.close_timeout_s
-        want = [(step, c) for c in contributors]
         with self.cv:
             while True:
-                missing = [k for k in want if k not in self.grads]
-                if not missing:
-                    return {c: self.grads[(step, c)] for c in contributors}
+                if step in self.sums:
+                    return self.sums[step]
+                if all((step, c) in self.grads for c in contributors):
+                    self.sums[step] = fold([self.grads[(step, c)] for c in contributors])
+                    self.stats.rebuilt += 1
+                    return self.sums[step]
                 self._raise_status()
                 left = end - self.clock()
                 if left <= 0:
-                    raise CommError(f"token ring node {self.index}: gradients of step {step} "
-                                    f"from node(s) {[c for _, c in missing]} never arrived "
-                                    f"(closed with {contributors}); no member could resend them")
+                    missing = [c for c in contributors if (step, c) not in self.grads]
+                    raise CommError(f"token ring node {self.index}: the sum of step {step} "
+                                    f"(closed with {contributors}) never arrived, and no member "
+                                    f"resent the gradients of node(s) {missing} to rebuild it")
                 if not self.cv.wait(min(left, self.times.fetch_after_s)):
-                    self._fetch.extend(missing)
-                    self.stats.fetches += len(missing)
+                    self._fetch_sum.append(step)
+                    self._fetch.extend((step, c) for c in contributors
+                                       if (step, c) not in self.grads)
+                    self.stats.fetches += 1
 
     def note_applied(self, step: int, weights: list[torch.Tensor] | None = None,
                      admit_every: int = 0, extra: dict | None = None) -> None:
@@ -210,6 +258,10 @@ class TokenRing:
             self.applied = step
             for key in [k for k in self.grads if k[0] <= step - RETAIN_STEPS]:
                 del self.grads[key]
+            for old in [k for k in self.sums if k <= step - RETAIN_STEPS]:
+                del self.sums[old]
+            for old in [k for k in self._asm if k <= step]:
+                del self._asm[old]
             if (weights is not None and admit_every and step % admit_every == 0
                     and step < self.total and self.rdzv is not None
                     and self.epoch.first() == self.index and self.rdzv.standby):
@@ -262,8 +314,14 @@ class TokenRing:
                 "retx": retx}
 
     def _send_token(self) -> None:
+        """The token header to every member; the running sum only to the next holder."""
         header = self._tok_header()
-        self._broadcast(header)
+        t, acc = self.tok, self._acc
+        carry = (acc[2] if t.contribs and acc is not None
+                 and acc[:2] == (t.step, tuple(t.contribs)) else [])
+        for i, addr in self.epoch.members.items():
+            if i != self.index:
+                self._send(i, addr, header, carry if i == t.holder else ())
         self._last_tok = header
         self._retx_done = False
         self._last_heard = self.clock()
@@ -299,6 +357,10 @@ class TokenRing:
 
     def _serve(self) -> None:
         """Periodic work under the lock: fetches, done notices, holding, time-outs."""
+        if self._fetch_sum:
+            wanted, self._fetch_sum = self._fetch_sum, []
+            for step in set(wanted):
+                self._broadcast({"t": "fetch", "step": step, "node": -1})
         if self._fetch:
             wanted, self._fetch = self._fetch, []
             for step, c in set(wanted):
@@ -310,8 +372,9 @@ class TokenRing:
             return
         offer, t = self._offer, self.tok
         if (offer is not None and t is not None and offer[0] > self._wanted_sent
-                and t.holder != self.index and offer[0] == t.step):
-            # tell the ring a gradient waits, so that holders stop keeping an idle token
+                and offer[0] == t.step):
+            # tell the ring a gradient is ready: holders stop keeping an idle token, nobody
+            # closes the step without it, and every member measures the arrival spread
             self._wanted_sent = offer[0]
             self._broadcast({"t": "want", "step": offer[0]})
         if t is not None and t.holder == self.index:
@@ -321,6 +384,8 @@ class TokenRing:
     def _handle(self, frames: list) -> None:
         header, tensors = unpack(frames)
         src, kind = header["src"], header["t"]
+        self.stats.bytes_received += sum(len(f) for f in frames)
+        self._heard[src] = self.clock()
         lost = self.links.check(header)
         if lost:
             self.stats.gaps += 1
@@ -329,8 +394,15 @@ class TokenRing:
         with self.cv:
             if kind == "grad":
                 self._on_grad(header, tensors)
+            elif kind == "sum":
+                self._on_chunk(header, tensors)
             elif kind == "tok":
-                self._on_tok(header)
+                self._on_tok(header, tensors)
+            elif kind == "fetch" and header["node"] < 0:
+                have = self.sums.get(header["step"])
+                addr = self.epoch.members.get(src)
+                if have is not None and addr is not None:
+                    self._pass_sum(header["step"], have, to=(src, addr), origin=-1)
             elif kind == "fetch":
                 have = self.grads.get((header["step"], header["node"]))
                 addr = self.epoch.members.get(src)
@@ -338,7 +410,7 @@ class TokenRing:
                     self._send(src, addr, {"t": "grad", "step": header["step"],
                                            "node": header["node"]}, have)
             elif kind == "want":
-                self._wants[src] = header["step"]
+                self.grace.ready(header["step"], src, self.clock())
             elif kind == "done":
                 self._done.add(src)
             elif kind == "fail":
@@ -379,7 +451,32 @@ class TokenRing:
                 self.close_time[s] = time.time()
         return True
 
-    def _on_tok(self, h: dict) -> None:
+    def _pass_sum(self, step: int, tensors: list[torch.Tensor], to: tuple[int, str],
+                  origin: int) -> None:
+        """Send ``step``'s sum to ``to`` in chunks; ``origin`` (the closer) ends the pass
+        (-1: a fetch's answer, not forwarded)."""
+        layout = layout_of(tensors)
+        for k, piece in enumerate(chunk_plan(layout, CHUNK_BYTES)):
+            self._send(*to, {"t": "sum", "step": step, "k": k, "origin": origin,
+                             "layout": layout}, [chunk_tensor(tensors, piece)])
+
+    def _on_chunk(self, h: dict, tensors: list[torch.Tensor]) -> None:
+        """A chunk of a closed sum: store it, forward it to the successor (unless the pass
+        ends there), and publish the sum once complete."""
+        step, k, origin = h["step"], h["k"], h["origin"]
+        if step in self.sums or step <= self.applied:
+            return
+        asm = self._asm.setdefault(step, SumAssembly(h["layout"], CHUNK_BYTES))
+        if not asm.add(k, tensors[0]):
+            return
+        nxt = self.epoch.successor(self.index)
+        if origin >= 0 and nxt != origin and nxt != self.index and nxt in self.epoch.members:
+            self._send(nxt, self.epoch.members[nxt], h, tensors)
+        if asm.complete:
+            self.sums[step] = asm.tensors
+            del self._asm[step]
+
+    def _on_tok(self, h: dict, tensors: list[torch.Tensor] = ()) -> None:
         ep = Epoch.from_json(h["ep"])
         if ep.key < self.epoch.key:
             if h["src"] not in self.epoch.members:  # a dropped node still talking: tell it
@@ -405,6 +502,7 @@ class TokenRing:
             self._last_heard = self.clock()
             self._merge_closes(h["closes"])
             self._keep_for_relay(h)
+            self._take_sum(tok, tensors)
             return
         if self.tok is not None and tok.hop <= self.tok.hop:
             return  # a retransmission we already acted on
@@ -413,7 +511,13 @@ class TokenRing:
         self.tok = tok
         self._last_heard = self.clock()
         self._keep_for_relay(h)
+        self._take_sum(tok, tensors)
         self._may_close(tok)  # starts this node's grace clock once the quorum is reached
+
+    def _take_sum(self, tok: Token, tensors: list[torch.Tensor]) -> None:
+        """Keep the running sum that came with a token this node now holds."""
+        if tok.holder == self.index and tok.contribs and tensors:
+            self._acc = (tok.step, tuple(tok.contribs), tensors)
 
     def _keep_for_relay(self, h: dict) -> None:
         """Keep a received token message to send on once if the ring goes quiet.
@@ -430,56 +534,115 @@ class TokenRing:
 
     # ---------------------------------------------------------------- holder
     def _act(self) -> None:
+        """The holder's turn: add this node's gradient to the running sum if ready; close the
+        step if the rule allows; else hand the token to a ready node, or keep it (and its
+        sum) while nobody is ready, sending it on after a quarter of ``token_timeout_s`` so
+        the others keep hearing from the ring."""
         t = self.tok
         if t.step > self.total:
             return  # the run is over: the token stops here
         me = (self.epoch.key, t.hop)
         if self._acted_hop != me:
             self._acted_hop, self._hold_since = me, self.clock()
+        self._check_carry(t)
         offer = self._offer
         if offer is not None and offer[0] == t.step and self.index not in t.contribs:
             step, grads = offer
             self.grads[(step, self.index)] = grads
-            self._broadcast({"t": "grad", "step": step, "node": self.index}, grads)
+            base = self._acc[2] if t.contribs else None
+            acc = list(grads) if base is None else [a + g for a, g in zip(base, grads,
+                                                                           strict=True)]
             t.contribs.append(self.index)
+            self._acc = (t.step, tuple(t.contribs), acc)
             t.idle = 0
-            self.stats.contributed.append(step)
-        elif (t.idle >= len(self.epoch.members) and not self._wanted(t)
-              and not self._may_close(t)
-              and self.clock() - self._hold_since < self.times.idle_hold_s):
-            return  # an idle ring that nobody waits for: keep the token rather than spin it
-        else:
-            t.idle += 1
+            if step not in self.stats.contributed:
+                self.stats.contributed.append(step)
         if self._may_close(t):
-            self.closes[t.step] = sorted(t.contribs)
-            self.close_time[t.step] = time.time()
-            t.step, t.contribs, t.idle = t.step + 1, [], 0
-            self.cv.notify_all()
+            self._close(t)
+            ready = self._ready_missing(t)
+            nxt = ready[0] if ready else self.index
+        else:
+            ready = self._ready_missing(t)
+            if ready:
+                nxt = ready[0]
+            elif self.clock() - self._hold_since < self._hold_limit(t):
+                return  # nobody else ready: keep the token (and its sum) here
+            else:
+                nxt = self.epoch.successor(self.index)
+                t.idle += 1
         if self._admit is not None:
             self._admit_standby()
-        t.holder = self.epoch.successor(self.index)
+            if nxt not in self.epoch.members:
+                nxt = self.epoch.successor(self.index)
+        t.holder = nxt
         t.hop += 1
         self._send_token()
 
+    def _hold_limit(self, t: Token) -> float:
+        """How long a holder with nobody else ready keeps the token before sending it on:
+        ready nodes say so (``want``), so passing it sooner finds nobody; a quarter of
+        ``token_timeout_s`` keeps the others hearing from the ring well inside the time-out
+        after which they would presume the holder lost."""
+        return self.times.token_timeout_s / 4
+
+    def _ready_missing(self, t: Token) -> list[int]:
+        """Members (other than this node) that said their gradient of the token's step is
+        ready and are not in its sum yet, nearest first in ring order."""
+        order = self.epoch.order
+        ready = [m for m in order if m != self.index and m not in t.contribs
+                 and self.grace.is_ready(t.step, m)]
+        return sorted(ready, key=lambda m: ring_distance(order, self.index, m))
+
+    def _check_carry(self, t: Token) -> None:
+        """A token whose running sum did not reach this holder (its holder died, or a relay
+        or a new epoch's announcement carried the header only) restarts the step's sum:
+        the contributors' offers stand, so they add again when the token comes."""
+        if t.contribs and (self._acc is None or self._acc[:2] != (t.step, tuple(t.contribs))):
+            log.warning("token ring node %d: the running sum of step %d (contributions %s) "
+                        "did not reach this holder; the step's sum starts again", self.index,
+                        t.step, t.contribs)
+            self.stats.dropped_sums += 1
+            t.contribs = []
+            self._acc = None
+
+    def _close(self, t: Token) -> None:
+        """Close the token's step with its running sum, start the sum's pass, open the next
+        step."""
+        total = self._acc[2]
+        self.closes[t.step] = list(t.contribs)
+        self.close_time[t.step] = time.time()
+        self.sums[t.step] = total
+        nxt = self.epoch.successor(self.index)
+        if nxt != self.index:
+            self._pass_sum(t.step, total, to=(nxt, self.epoch.members[nxt]), origin=self.index)
+        t.step, t.contribs, t.idle = t.step + 1, [], 0
+        self._acc = None
+        self.cv.notify_all()
+
     def _may_close(self, t: Token) -> bool:
-        """The close rule: every member contributed, or the contributions met the fraction
-        rule (the floor) at least ``close_grace_s`` ago, so that a node only a little later
-        than the others is not thrown away. The grace runs on each node's own clock from
-        when it first saw the quorum (no clock agreement between hosts needed)."""
+        """The close rule: every member contributed; or the contributions met the fraction
+        rule (the floor), no member that said its gradient is ready is still missing, and
+        the adaptive grace (:mod:`~trainwright.tokenring.grace`: twice the on-time nodes'
+        arrival spread, at most ``close_grace_s``) has passed since the quorum, so that a
+        node only a little later than the others is not thrown away. The grace runs on
+        each node's own clock from when it first saw the quorum (no clock agreement
+        between hosts needed)."""
         members = len(self.epoch.members)
+        now = self.clock()
+        needed = contributors_needed(self.close_fraction, members)
+        if len(t.contribs) < needed:
+            return False
+        self.grace.measure(t.step, needed)
         if len(t.contribs) >= members:
             return True
-        if len(t.contribs) < contributors_needed(self.close_fraction, members):
-            return False
-        since = self._quorum_at.setdefault(t.step, self.clock())
+        since = self._quorum_at.setdefault(t.step, now)
+        if any(self.grace.is_ready(t.step, m) for m in self.epoch.members
+               if m not in t.contribs):
+            return False  # ready, its contribution on its way: never cut off
         for old in [k for k in self._quorum_at if k < t.step - CLOSE_WINDOW]:
             del self._quorum_at[old]
-        return self.clock() - since >= self.times.close_grace_s
-
-    def _wanted(self, t: Token) -> bool:
-        """Whether a member said its gradient for the token's step is ready."""
-        return any(step == t.step and node not in t.contribs and node in self.epoch.members
-                   for node, step in self._wants.items())
+        self.grace.forget(t.step - CLOSE_WINDOW)
+        return now - since >= self.grace.grace_s()
 
     def _admit_standby(self) -> None:
         weights, step, extra = self._admit
@@ -498,10 +661,35 @@ class TokenRing:
 
     # ---------------------------------------------------------------- failures
     def _check_silence(self) -> None:
-        if self.tok is None or self.total in self.closes:
+        """Relay a quiet ring's last token; declare a silent holder or predecessor lost.
+
+        The token now visits only nodes that are ready, so a dead node that never holds it
+        would go unnoticed: every member sends its successor a few bytes (``alive``) every
+        quarter of ``token_timeout_s``, and the successor of a node silent for
+        ``token_timeout_s + succession_s`` declares it lost, as the first successor of a
+        silent holder does.
+        """
+        if self.tok is None or self.status != "running":
             return
-        quiet = self.clock() - self._last_heard
-        T = self.times
+        T, now = self.times, self.clock()
+        order = self.epoch.order
+        over = self.total in self.closes  # members linger (finish): only the watch goes on
+        if len(order) > 1 and self.index in self.epoch.members:
+            succ = self.epoch.successor(self.index)
+            if now - self._alive_sent > T.token_timeout_s / 4:
+                self._alive_sent = now
+                self._send(succ, self.epoch.members[succ], {"t": "alive"})
+            pred = order[order.index(self.index) - 1]
+            if self._pred is None or self._pred[0] != self.epoch.key:
+                self._pred = (self.epoch.key, now)
+            heard = max(self._heard.get(pred, float("-inf")), self._pred[1])
+            if ((over or pred != self.tok.holder) and pred not in self._done
+                    and now - heard > announce_delay(1, T.token_timeout_s, T.succession_s)):
+                self._announce_lost(pred, now - heard)
+                return
+        if over:
+            return
+        quiet = now - self._last_heard
         if (self._last_tok is not None and not self._retx_done and quiet > T.token_timeout_s
                 and self._last_tok["ep"]["key"] == list(self.epoch.key)):
             self._retx_done = True
@@ -518,7 +706,7 @@ class TokenRing:
         new = self.epoch.without(lost, self.index)
         self.stats.events.append({"event": "lost", "node": lost, "quiet_s": round(quiet, 3),
                                   "key": list(new.key), "members": new.order, "t": time.time()})
-        log.warning("token ring node %d: holder %d silent for %.2f s; dropping it (members %s)",
+        log.warning("token ring node %d: node %d silent for %.2f s; dropping it (members %s)",
                     self.index, lost, quiet, new.order)
         if len(new.members) < self.min_nodes:
             lost_all = sorted(self._ever - set(new.members))
@@ -531,8 +719,8 @@ class TokenRing:
             return
         t = self.tok
         self.epoch = new
-        self.tok = Token(t.step, [c for c in t.contribs if c in new.members],
-                          new.successor(lost), 0, 0)
+        holder = new.successor(lost) if t.holder == lost else t.holder
+        self.tok = Token(t.step, [c for c in t.contribs if c in new.members], holder, 0, 0)
         self.links.keep_only(self.epoch.members)
         self._acted_hop = None
         self._send_token()
