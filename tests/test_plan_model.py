@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import check_against_reference, run_dir_from_stdout
+from trainwright.bench.plan_pick import GPT2, LLAMA_8B
 from trainwright.config import Config
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
@@ -59,12 +60,6 @@ def test_permuted_mapping_trains_equal_to_reference(tiny):
         assert _run_row(run_dir)["mapping"] == order
 
 
-LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-            "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False}
-GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768,
-        "n_head": 12, "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}
 
 
 @pytest.mark.slow

@@ -134,11 +134,12 @@ def test_tokenring_config_errors(tmp_path):
         ring_cfg(tmp_path, **{"tokenring.slow_probability": 1.5})
 
 
-@pytest.mark.timeout(30)
-def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
+def _four_node_ring(close_grace_s: float):
+    """Node 0 of a 4-node ring that never connects (its peers' addresses are unused), on a
+    fake clock: ``(ctx, pull socket, clock, ring)``; the caller closes them."""
     import zmq
 
-    from trainwright.tokenring.ring import RingTimes, Token, TokenRing
+    from trainwright.tokenring.ring import RingTimes, TokenRing
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -146,7 +147,16 @@ def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
     epoch = Epoch((0, 0), {i: f"tcp://127.0.0.1:{9000 + i}" for i in range(4)})
     clock = FakeClock(100.0)
     ring = TokenRing(ctx, 0, pull, epoch, close_fraction=0.5, min_nodes=2, total_steps=10,
-                     times=RingTimes(close_grace_s=0.25), clock=clock)
+                     times=RingTimes(close_grace_s=close_grace_s), clock=clock)
+    return ctx, pull, clock, ring
+
+
+@pytest.mark.timeout(30)
+def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
+
+    from trainwright.tokenring.ring import Token
+
+    ctx, pull, clock, ring = _four_node_ring(close_grace_s=0.25)
     try:
         assert not ring._may_close(Token(1, [0], 0, 1))  # below the fraction: never
         clock.advance(60)
@@ -442,7 +452,7 @@ def test_bench_straggler_runs_tiny():
 @pytest.mark.timeout(30)
 def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
     from trainwright.tokenring.grace import AdaptiveGrace
-    from trainwright.tokenring.ring import RingTimes, Token, TokenRing
+    from trainwright.tokenring.ring import Token
 
     g = AdaptiveGrace(cap_s=0.5, factor=2.0, window=3)
     assert g.grace_s() == 0.5  # nothing measured yet: the cap
@@ -458,13 +468,7 @@ def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
         g.measure(step, 2)
     assert g.grace_s() == 0.5  # 2 s, capped
 
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.bind("tcp://127.0.0.1:*")
-    epoch = Epoch((0, 0), {i: f"tcp://127.0.0.1:{9000 + i}" for i in range(4)})
-    clock = FakeClock(100.0)
-    ring = TokenRing(ctx, 0, pull, epoch, close_fraction=0.5, min_nodes=2, total_steps=10,
-                     times=RingTimes(close_grace_s=1.0), clock=clock)
+    ctx, pull, clock, ring = _four_node_ring(close_grace_s=1.0)
     try:
         for step in (1, 2):  # on-time nodes ready 4 ms apart: the grace becomes 8 ms
             for node in range(4):

@@ -44,6 +44,11 @@ def _check_text_data(cfg) -> None:
     if not text_files(d.path):
         raise ConfigError(f"data.path = {d.path!r} matches no file; give an existing text "
                           f"file, a glob such as \"corpus/*.txt\" or a folder of text files")
+    _check_tokenizer(d)
+
+
+def _check_tokenizer(d) -> None:
+    """``data.tokenizer`` names something that exists (or is empty: bytes)."""
     if d.tokenizer and not Path(d.tokenizer).expanduser().exists():
         raise ConfigError(f"data.tokenizer = {d.tokenizer!r} does not exist; give a local "
                           f"transformers tokenizer folder or a tokenizers .json file, or \"\" "
@@ -66,10 +71,7 @@ def _check_hf_data(cfg) -> None:
     if not d.text_field:
         raise ConfigError('data.text_field is empty; set it to the column that holds the '
                           'text, e.g. "text"')
-    if d.tokenizer and not Path(d.tokenizer).expanduser().exists():
-        raise ConfigError(f"data.tokenizer = {d.tokenizer!r} does not exist; give a local "
-                          f"transformers tokenizer folder or a tokenizers .json file, or \"\" "
-                          f"for bytes")
+    _check_tokenizer(d)
 
 
 def _check_schedule(cfg) -> None:
