@@ -37,13 +37,18 @@ def _config(pp: int, mbs: int, schedule: str, extra: tuple = ()) -> list[str]:
 
 
 def plan_run_meter(sets: list[str], fraction: float, work: Path) -> dict:
-    """Limit every stage to ``fraction`` of the largest predicted all-keep peak, plan,
-    train with ``trainwright run`` under the live meter; predicted and metered peaks."""
+    """Limit every stage to ``fraction`` of the way from the smallest predicted peak (every
+    layer swapped or recomputed, the better) to the largest all-keep one, plan, train with
+    ``trainwright run`` under the live meter; predicted and metered peaks."""
     os.environ["TW_BENCH_SPLIT"] = "1"
     cfg = load_config(None, sets)
     table = profile_model(cfg, build_layers(cfg))
-    keep = predicted_footprints(cfg, table)
-    limit = int(fraction * max(f.activations for f in keep))
+    keep = max(f.activations for f in predicted_footprints(cfg, table))
+    pp = cfg.parallel.pp
+    least = max(min(f.activations for f in fs) for fs in zip(*(
+        predicted_footprints(cfg, table, [{c.layer: p for c in table}] * pp)
+        for p in ("swap", "recompute")), strict=True))
+    limit = int(least + fraction * (keep - least))
     sets = [*sets, f"memory.limit={limit}"]
     planned = predicted_footprints(load_config(None, sets), table)
     name = f"run{len(list(work.iterdir()))}"

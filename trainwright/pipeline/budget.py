@@ -256,8 +256,10 @@ class MemoryBudget:
         current = {s.index: self.stage.store.policy(s.index) for s in self.stage.slots}
         terms = [self.terms.get(x.layer) for x in mems]
         walked = bool(self.in_flight.actions) and all(t is not None for t in terms)
-        if walked:
-            terms = [replace(t, chunk=x.chunk) for t, x in zip(terms, mems, strict=True)]
+        if walked:  # tagged with the model stage each runs as (the actions' ``stage``)
+            own = self.in_flight.actions[0].stage
+            terms = [replace(t, chunk=x.chunk if self.chunks is not None else own)
+                     for t, x in zip(terms, mems, strict=True)]
         if only_if_over and required_bytes(mems, current, self.in_flight) < self.limit:
             return None
         if walked:

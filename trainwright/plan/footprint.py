@@ -17,9 +17,9 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     it, ``kept`` bytes stay (keep: what autograd saved plus its output; recompute and
     swap: its output only, the input being the previous layer's output, already held);
     swap also moves ``saved`` bytes to the host copy;
-  - ``RECV_B`` of a chunk that is not the model's last: the gradient of its output
-    (``output_bytes`` of its last layer) arrives in a buffer, held until the chunk's
-    backward ends;
+  - receive buffers (``RECV_F``: the chunk's input; ``RECV_B``: the gradient of its output,
+    ``output_bytes`` of its last layer): posted ahead (:func:`arrivals`) and held until
+    the step's ``SYNC``;
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
@@ -113,9 +113,11 @@ def arrivals(actions: list) -> dict[int, list]:
     """When each receive buffer comes into being on a rank whose receives are posted ahead.
 
     The runtime's point-to-point layer (:mod:`trainwright.dist.comm`, [Note: receives posted
-    ahead]) posts, when it receives a message, the receive of the stream's next message,
-    into a buffer shaped like the one just received: that buffer exists from the previous
-    ``RECV`` of the same kind and stage on, not from its own.
+    ahead]) posts receives ahead of the action that needs them, into buffers shaped like the
+    stream's previous message, and the buffers are released with the step's sends and
+    receives at ``SYNC``. Metered on 2-stage 1F1B and GPipe runs (the live meter's per-op
+    breakdown at the peak), a stream's buffers were all alive early in the step, so the walk
+    takes every buffer of a stream from the stream's first ``RECV`` on.
 
     Args:
         actions: the rank's actions.
@@ -124,14 +126,11 @@ def arrivals(actions: list) -> dict[int, list]:
         Action position -> the ``RECV_F``/``RECV_B`` actions whose buffer exists from just
         before that position.
     """
-    last: dict[tuple, int] = {}
+    first: dict[tuple, int] = {}
     out: dict[int, list] = {}
     for i, a in enumerate(actions):
         if a.kind in ("RECV_F", "RECV_B"):
-            stream = (a.kind, a.stage)
-            if stream in last:
-                out.setdefault(last[stream] + 1, []).append(a)
-            last[stream] = i
+            out.setdefault(first.setdefault((a.kind, a.stage), i), []).append(a)
     return out
 
 
@@ -166,6 +165,8 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     host: dict[tuple[int, int], int] = {}
     back: dict[tuple[int, int], int] = {}   # brought back at B, held until W
     grad_buf: dict[tuple[int, int], int] = {}
+    received: set[tuple[int, int]] = set()  # inputs whose buffer is counted in ``bufs``
+    bufs = 0  # receive buffers: alive until the step's SYNC
     cur = peak = host_cur = host_peak = 0
     moment = ""
 
@@ -176,7 +177,7 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
 
     def release(key: tuple[int, int]) -> None:
         nonlocal cur, host_cur
-        cur -= sum(held.pop(key, {}).values()) + back.pop(key, 0) + grad_buf.pop(key, 0)
+        cur -= sum(held.pop(key, {}).values()) + back.pop(key, 0)
         host_cur -= host.pop(key, 0)
 
     def backward(a, key, rows: list[LayerTerms], split: bool) -> None:
@@ -198,23 +199,38 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         if not split:
             release(key)
 
+    def receive(r) -> None:
+        nonlocal cur, bufs
+        rk, rrows = (r.stage, r.mb), by_chunk.get(r.stage, [])
+        if not rrows:
+            return
+        if r.kind == "RECV_F" and rk not in received:
+            received.add(rk)
+            n = rrows[0].input_bytes
+        elif r.kind == "RECV_B" and rk not in grad_buf:
+            grad_buf[rk] = n = rrows[-1].output_bytes
+        else:
+            return
+        cur, bufs = cur + n, bufs + n
+        see(0, f"{r} posted")
+
     early = arrive or {}
     for i, a in enumerate(actions):
-        for r in early.get(i, ()):  # a message the peer sent ahead lands in its buffer
-            rk, rrows = (r.stage, r.mb), by_chunk.get(r.stage, [])
-            if r.kind == "RECV_F" and rrows and rk not in held:
-                held[rk] = {-1: rrows[0].input_bytes}
-                cur += rrows[0].input_bytes
-            elif r.kind == "RECV_B" and rrows and rk not in grad_buf:
-                grad_buf[rk] = rrows[-1].output_bytes
-                cur += rrows[-1].output_bytes
-            see(0, f"{r} arrived early")
+        for r in early.get(i, ()):  # receives posted ahead
+            receive(r)
         kind, c, mb = a.kind, a.stage, a.mb  # ActionKind is a str Enum: == "F" holds
         rows, key = by_chunk.get(c, []), (c, mb)
+        if kind in ("RECV_F", "RECV_B"):
+            receive(a)
+        elif kind == "SYNC":
+            cur, bufs = cur - bufs, 0
+            received.clear()
+            grad_buf.clear()
         if kind == "F" and rows:
-            if key not in held:  # the received (or first) input
-                held[key] = {-1: rows[0].input_bytes}
-                cur += rows[0].input_bytes
+            if key not in held:  # the first stage's input (a received one is in ``bufs``)
+                n = 0 if key in received else rows[0].input_bytes
+                held[key] = {-1: n}
+                cur += n
                 see(0, f"{a} input")
             for x in rows:
                 see(x.work, f"{a} layer {x.layer}")
@@ -225,10 +241,6 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
                     host[key] = host.get(key, 0) + x.saved
                     host_cur += x.saved
                     host_peak = max(host_peak, host_cur)
-        elif kind == "RECV_B" and rows and key not in grad_buf:
-            grad_buf[key] = rows[-1].output_bytes
-            cur += rows[-1].output_bytes
-            see(0, f"{a}")
         elif kind == "B" and rows:
             if c in first and _splits(actions):
                 continue  # deferred to W, which runs the whole backward
@@ -293,7 +305,7 @@ def fit_plan(mems: list, terms: list[LayerTerms], in_flight: int, limit_bytes: i
         PlanError: no plan's walk fits under ``limit_bytes``.
     """
     from trainwright.errors import PlanError
-    from trainwright.plan.memory import greedy_plan, needs_optimising, optimal_plan
+    from trainwright.plan.memory import MemoryPlan, greedy_plan, needs_optimising, optimal_plan
 
     actions, arrive = in_flight.actions, arrive if arrive is not None else in_flight.arrive
     current = dict(current or {})
@@ -313,17 +325,26 @@ def fit_plan(mems: list, terms: list[LayerTerms], in_flight: int, limit_bytes: i
             plan = make(mems, in_flight, cap, host_bandwidth,
                         reason=f"footprint {now} B >= limit {limit_bytes} B" if now >= limit_bytes
                         else "needless recompute")
-        except PlanError:
-            break
+        except PlanError:  # the store's model finds no plan under ``cap``: try the
+            # uniform plans, which the walk may price lower (a CPU swap brings nothing back)
+            fits = [MemoryPlan.build(mems, pol, in_flight, limit_bytes, host_bandwidth,
+                                     planner, "every layer swapped or recomputed")
+                    for pol in ({x.layer: p for x in terms} for p in ("swap", "recompute"))
+                    if peak(pol) < limit_bytes]
+            if not fits:
+                break
+            plan = min(fits, key=lambda p: p.added_time_s)
+            plan.required_bytes = peak(plan.policies)
+            return plan
         got = peak(plan.policies)
         if got < limit_bytes:
             plan.required_bytes = got
             return plan
         best = got if best is None else min(best, got)
         cap -= got - limit_bytes + 1
-    least = peak({x.layer: "recompute" for x in terms})
+    least = min(peak({x.layer: p for x in terms}) for p in ("swap", "recompute"))
+    need = least if best is None else min(best, least)
     raise PlanError(f"no memory plan fits the limit {limit_bytes} bytes by the footprint "
-                    f"model (forward working sets and recomputes included); the best plan "
-                    f"found peaks at {best} bytes and recomputing every layer at {least}; "
-                    f"raise memory.limit to at least {min(x for x in (best, least) if x) + 1} "
-                    f"bytes or use more stages")
+                    f"model (forward working sets, recomputes and receive buffers included); "
+                    f"the best plan found peaks at {need} bytes; raise memory.limit to at "
+                    f"least {need + 1} bytes or use more stages")
