@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from trainwright.dist.mailbox import Mailbox
 from trainwright.pipeline.swap import HostSwap
 
 __all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "DeepSpeedCheckpointed", "meter",
@@ -56,16 +57,22 @@ __all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "DeepSpeedCheckpointed
 _HOST_COPY_CODES = {HostSwap.pack.__code__}
 """Where host-swap copies are allocated: a storage created while one of these functions is
 on the Python stack is a host copy (on a CPU it lives in the same RAM as the device's)."""
+_TELEMETRY_CODES = {Mailbox._send.__code__}
+"""Where the telemetry mailbox allocates its host-side message slots (64 KiB each, CPU
+tensors on any device): neither activations nor device memory, so not counted."""
 
 
-def _allocated_by_host_copy() -> bool:
-    """Whether the op being dispatched was called from a host-swap copy (stack walk)."""
+def _allocation_site() -> str:
+    """``"host"``, ``"telemetry"`` or ``"device"``: who the op being dispatched was called
+    from (a walk up the Python stack)."""
     f = sys._getframe(2)
     while f is not None:
         if f.f_code in _HOST_COPY_CODES:
-            return True
+            return "host"
+        if f.f_code in _TELEMETRY_CODES:
+            return "telemetry"
         f = f.f_back
-    return False
+    return "device"
 
 
 class LiveStorageMeter:
@@ -74,6 +81,7 @@ class LiveStorageMeter:
     Device-resident bytes (``bytes``, ``peak_bytes``) and host copies (``host_bytes``,
     ``peak_host_bytes``) are told apart by where a storage was allocated: inside a host-swap
     copy (:data:`_HOST_COPY_CODES` on the stack) or anywhere else; the store is never asked.
+    The telemetry mailbox's host-side slots (:data:`_TELEMETRY_CODES`) are not counted.
     With ``detail`` (env ``TW_BENCH_METER_DETAIL=1``) :attr:`at_peak` holds, at the device
     peak, the live bytes per creating op.
     """
@@ -139,10 +147,13 @@ class LiveStorageMeter:
         key, nbytes = st.data_ptr(), st.nbytes()
         if nbytes == 0 or key in self.exclude or key in self._live:
             return
+        site = _allocation_site()
+        if site == "telemetry":
+            return
         self._live[key] = nbytes
         # torch keeps one Python object per storage, so this fires when the storage is freed
         weakref.finalize(st, self._release, key)
-        if _allocated_by_host_copy():
+        if site == "host":
             self._host.add(key)
             self.host_bytes += nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)

@@ -28,6 +28,7 @@ from trainwright.plan.footprint import (
     arrivals,
     fit_plan,
     stage_footprint,
+    walk,
 )
 from trainwright.plan.memory import (
     POLICIES,
@@ -36,7 +37,6 @@ from trainwright.plan.memory import (
     LayerMem,
     MemoryPlan,
     format_bytes,
-    min_feasible_bytes,
     plan_stage,
     required_bytes,
 )
@@ -176,17 +176,21 @@ def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
     if not any(isinstance(v, int) for v in limits):
         return None
     costs = profile_model(cfg, named)
-    chunks = rank_chunks(cfg, cfg.partition(len(named)))
+    terms = rank_terms(cfg, costs)
     need, short = [], False
     for s, (limit, flight) in enumerate(zip(limits, stage_in_flight(cfg), strict=True)):
-        least = min_feasible_bytes(chunked_layer_mems(costs, chunks[s]), flight)
+        # by the footprint walk: every layer swapped or recomputed, the better of the two
+        least = 1 + min(walk(terms[s], {x.layer: p for x in terms[s]}, list(flight.actions),
+                             arrive=flight.arrive)[0] for p in ("swap", "recompute"))
         need.append(least)
         short |= isinstance(limit, int) and limit < least
     if short:
         unit = "rank" if cfg.parallel.virtual_stages > 1 else "stage"  # a rank: all its chunks
         per_stage = ", ".join(f"{unit} {s} {format_bytes(n)} ({n} B)" for s, n in enumerate(need))
         raise ConfigError(f"memory.limit = {cfg.memory.limit!r} cannot be met even with every "
-                          f"layer recomputed; the smallest feasible limits are: {per_stage}. "
+                          f"layer swapped or recomputed (footprint model: working sets and "
+                          f"receive buffers included); the smallest feasible limits are: "
+                          f"{per_stage}. "
                           f"Raise memory.limit (one value, or one per stage) or use more "
                           f"stages" + (" or train.schedule=\"1f1b\" (fewer micro-batches in "
                                        "flight)" if cfg.train.schedule == "gpipe" else ""))
