@@ -67,6 +67,8 @@ def test_checkpoint_candidates_fewest_first_and_distinct():
     rules = dict(cands)
     assert rules["every layer"] == list(range(6))
     assert rules["all MLP layers"] == [2, 4] and rules["all attention layers"] == [1, 3]
+    # per-stage rules: 6 layers over 4 stages split [2, 2, 1, 1]; each stage's first layer
+    assert rules["each stage's first 1 layers"] == [0, 2, 4, 5]
 
 
 @pytest.mark.timeout(60)
