@@ -113,7 +113,8 @@ def profile_model(cfg: Config, named: list) -> ProfileTable:
         m.zero_grad(set_to_none=True)
     costs = profiler.table()
     terms = {c.layer: LayerTerms(c.layer, *probe.layers.get(c.layer, (0, 0)), c.saved_bytes,
-                                 c.output_bytes, c.input_bytes, c.param_bytes) for c in costs}
+                                 c.output_bytes, c.input_bytes, c.param_bytes,
+                                 work_nograd=probe.nograd.get(c.layer, -1)) for c in costs}
     return ProfileTable(costs, terms)
 
 

@@ -34,6 +34,8 @@ class WorkingSetProbe(TorchDispatchMode):
         self.peak = 0
         self.layers: dict[int, tuple[int, int]] = {}
         """layer -> (work, kept) of its last measured forward."""
+        self.nograd: dict[int, int] = {}
+        """layer -> work of the same forward run without a graph (as recompute's first)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -55,9 +57,14 @@ class WorkingSetProbe(TorchDispatchMode):
         self.bytes -= self._live.pop(key, 0)
 
     def measure(self, layer: int, run):
-        """Run ``run()`` (one layer's forward) and record its ``(work, kept)``; returns its
-        result."""
+        """Run ``run()`` (one layer's forward) and record its ``(work, kept)``, then run it
+        again under ``torch.no_grad`` for :attr:`nograd`; returns the first result."""
         base, self.peak = self.bytes, self.bytes
         out = run()
         self.layers[layer] = (self.peak - base, self.bytes - base)
+        base, self.peak = self.bytes, self.bytes
+        with torch.no_grad():
+            again = run()
+        self.nograd[layer] = self.peak - base
+        del again
         return out

@@ -13,13 +13,15 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
   (:func:`walk`), so the worst moment is the schedule's own, not a formula's:
 
   - ``F`` of a layer: while it runs, ``work`` bytes more than before it (its forward's
-    transient working set: every storage it creates, freed or not, at its highest); after
+    transient working set: every storage it creates, freed or not, at its highest;
+    ``work_nograd`` for a recomputed layer, whose first forward runs without a graph); after
     it, ``kept`` bytes stay (keep: what autograd saved plus its output; recompute and
     swap: its output only, the input being the previous layer's output, already held);
     swap also moves ``saved`` bytes to the host copy;
   - receive buffers (``RECV_F``: the chunk's input; ``RECV_B``: the gradient of its output,
     ``output_bytes`` of its last layer): posted ahead (:func:`arrivals`) and held until
-    the step's ``SYNC``;
+    the step's ``SYNC``; a sent output (``SEND_F``) likewise outlives its segment until
+    ``SYNC``, where the runtime waits for its sends;
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
@@ -63,6 +65,13 @@ class LayerTerms:
     input_bytes: int
     param_bytes: int = 0
     chunk: int = 0
+    work_nograd: int = -1
+    """``work`` of its forward without a graph (how a recomputed layer's first forward runs:
+    intermediates are freed as soon as used); -1: not measured, ``work`` is used."""
+
+    def forward_work(self, policy: str) -> int:
+        """The forward's working set under ``policy`` (recompute runs it without a graph)."""
+        return self.work_nograd if policy == "recompute" and self.work_nograd >= 0 else self.work
 
     def held(self, policy: str) -> int:
         """Device bytes its forward leaves behind under ``policy`` (input not included)."""
@@ -166,6 +175,7 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     back: dict[tuple[int, int], int] = {}   # brought back at B, held until W
     grad_buf: dict[tuple[int, int], int] = {}
     received: set[tuple[int, int]] = set()  # inputs whose buffer is counted in ``bufs``
+    sent: set[tuple[int, int]] = set()  # outputs sent: alive until SYNC waits for the sends
     bufs = 0  # receive buffers: alive until the step's SYNC
     cur = peak = host_cur = host_peak = 0
     moment = ""
@@ -181,7 +191,7 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         host_cur -= host.pop(key, 0)
 
     def backward(a, key, rows: list[LayerTerms], split: bool) -> None:
-        nonlocal cur
+        nonlocal cur, bufs
         for x in reversed(rows):
             if pol[x.layer] == "recompute":
                 see(x.work, f"{a} layer {x.layer} (recompute)")
@@ -195,7 +205,12 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
                 back[key] = back.get(key, 0) + extra
                 cur += extra
             else:  # the segment is released once its backward is done
-                cur -= held.get(key, {}).pop(x.layer, 0)
+                h = held.get(key, {}).pop(x.layer, 0)
+                if x is rows[-1] and key in sent:  # the pending send keeps the output
+                    kept_out = min(h, x.output_bytes)
+                    h -= kept_out
+                    bufs += kept_out
+                cur -= h
         if not split:
             release(key)
 
@@ -222,9 +237,12 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         rows, key = by_chunk.get(c, []), (c, mb)
         if kind in ("RECV_F", "RECV_B"):
             receive(a)
+        elif kind == "SEND_F":
+            sent.add(key)
         elif kind == "SYNC":
             cur, bufs = cur - bufs, 0
             received.clear()
+            sent.clear()
             grad_buf.clear()
         if kind == "F" and rows:
             if key not in held:  # the first stage's input (a received one is in ``bufs``)
@@ -233,7 +251,7 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
                 cur += n
                 see(0, f"{a} input")
             for x in rows:
-                see(x.work, f"{a} layer {x.layer}")
+                see(x.forward_work(pol[x.layer]), f"{a} layer {x.layer}")
                 h = x.held(pol[x.layer])
                 held[key][x.layer] = h
                 cur += h
