@@ -189,7 +189,7 @@ def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
         unit = "rank" if cfg.parallel.virtual_stages > 1 else "stage"  # a rank: all its chunks
         per_stage = ", ".join(f"{unit} {s} {format_bytes(n)} ({n} B)" for s, n in enumerate(need))
         raise ConfigError(f"memory.limit = {cfg.memory.limit!r} cannot be met even with every "
-                          f"layer swapped or recomputed (footprint model: working sets and "
+                          f"layer recomputed (or swapped; footprint model: working sets and "
                           f"receive buffers included); the smallest feasible limits are: "
                           f"{per_stage}. "
                           f"Raise memory.limit (one value, or one per stage) or use more "
@@ -260,7 +260,8 @@ class MemoryBudget:
         mems = self._mems(costs or self.stage.profiler.table())
         current = {s.index: self.stage.store.policy(s.index) for s in self.stage.slots}
         terms = [self.terms.get(x.layer) for x in mems]
-        walked = bool(self.in_flight.actions) and all(t is not None for t in terms)
+        walked = (isinstance(self.in_flight, (InFlight, ChunkInFlight))
+                  and bool(self.in_flight.actions) and all(t is not None for t in terms))
         if walked:  # tagged with the model stage each runs as (the actions' ``stage``)
             own = self.in_flight.actions[0].stage
             terms = [replace(t, chunk=x.chunk if self.chunks is not None else own)
