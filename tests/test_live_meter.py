@@ -67,3 +67,26 @@ def test_checkpoint_candidates_fewest_first_and_distinct():
     rules = dict(cands)
     assert rules["every layer"] == list(range(6))
     assert rules["all MLP layers"] == [2, 4] and rules["all attention layers"] == [1, 3]
+    # per-stage rules: 6 layers over 4 stages split [2, 2, 1, 1]; each stage's first layer
+    assert rules["each stage's first 1 layers"] == [0, 2, 4, 5]
+
+
+@pytest.mark.timeout(60)
+def test_meter_tells_host_swap_copies_from_device_bytes_by_allocation_site():
+    from trainwright.pipeline.store import ActivationStore
+
+    m = reset_meter()
+    layer = Metered(_mlp())
+    store = ActivationStore()
+    x = torch.randn(4, 8, requires_grad=True)
+    with store.capture((x,), swap=True) as cap:
+        y = layer(x)
+    # every saved activation but the input went through HostSwap.pack: a host copy
+    copies = sum(s.nbytes for s in cap.swapped)
+    assert copies > 0 and m.host_bytes == m.peak_host_bytes == copies
+    # device: input, fc and gelu outputs at once; the fc output, saved as a host copy
+    # only, is freed before the last linear allocates
+    assert m.peak_bytes == 4 * (32 + 128 + 128)
+    y.sum().backward()
+    del y, cap
+    assert m.host_bytes == 0

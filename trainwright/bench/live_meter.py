@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -46,22 +47,60 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from trainwright.dist.mailbox import Mailbox
+from trainwright.pipeline.swap import HostSwap
+
 __all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "DeepSpeedCheckpointed", "meter",
            "reset_meter", "bench_gpt", "bench_data"]
 
 
-class LiveStorageMeter:
-    """Bytes of live storages created or received by metered forwards, and their peak."""
+_HOST_COPY_CODES = {HostSwap.pack.__code__}
+"""Where host-swap copies are allocated: a storage created while one of these functions is
+on the Python stack is a host copy (on a CPU it lives in the same RAM as the device's)."""
+_TELEMETRY_CODES = {Mailbox._send.__code__}
+"""Where the telemetry mailbox allocates its host-side message slots (64 KiB each, CPU
+tensors on any device): neither activations nor device memory, so not counted."""
 
-    def __init__(self):
+
+def _allocation_site() -> str:
+    """``"host"``, ``"telemetry"`` or ``"device"``: who the op being dispatched was called
+    from (a walk up the Python stack)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code in _HOST_COPY_CODES:
+            return "host"
+        if f.f_code in _TELEMETRY_CODES:
+            return "telemetry"
+        f = f.f_back
+    return "device"
+
+
+class LiveStorageMeter:
+    """Bytes of live storages created or received by metered forwards, and their peak.
+
+    Device-resident bytes (``bytes``, ``peak_bytes``) and host copies (``host_bytes``,
+    ``peak_host_bytes``) are told apart by where a storage was allocated: inside a host-swap
+    copy (:data:`_HOST_COPY_CODES` on the stack) or anywhere else; the store is never asked.
+    The telemetry mailbox's host-side slots (:data:`_TELEMETRY_CODES`) are not counted.
+    With ``detail`` (env ``TW_BENCH_METER_DETAIL=1``) :attr:`at_peak` holds, at the device
+    peak, the live bytes per creating op.
+    """
+
+    def __init__(self, detail: bool = False):
         self._live: dict[int, int] = {}
+        self._host: set[int] = set()
+        self._op: dict[int, str] = {}
+        self.detail = detail or os.environ.get("TW_BENCH_METER_DETAIL") == "1"
+        self.at_peak: dict[str, int] = {}
         self.bytes = 0
         self.peak_bytes = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
         self.exclude: set[int] = set()
         self.active = True
         """Whether metered forwards count (the bench data switches it off after warm-up)."""
         self.out_path: Path | None = None
-        self._written = -1
+        self._written: tuple = ()
         self.in_layer = 0
         self._whole: _Mode | None = None
         self.metered_model = False
@@ -92,9 +131,15 @@ class LiveStorageMeter:
         self.flush()
 
     def _release(self, key: int) -> None:
-        self.bytes -= self._live.pop(key, 0)
+        n = self._live.pop(key, 0)
+        self._op.pop(key, None)
+        if key in self._host:
+            self._host.discard(key)
+            self.host_bytes -= n
+        else:
+            self.bytes -= n
 
-    def add(self, t) -> None:
+    def add(self, t, op: str = "input") -> None:
         """Count ``t``'s storage if it is new (views and in-place results are not)."""
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
@@ -102,11 +147,27 @@ class LiveStorageMeter:
         key, nbytes = st.data_ptr(), st.nbytes()
         if nbytes == 0 or key in self.exclude or key in self._live:
             return
+        site = _allocation_site()
+        if site == "telemetry":
+            return
         self._live[key] = nbytes
         # torch keeps one Python object per storage, so this fires when the storage is freed
         weakref.finalize(st, self._release, key)
+        if site == "host":
+            self._host.add(key)
+            self.host_bytes += nbytes
+            self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            return
         self.bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        if self.detail:
+            self._op[key] = op
+        if self.bytes > self.peak_bytes:
+            self.peak_bytes = self.bytes
+            if self.detail:
+                at: dict[str, int] = {}
+                for k, o in self._op.items():
+                    at[o] = at.get(o, 0) + self._live.get(k, 0)
+                self.at_peak = at
 
     def exclude_module(self, module: nn.Module) -> None:
         """Never count ``module``'s parameters and buffers."""
@@ -115,9 +176,13 @@ class LiveStorageMeter:
 
     def flush(self) -> None:
         """Write the peak to :attr:`out_path` when it rose since the last write."""
-        if self.out_path is not None and self.peak_bytes != self._written:
-            self.out_path.write_text(json.dumps({"peak_bytes": self.peak_bytes}))
-            self._written = self.peak_bytes
+        now = (self.peak_bytes, self.peak_host_bytes)
+        if self.out_path is not None and now != self._written:
+            self.out_path.write_text(json.dumps({"peak_bytes": self.peak_bytes,
+                                                 "host_peak_bytes": self.peak_host_bytes,
+                                                 **({"at_peak": self.at_peak}
+                                                    if self.detail else {})}))
+            self._written = now
 
 
 class _Mode(TorchDispatchMode):
@@ -129,7 +194,7 @@ class _Mode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if not self.whole or self.m.counting():
             for t in tree_leaves(out):
-                self.m.add(t)
+                self.m.add(t, f"{func}{'/layer' if self.m.in_layer else ''}")
         return out
 
 

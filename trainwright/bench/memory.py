@@ -2,8 +2,8 @@
 
 Question: with every stage limited to half of the largest stage's unconstrained activation peak
 (a GPT cut like a real transformer, attention and MLP as separate layers; 4 stages,
-1F1B), does trainwright's plan fit, and how fast is it next to the fewest
-``torch.utils.checkpoint`` layers a user would find that also fit?
+1F1B), does trainwright's plan fit by the meter, and how fast is it next to the fastest
+``torch.utils.checkpoint`` rule a user would find that also fits?
 
 Every row's per-stage peak comes from one instrument, the same for all rows:
 :class:`~trainwright.bench.live_meter.LiveStorageMeter` (storages that each layer's
@@ -18,8 +18,9 @@ Rows (same model, weights, batches and runtime):
   only choose which layers to recompute (on a CPU a "swap" is a memcpy into the same RAM
   and would prove nothing);
 - ``plan_with_swap``: the exact planner with swap allowed (shown, not the headline);
-- ``checkpoint_best``: the fewest checkpointed layers that fit, found by trying the rules
-  a user would try (:func:`checkpoint_candidates`), each metered; which one won is
+- ``checkpoint_best``: the fastest checkpoint rule that fits, found by trying the rules
+  a user would try (:func:`checkpoint_candidates`, per-stage rules included), each
+  metered over at least 3 steps (the worst counts) and briefly timed; which one won is
   ``best_fitting_checkpoint``;
 - ``checkpoint_all``: every layer checkpointed;
 - ``deepspeed_checkpoint``, where DeepSpeed imports: DeepSpeed's activation checkpointing,
@@ -33,6 +34,11 @@ Rows (same model, weights, batches and runtime):
   differs from ``checkpoint_best`` only in whose checkpoint recomputes (DeepSpeed's is
   reentrant and saves the layer's inputs). If it fails, its row holds the error and the
   rounds are run again without it.
+
+Prediction: the footprint model's per-stage peaks for the planned rows
+(:func:`~trainwright.pipeline.budget.predicted_footprints`, from one profile) against the
+meter: ``predict_peak_error_median/max`` (device bytes) and ``predict_host_error_*`` (host
+copies). The headline ratio is reported only when ``all_planned_rows_fit``.
 
 Timing: ``repeats`` rounds, systems in ABBA order (:mod:`~trainwright.bench.paired`);
 the headline is the median over rounds of ``plan_no_swap / checkpoint_best`` measured in
@@ -53,7 +59,14 @@ from pathlib import Path
 from rich.progress import Progress
 
 from trainwright.bench import deepspeed_peer, peers
-from trainwright.bench.paired import host_info, paired, round_order, seconds, spread
+from trainwright.bench.paired import (
+    host_info,
+    judged,
+    paired,
+    round_order,
+    seconds,
+    spread,
+)
 from trainwright.config import Config, load_config
 
 __all__ = ["MemoryBenchSpec", "checkpoint_candidates", "run", "main"]
@@ -76,7 +89,10 @@ class MemoryBenchSpec:
     micro_batch_size: int = 2
     lr: float = 0.01
     steps: int = 17
-    warmup: int = 2
+    warmup: int = 4
+    """Steps metered (2 to ``warmup``: at least 3, the worst counts), dropped from timing."""
+    search_steps: int = 3
+    """Timed steps after the metered ones in the checkpoint search (which rule is fastest)."""
     seed: int = 0
     threads_per_rank: int = 1
     limit_fraction: float = 0.5
@@ -103,10 +119,13 @@ def checkpoint_candidates(spec: MemoryBenchSpec) -> list[tuple[str, list[int]]]:
     """Sets of layers a user would try to checkpoint, fewest layers first.
 
     Every k-th layer (k = 1..4), the first n layers, only the MLP layers, only the
-    attention layers, the first n MLP layers and the first n attention layers. Duplicates
-    (the same set under two rules) keep the first rule's name.
+    attention layers, the first n MLP layers, the first n attention layers, and per stage
+    rules: each stage's own first n layers. Duplicates (the same set under two rules) keep
+    the first rule's name.
     """
     names = spec.layer_names()
+    split = spec.layer_split()
+    starts = [sum(split[:s]) for s in range(len(split))]
     n = len(names)
     mlp = [i for i, x in enumerate(names) if x.startswith("mlp")]
     attn = [i for i, x in enumerate(names) if x.startswith("attn")]
@@ -116,6 +135,9 @@ def checkpoint_candidates(spec: MemoryBenchSpec) -> list[tuple[str, list[int]]]:
     cands += [("all MLP layers", mlp), ("all attention layers", attn)]
     cands += [(f"first {j} MLP layers", mlp[:j]) for j in range(1, len(mlp))]
     cands += [(f"first {j} attention layers", attn[:j]) for j in range(1, len(attn))]
+    cands += [(f"each stage's first {j} layers",
+               [a + i for a, k in zip(starts, split, strict=True) for i in range(min(j, k))])
+              for j in range(1, max(split) + 1)]
     seen, out = set(), []
     for name, layers in cands:
         if tuple(layers) not in seen:
@@ -179,20 +201,21 @@ def runs_worker(rank: int, world_size: int, master_port: int, spec: MemoryBenchS
             trainer.close()
             coll.barrier()
             rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            out.append(_run_record(name, rows, m.peak_bytes, rank, world_size, spec))
+            out.append(_run_record(name, rows, m.peak_bytes, rank, world_size, spec,
+                                   m.peak_host_bytes))
     finally:
         dist.destroy_process_group()
     Path(out_path).write_text(json.dumps(out))
 
 
 def _run_record(name: str, rows: list, metered: int, rank: int, world: int,
-                spec: MemoryBenchSpec) -> dict:
+                spec: MemoryBenchSpec, host: int = 0) -> dict:
     steps = [r for r in rows if r["kind"] == "step"]
     plans = [r for r in rows if r["kind"] == "memory_plan"]
     return {"name": name, "step_times_s": [r["step_time_s"] for r in steps],
             "losses": [r["loss"] for r in steps] if rank == world - 1 else None,
             "store_peak_bytes": max(r["stages"][rank]["activation_peak_bytes"] for r in steps),
-            "metered_peak_bytes": metered,
+            "metered_peak_bytes": metered, "metered_host_peak_bytes": host,
             "policies": {p["stage"]: [x["policy"] for x in p["layers"]] for p in plans}}
 
 
@@ -214,17 +237,21 @@ def _step_s(per_rank: list[dict], warmup: int) -> float:
 
 
 def search_checkpoint(spec: MemoryBenchSpec, limit: int) -> dict:
-    """Meter every candidate rule (:func:`checkpoint_candidates`) in one process group; the
-    fewest checkpointed layers that fit every stage wins (ties: the rule listed first)."""
+    """Meter every candidate rule (:func:`checkpoint_candidates`) in one process group, each
+    over steps 2 to ``spec.warmup`` (the worst step counts), then time ``spec.search_steps``
+    more; the **fastest** rule that fits every stage wins (ties: fewest layers)."""
     cands = checkpoint_candidates(spec)
-    got = _spawn_runs(spec, [(name, (), layers, spec.warmup) for name, layers in cands])
+    got = _spawn_runs(spec, [(name, (), layers, spec.warmup + spec.search_steps)
+                             for name, layers in cands])
     tried = [{"rule": name, "layers": layers, "metered_peak_bytes_per_stage": _peaks(g),
+              "step_s": round(_step_s(g, spec.warmup), 5),
               "fits": all(p <= limit for p in _peaks(g))}
              for (name, layers), g in zip(cands, got, strict=True)]
     fitting = [t for t in tried if t["fits"]]
     if not fitting:
-        raise RuntimeError(f"no checkpoint rule fits the limit {limit}; tried {len(tried)}")
-    best = min(fitting, key=lambda t: len(t["layers"]))
+        raise RuntimeError(f"no checkpoint rule fits the limit {limit}; tried {len(tried)}; "
+                           f"raise limit_fraction")
+    best = min(fitting, key=lambda t: (t["step_s"], len(t["layers"])))
     return {"rule": best["rule"], "layers": best["layers"], "tried": tried}
 
 
@@ -284,7 +311,50 @@ def run(spec: MemoryBenchSpec, repeats: int = 5, progress=None,
         systems = _timed_systems(spec, limit, best, ds)
         say(f"deepspeed failed; {repeats} rounds x {len(systems)} systems, ABBA order")
         per = _rounds(spec, systems, repeats)
-    return _result(spec, repeats, unconstrained, limit, best, systems, per, ds)
+    say("footprint prediction of the planned rows")
+    predicted = predict_planned(spec, limit, systems)
+    return _result(spec, repeats, unconstrained, limit, best, systems, per, ds, predicted)
+
+
+def predict_planned(spec: MemoryBenchSpec, limit: int, systems: dict) -> dict:
+    """Per planned row, the footprint model's per-stage ``(device, host)`` peaks from one
+    profile in this process (the rows' model: ``TW_BENCH_SPLIT=1``)."""
+    import tempfile
+
+    from trainwright.model.build import build_layers
+    from trainwright.pipeline.budget import predicted_footprints, profile_model
+
+    os.environ["TW_BENCH_SPLIT"] = "1"
+    out, table = {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("plan_no_swap", "plan_with_swap"):
+            cfg = _config(spec, Path(tmp) / name, list(systems[name][0]), spec.steps)
+            if table is None:
+                table = profile_model(cfg, build_layers(cfg))
+            fps = predicted_footprints(cfg, table)
+            out[name] = {"device": [f.activations for f in fps], "host": [f.host for f in fps]}
+    return out
+
+
+def _errors(predicted: dict, by: dict) -> dict:
+    """``predict_peak_error_*`` (device) and ``predict_host_error_*`` over planned stages."""
+    dev, host = [], []
+    for name, p in predicted.items():
+        row = by.get(name)
+        if row is None or "error" in row:
+            continue
+        row["predicted_peak_bytes_per_stage"] = p["device"]
+        row["predicted_host_peak_bytes_per_stage"] = p["host"]
+        dev += [abs(a - m) / m for a, m in zip(p["device"], row["metered_peak_bytes_per_stage"],
+                                               strict=True) if m]
+        host += [abs(a - m) / m for a, m in zip(
+            p["host"], row["metered_host_peak_bytes_per_stage"], strict=True) if m]
+    out = {}
+    for key, vals in (("predict_peak_error", dev), ("predict_host_error", host)):
+        if vals:
+            out[f"{key}_median"] = round(statistics.median(vals), 4)
+            out[f"{key}_max"] = round(max(vals), 4)
+    return out
 
 
 def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
@@ -294,6 +364,9 @@ def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
     row = {"system": name, "step_s": round(statistics.median(times), 4),
            "step_s_per_round": [seconds(t) for t in times], "step_s_spread": spread(times),
            "metered_peak_bytes_per_stage": peaks,
+           "metered_host_peak_bytes_per_stage": [
+               max(r.get("metered_host_peak_bytes", 0) for r in rs)
+               for rs in zip(*runs, strict=True)],
            "store_peak_bytes_per_stage": [r["store_peak_bytes"] for r in last],
            "fits": all(p <= limit for p in peaks),
            "losses": [round(v, 5) for v in next(r["losses"] for r in last if r["losses"])]}
@@ -318,7 +391,8 @@ def _deepspeed_keys(times: dict, ds: dict | None) -> dict:
             "ratio_vs_deepspeed_checkpoint_spread": pr["ratio_spread"]}
 
 
-def _result(spec, repeats, unconstrained, limit, best, systems, per, ds=None) -> dict:
+def _result(spec, repeats, unconstrained, limit, best, systems, per, ds=None,
+            predicted=None) -> dict:
     rows = [_row(n, systems[n], per[n], limit, spec.warmup) for n in systems]
     if ds and "error" in ds:
         rows.append({"system": DEEPSPEED, "checkpointed_layers": ds["layers"],
@@ -326,12 +400,19 @@ def _result(spec, repeats, unconstrained, limit, best, systems, per, ds=None) ->
     by = {r["system"]: r for r in rows}
     times = {r["system"]: r["step_s_per_round"] for r in rows if "error" not in r}
     head = paired(times["plan_no_swap"], times["checkpoint_best"])
+    fit = all(by[n]["fits"] for n in ("plan_no_swap", "plan_with_swap"))
+    headline = ({"ratio_vs_best_fitting_checkpoint": head["ratio"],
+                 "ratio_vs_best_fitting_checkpoint_judged": judged(head["paired_ratios"], 0.9)}
+                if fit else
+                {"ratio_vs_best_fitting_checkpoint": None,
+                 "ratio_not_reported": "a planned row went over the limit by the meter: a "
+                                       "ratio for a plan that does not fit means nothing"})
     return {
         "benchmark": "memory",
         "question": "with every stage limited to half of the largest stage's unconstrained "
-                    "activation peak, does the plan without swap fit, and how fast is it "
-                    "next to the fewest torch.utils.checkpoint layers a user would find "
-                    "that fit?",
+                    "activation peak, does the plan without swap fit by the meter, and how "
+                    "fast is it next to the fastest torch.utils.checkpoint rule a user "
+                    "would find that fits?",
         "spec": asdict(spec), "repeats": repeats,
         "meter": "LiveStorageMeter (trainwright/bench/live_meter.py): storages each layer's "
                  "forward creates or receives, counted until freed, per stage; every row, "
@@ -343,8 +424,9 @@ def _result(spec, repeats, unconstrained, limit, best, systems, per, ds=None) ->
         "checkpoint_search": best["tried"],
         **_deepspeed_keys(times, ds),
         "rows": rows,
-        "all_planned_rows_fit": all(by[n]["fits"] for n in ("plan_no_swap", "plan_with_swap")),
-        "ratio_vs_best_fitting_checkpoint": head["ratio"],
+        "all_planned_rows_fit": fit,
+        **_errors(predicted or {}, by),
+        **headline,
         "paired_ratios": head["paired_ratios"], "ratio_spread": head["ratio_spread"],
         "with_swap_ratio_vs_best_fitting_checkpoint": paired(
             times["plan_with_swap"], times["checkpoint_best"])["ratio"],

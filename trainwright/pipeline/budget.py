@@ -9,8 +9,10 @@ rebalancing).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +22,15 @@ from trainwright.model.build import build_data, loss_fn
 from trainwright.observe.layer_profile import LayerCost, LayerProfiler
 from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions
 from trainwright.pipeline.store import ActivationStore
+from trainwright.pipeline.workset import WorkingSetProbe
+from trainwright.plan.footprint import (
+    Footprint,
+    LayerTerms,
+    arrivals,
+    fit_plan,
+    stage_footprint,
+    walk,
+)
 from trainwright.plan.memory import (
     POLICIES,
     ChunkInFlight,
@@ -27,15 +38,15 @@ from trainwright.plan.memory import (
     LayerMem,
     MemoryPlan,
     format_bytes,
-    min_feasible_bytes,
     plan_stage,
     required_bytes,
 )
 from trainwright.schedule.actions import build_schedule, max_in_flight, max_waiting_w, stage_ranks
 from trainwright.schedule.occupancy import chunk_states
 
-__all__ = ["MemoryBudget", "profile_model", "measure_host_bandwidth", "layer_mems",
-           "check_limits", "stage_in_flight", "resolve_limit", "rank_chunks", "chunked_layer_mems"]
+__all__ = ["MemoryBudget", "profile_model", "ProfileTable", "measure_host_bandwidth",
+           "layer_mems", "check_limits", "stage_in_flight", "resolve_limit", "rank_chunks",
+           "chunked_layer_mems", "rank_terms", "predicted_footprints"]
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +67,23 @@ def measure_host_bandwidth(device: torch.device, nbytes: int = 32 * 2**20) -> fl
     return nbytes / best
 
 
+class ProfileTable(list):
+    """:func:`profile_model`'s cost table (a list of :class:`LayerCost`) with the footprint
+    terms measured in the same pass: :attr:`terms`, layer -> :class:`LayerTerms`."""
+
+    def __init__(self, costs: list[LayerCost], terms: dict[int, LayerTerms]):
+        super().__init__(costs)
+        self.terms = terms
+
+
 def profile_model(cfg: Config, named: list, device: torch.device | None = None,
-                  options: StageOptions | None = None) -> list[LayerCost]:
+                  options: StageOptions | None = None) -> ProfileTable:
     """Per-layer costs of one micro-batch through the whole model, in this process.
 
     Used before training starts: to reject an impossible ``memory.limit`` before any
-    process is launched, and to plan every stage before its first step.
+    process is launched, and to plan every stage before its first step. A third, untimed
+    pass runs under a :class:`~trainwright.pipeline.workset.WorkingSetProbe`, which
+    measures each layer's forward working set and what it keeps (the footprint terms).
 
     Args:
         cfg: the configuration (batch shape, loss, data).
@@ -81,13 +103,30 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
     options = StageOptions(autocast=options.autocast, timer=options.timer) if options else None
     stage = Stage(slots, ActivationStore(device=device), profiler, is_first=True,
                   loss_fn=loss_fn(cfg), options=options)
+    probe = WorkingSetProbe({t.untyped_storage().data_ptr() for _, m in named
+                             for t in [*m.parameters(), *m.buffers()]})
     for _ in range(2):  # the first pass warms up allocators and kernels
         stage.forward(0, (x[:n],), y[:n])
         stage.backward(0)
         profiler.end_step()
+    # a third pass under the probe (each layer's forward again without a graph too), on a
+    # scratch copy of the profiler so that its times never reach the cost table
+    stage.profiler = copy.deepcopy(profiler)
+    run = stage._run
+    stage._run = lambda slot, *a, **k: probe.measure(slot.index, lambda: run(slot, *a, **k))
+    try:
+        with probe:
+            stage.forward(0, (x[:n],), y[:n])
+    finally:
+        del stage._run
+    stage.backward(0)
     for _, m in named:
         m.zero_grad(set_to_none=True)
-    return profiler.table()
+    costs = profiler.table()
+    terms = {c.layer: LayerTerms(c.layer, *probe.layers.get(c.layer, (0, 0)), c.saved_bytes,
+                                 c.output_bytes, c.input_bytes, c.param_bytes,
+                                 work_nograd=probe.nograd.get(c.layer, -1)) for c in costs}
+    return ProfileTable(costs, terms)
 
 
 def stage_in_flight(cfg: Config) -> list[int]:
@@ -96,9 +135,12 @@ def stage_in_flight(cfg: Config) -> list[int]:
     several chunks per rank, each chunk's own counts at every peak (:class:`ChunkInFlight`)."""
     sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches,
                            cfg.parallel.virtual_stages)  # interleaved: per rank, all chunks
+    arrive = [arrivals(actions) for actions in sched]  # receives posted ahead
     if cfg.parallel.virtual_stages > 1:
-        return [ChunkInFlight(chunk_states(actions)) for actions in sched]
-    return [InFlight(max_in_flight(actions), max_waiting_w(actions)) for actions in sched]
+        return [ChunkInFlight(chunk_states(actions), actions, got)
+                for actions, got in zip(sched, arrive, strict=True)]
+    return [InFlight(max_in_flight(actions), max_waiting_w(actions), actions, got)
+            for actions, got in zip(sched, arrive, strict=True)]
 
 
 def rank_chunks(cfg: Config, parts: list[int]) -> list[dict[int, list[int]]]:
@@ -146,17 +188,21 @@ def check_limits(cfg: Config, named: list) -> list[LayerCost] | None:
     if not any(isinstance(v, int) for v in limits):
         return None
     costs = profile_model(cfg, named)
-    chunks = rank_chunks(cfg, cfg.partition(len(named)))
+    terms = rank_terms(cfg, costs)
     need, short = [], False
     for s, (limit, flight) in enumerate(zip(limits, stage_in_flight(cfg), strict=True)):
-        least = min_feasible_bytes(chunked_layer_mems(costs, chunks[s]), flight)
+        # by the footprint walk: every layer swapped or recomputed, the better of the two
+        least = 1 + min(walk(terms[s], {x.layer: p for x in terms[s]}, list(flight.actions),
+                             arrive=flight.arrive)[0] for p in ("swap", "recompute"))
         need.append(least)
         short |= isinstance(limit, int) and limit < least
     if short:
         unit = "rank" if cfg.parallel.virtual_stages > 1 else "stage"  # a rank: all its chunks
         per_stage = ", ".join(f"{unit} {s} {format_bytes(n)} ({n} B)" for s, n in enumerate(need))
         raise ConfigError(f"memory.limit = {cfg.memory.limit!r} cannot be met even with every "
-                          f"layer recomputed; the smallest feasible limits are: {per_stage}. "
+                          f"layer recomputed (or swapped; footprint model: working sets and "
+                          f"receive buffers included); the smallest feasible limits are: "
+                          f"{per_stage}. "
                           f"Raise memory.limit (one value, or one per stage) or use more "
                           f"stages" + (" or train.schedule=\"1f1b\" (fewer micro-batches in "
                                        "flight)" if cfg.train.schedule == "gpipe" else ""))
@@ -200,6 +246,9 @@ class MemoryBudget:
         self.planner, self.host_bandwidth = planner, host_bandwidth
         self.fixed, self.chunks = fixed, chunks
         self.plan: MemoryPlan | None = None
+        self.terms: dict[int, LayerTerms] = {}
+        """Footprint terms per layer, from the first :class:`ProfileTable` given to
+        :meth:`replan` (measured once); with them plans are held to the footprint walk."""
         if fixed is not None:
             stage.store.set_policies({s.index: fixed[s.index] for s in stage.slots})
 
@@ -217,12 +266,26 @@ class MemoryBudget:
         """
         if self.fixed is not None or self.limit is None:
             return None  # policies are fixed, or there is nothing to fit under
+        if isinstance(costs, ProfileTable):
+            self.terms = {**self.terms, **costs.terms}
         mems = self._mems(costs or self.stage.profiler.table())
         current = {s.index: self.stage.store.policy(s.index) for s in self.stage.slots}
+        terms = [self.terms.get(x.layer) for x in mems]
+        walked = (isinstance(self.in_flight, (InFlight, ChunkInFlight))
+                  and bool(self.in_flight.actions) and all(t is not None for t in terms))
+        if walked:  # tagged with the model stage each runs as (the actions' ``stage``)
+            own = self.in_flight.actions[0].stage
+            terms = [replace(t, chunk=x.chunk if self.chunks is not None else own)
+                     for t, x in zip(terms, mems, strict=True)]
         if only_if_over and required_bytes(mems, current, self.in_flight) < self.limit:
             return None
-        plan = plan_stage(mems, self.in_flight, self.limit, self.host_bandwidth,
-                          planner=self.planner, current=current)
+        if walked:
+            plan = fit_plan(mems, terms, self.in_flight, self.limit, self.host_bandwidth,
+                            planner=self.planner, current=current,
+                            copy_back=self.stage.store.swap.cuda)
+        else:
+            plan = plan_stage(mems, self.in_flight, self.limit, self.host_bandwidth,
+                              planner=self.planner, current=current)
         if plan is None or (self.plan is not None and plan.policies == current):
             return None
         self.stage.store.set_policies(plan.policies)
@@ -261,3 +324,57 @@ class MemoryBudget:
         if self.plan is None:
             return []
         return self.plan.to_rows(self._mems(self.stage.profiler.table()), self.host_bandwidth)
+
+
+def rank_terms(cfg: Config, table: ProfileTable) -> list[list[LayerTerms]]:
+    """Per pipeline rank, the footprint terms of its layers, each tagged with its chunk."""
+    chunks = rank_chunks(cfg, cfg.partition(len(table)))
+    return [[replace(table.terms[i], chunk=k) for k in sorted(ch) for i in ch[k]]
+            for ch in chunks]
+
+
+def predicted_footprints(cfg: Config, table: ProfileTable,
+                         policies: list[dict[int, str]] | None = None,
+                         host_bandwidth: float | None = None) -> list[Footprint]:
+    """The footprint model's prediction for every pipeline rank of ``cfg``.
+
+    This is what the planner and the benchmarks compare with the meter: ``activations``
+    (device-resident, the live meter's device bytes) and ``host`` (swap copies, the meter's
+    host bytes) per rank, plus the static terms.
+
+    Args:
+        cfg: the configuration (schedule, partition, optimizer, ``memory.*``).
+        table: :func:`profile_model`'s table for ``cfg``'s model (measured once).
+        policies: per rank, layer -> policy; None: what the run would use, i.e.
+            ``memory.policies`` when fixed, else the plan :class:`MemoryBudget` makes under
+            ``memory.limit`` (no limit: all kept).
+        host_bandwidth: bytes/s for the policy planners (``memory.host_bandwidth`` when
+            set, else 1e9; it changes only swap-versus-recompute choices).
+
+    Returns:
+        One :class:`~trainwright.plan.footprint.Footprint` per rank.
+
+    Raises:
+        PlanError: a limit no plan fits (as the run would).
+    """
+    terms = rank_terms(cfg, table)
+    flights = stage_in_flight(cfg)
+    chunks = rank_chunks(cfg, cfg.partition(len(table)))
+    fixed = cfg.layer_policies(len(table))
+    limits = cfg.stage_limits()
+    bandwidth = host_bandwidth or cfg.memory.host_bandwidth or 1e9
+    out = []
+    for r, (rows, flight) in enumerate(zip(terms, flights, strict=True)):
+        if policies is not None:
+            pol = policies[r]
+        elif fixed is not None:
+            pol = {x.layer: fixed[x.layer] for x in rows}
+        elif isinstance(limits[r], int):
+            mems = chunked_layer_mems(list(table), chunks[r])
+            plan = fit_plan(mems, rows, flight, limits[r], bandwidth, cfg.memory.planner)
+            pol = plan.policies if plan is not None else {}
+        else:
+            pol = {}
+        out.append(stage_footprint(rows, pol, list(flight.actions), cfg.train.optimizer,
+                                   cfg.train.momentum, arrive=flight.arrive))
+    return out

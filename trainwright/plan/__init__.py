@@ -1,6 +1,8 @@
 """Planning: numbers in, plans out. Pure modules: no ``torch.distributed``, no CLI, no plots.
 
 * :mod:`~trainwright.plan.memory`: per-layer keep / swap / recompute under a stage's limit;
+* :mod:`~trainwright.plan.footprint`: everything a rank holds, walked over its schedule
+  (weights, gradients, optimizer state, activations, working sets, buffers, host copies);
 * :mod:`~trainwright.plan.partition`: clusters -> k pipeline stages (the adaptive pipeline's
   threshold rule with least communication, and the min-max optimum);
 * :mod:`~trainwright.plan.devices`: device topologies (presets, ``nvidia-smi`` text);

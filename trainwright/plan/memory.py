@@ -149,10 +149,19 @@ class InFlight(int):
     :func:`required_bytes` adds ``w_wait * sum(saved_bytes of non-keep layers)``."""
 
     w_wait: int = 0
+    actions: tuple = ()
+    """The rank's schedule (its :class:`~trainwright.schedule.base.Action` list), for the
+    footprint walk (:mod:`trainwright.plan.footprint`); empty when not known."""
 
-    def __new__(cls, n: int, w_wait: int = 0) -> InFlight:
+    arrive: dict = {}
+    """When receive buffers come into being (:func:`trainwright.plan.footprint.arrivals`)."""
+
+    def __new__(cls, n: int, w_wait: int = 0, actions: tuple = (),
+                arrive: dict | None = None) -> InFlight:
         obj = int.__new__(cls, n)
         obj.w_wait = w_wait
+        obj.actions = tuple(actions)
+        obj.arrive = dict(arrive or {})
         return obj
 
 
@@ -173,12 +182,20 @@ class ChunkInFlight(int):
     The int value is the most ``(chunk, micro-batch)`` pairs held at once."""
 
     states: tuple = ()
+    actions: tuple = ()
+    """The rank's schedule, as :attr:`InFlight.actions`."""
 
-    def __new__(cls, states: list[dict[int, tuple[int, int]]]) -> ChunkInFlight:
+    arrive: dict = {}
+    """As :attr:`InFlight.arrive`."""
+
+    def __new__(cls, states: list[dict[int, tuple[int, int]]],
+                actions: tuple = (), arrive: dict | None = None) -> ChunkInFlight:
         if not states:
             raise ValueError("ChunkInFlight needs at least one state")
         obj = int.__new__(cls, max(sum(h for h, _ in st.values()) for st in states))
         obj.states = tuple(dict(st) for st in states)
+        obj.actions = tuple(actions)
+        obj.arrive = dict(arrive or {})
         return obj
 
     def __repr__(self) -> str:

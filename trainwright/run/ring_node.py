@@ -131,12 +131,13 @@ class RingNode:
                                    mesh=Topology(pp=1, dp=1, rank=0), grad_sync=self.exchange,
                                    shard=(want, cfg.tokenring.nodes), outputs=False))
         self.params = self.trainer.stage.parameters()
+        # the host reports the run as a pipeline's rank 0 does: metrics, progress, report
+        # (its FLOP count reads a batch of the plain data, before the work queue wraps it)
+        self.records = (NodeRecords(cfg, run_dir, self.trainer)
+                        if role == "host" and not restarted else None)
         self.trainer.data = WorkData(self.trainer.data, self.exchange)
         self._work: dict | None = None
         """The data assignment's state from the welcome (None: a new run's)."""
-        # the host reports the run as a pipeline's rank 0 does: metrics, progress, report
-        self.records = (NodeRecords(cfg, run_dir, self.trainer)
-                        if role == "host" and not restarted else None)
         self.ctx = zmq.Context()
         self.index = want
         self.joined: list[dict] = []

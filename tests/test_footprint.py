@@ -1,0 +1,97 @@
+"""The footprint model, on literal tables: the schedule walk, its terms, and fit_plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainwright.errors import PlanError
+from trainwright.plan.footprint import (
+    LayerTerms,
+    arrivals,
+    fit_plan,
+    stage_footprint,
+    static_bytes,
+    walk,
+)
+from trainwright.plan.memory import InFlight, LayerMem
+from trainwright.schedule.actions import build_schedule, max_in_flight, max_waiting_w
+
+
+def _layers(chunk: int = 0) -> list[LayerTerms]:
+    # work > kept > saved; output 10, input 10 (a block-like layer)
+    return [LayerTerms(0, work=100, kept=60, saved=50, output_bytes=10, input_bytes=10,
+                       param_bytes=1000, chunk=chunk),
+            LayerTerms(1, work=300, kept=210, saved=200, output_bytes=10, input_bytes=10,
+                       param_bytes=2000, chunk=chunk)]
+
+
+def _one_stage(schedule: str, m: int) -> list:
+    return build_schedule(schedule, 1, m)[0]
+
+
+def test_gpipe_keep_peaks_at_the_last_forward_working_set():
+    # one stage, GPipe, 3 micro-batches: input 10 + kept 60 + 210 per micro-batch held;
+    # the last forward's layer 1 runs with 2 micro-batches held and 10 + 60 of its own
+    peak, host, moment = walk(_layers(), {}, _one_stage("gpipe", 3))
+    assert peak == 2 * 280 + 10 + 60 + 300 and host == 0
+    assert "F2 layer 1" in moment
+
+
+def test_recompute_holds_outputs_and_rebuilds_during_backward():
+    pol = {0: "recompute", 1: "recompute"}
+    peak, _, moment = walk(_layers(), pol, _one_stage("gpipe", 3))
+    held = 10 + 10 + 10  # input, two outputs per micro-batch
+    # backward of the last micro-batch: layer 1 recomputed (work 300) with all held
+    assert peak == 3 * held + 300 and "recompute" in moment
+
+
+def test_swap_moves_saved_bytes_to_the_host_and_copy_back_brings_them():
+    pol = {1: "swap"}
+    peak, host, _ = walk(_layers(), pol, _one_stage("gpipe", 2))
+    assert host == 2 * 200
+    assert peak == (10 + 60 + 10) + 10 + 60 + 300  # layer 1's working set still counts
+    back, _, _ = walk(_layers(), pol, _one_stage("gpipe", 2), copy_back=True)
+    assert back >= peak
+
+
+def test_receives_posted_ahead_exist_before_their_forward():
+    sched = build_schedule("1f1b", 2, 4)
+    got = arrivals(sched[1])
+    recv = [a for acts in got.values() for a in acts]
+    assert list(got) == [0] and [a.mb for a in recv if a.kind == "RECV_F"] == [0, 1, 2, 3]
+    lay = _layers(chunk=1)
+    late, _, late_at = walk(lay, {}, sched[1])
+    early, _, early_at = walk(lay, {}, sched[1], arrive=got)
+    # the last stage holds one micro-batch (60 + working set 300); its 4 receive buffers
+    # live until SYNC: posted ahead they all exist at the first forward already
+    assert late == early == 4 * 10 + 60 + 300
+    assert "F3" in late_at and "F0" in early_at
+
+
+def test_static_terms_by_optimizer_and_shards():
+    assert static_bytes(100, "sgd") == (100, 100, 0)
+    assert static_bytes(100, "sgd", momentum=0.9) == (100, 100, 100)
+    assert static_bytes(100, "adamw", shards=4) == (100, 100, 50)
+    with pytest.raises(ValueError, match="optimizer"):
+        static_bytes(100, "lion")
+    fp = stage_footprint(_layers(), {}, _one_stage("1f1b", 2), optimizer="adam")
+    assert (fp.weights, fp.gradients, fp.optimizer) == (3000, 3000, 6000)
+    assert fp.device == fp.static + fp.activations
+
+
+def _mems(terms: list[LayerTerms]) -> list[LayerMem]:
+    return [LayerMem(t.layer, t.saved, t.input_bytes, 1.0, 2.0) for t in terms]
+
+
+def test_fit_plan_holds_the_walk_under_the_limit_where_the_store_model_does_not():
+    acts = _one_stage("gpipe", 3)
+    flight = InFlight(max_in_flight(acts), max_waiting_w(acts), acts)
+    terms = _layers()
+    keep = walk(terms, {}, acts)[0]
+    limit = keep * 2 // 3
+    plan = fit_plan(_mems(terms), terms, flight, limit, 1e9, "optimal")
+    assert plan is not None and plan.required_bytes < limit
+    assert walk(terms, plan.policies, acts)[0] == plan.required_bytes
+    with pytest.raises(PlanError, match="raise memory.limit"):
+        fit_plan(_mems(terms), terms, flight, 50, 1e9, "optimal")
+    assert fit_plan(_mems(terms), terms, flight, keep + 1, 1e9, "greedy") is None

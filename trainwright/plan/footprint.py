@@ -1,0 +1,368 @@
+"""The footprint model: every byte a pipeline rank holds, at every moment of its schedule.
+
+One model for every planner (``memory.limit`` planning, ``trainwright plan``, the simulator,
+the peer-swap planner; per chunk under interleaved schedules). Pure: numbers in, bytes out.
+
+Terms, per rank (all measured once by the profile, none a constant tuned to a model):
+
+* **static** — ``weights`` (parameter bytes of the rank's layers), ``gradients`` (the
+  same bytes again) and ``optimizer`` state (:data:`OPTIMIZER_STATE` parameter-sized
+  buffers per optimizer; divided by ``shards`` when the update is sharded, as under
+  ``sync.strategy = "hierarchical"``). Present all step long.
+* **activations** — walked action by action over the rank's schedule
+  (:func:`walk`), so the worst moment is the schedule's own, not a formula's:
+
+  - ``F`` of a layer: while it runs, ``work`` bytes more than before it (its forward's
+    transient working set: every storage it creates, freed or not, at its highest;
+    ``work_nograd`` for a recomputed layer, whose first forward runs without a graph); after
+    it, ``kept`` bytes stay (keep: what autograd saved plus its output; recompute and
+    swap: its output only, the input being the previous layer's output, already held);
+    swap also moves ``saved`` bytes to the host copy;
+  - receive buffers (``RECV_F``: the chunk's input; ``RECV_B``: the gradient of its output,
+    ``output_bytes`` of its last layer): posted ahead (:func:`arrivals`) and held until
+    the step's ``SYNC``; a sent output (``SEND_F``) likewise outlives its segment until
+    ``SYNC``, where the runtime waits for its sends;
+  - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
+    ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
+    backward is split); a swapped layer's host copy is read back in place on a CPU (no
+    new device bytes) and copied back (``saved`` bytes) on an accelerator;
+  - ``W`` (split backward): the segments and what was brought back are released.
+  Gradients and backward intermediates are not activations (the meter does not count
+  them; the ``gradients`` static term holds the accumulated ones).
+* **host** — swap copies held on the host, walked the same way (on a CPU host they live in
+  the same RAM; the meter tells them apart by where they were allocated).
+
+:func:`walk` returns the peaks; :func:`stage_footprint` adds the static terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["OPTIMIZER_STATE", "LayerTerms", "Footprint", "static_bytes", "walk",
+           "stage_footprint", "fit_plan", "arrivals"]
+
+OPTIMIZER_STATE = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+"""Parameter-sized state buffers per optimizer (Adam: first and second moments)."""
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """One layer's measured bytes per micro-batch (the profile's meter, see module).
+
+    ``work``: highest bytes its forward had alive at once that it created (input excluded);
+    ``kept``: what stays alive after its forward under keep (saved for backward plus output);
+    ``saved``: what a policy can move (saved for backward, input and output excluded: the
+    store's ``saved_bytes``); ``output_bytes``: its output; ``input_bytes``: its input (held by
+    its segment under every policy: the previous layer's output, or the received tensor).
+    """
+
+    layer: int
+    work: int
+    kept: int
+    saved: int
+    output_bytes: int
+    input_bytes: int
+    param_bytes: int = 0
+    chunk: int = 0
+    work_nograd: int = -1
+    """``work`` of its forward without a graph (how a recomputed layer's first forward runs:
+    intermediates are freed as soon as used); -1: not measured, ``work`` is used."""
+
+    def forward_work(self, policy: str) -> int:
+        """The forward's working set under ``policy`` (recompute runs it without a graph)."""
+        return self.work_nograd if policy == "recompute" and self.work_nograd >= 0 else self.work
+
+    def held(self, policy: str) -> int:
+        """Device bytes its forward leaves behind under ``policy`` (input not included)."""
+        return self.kept if policy == "keep" else self.output_bytes
+
+
+@dataclass
+class Footprint:
+    """A rank's predicted bytes: static terms, the activation walk's peaks, and totals."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    """Device-resident activation peak over the step (what the live meter measures)."""
+    host: int
+    """Host-swap copies at their peak (the meter's host bytes)."""
+    moment: str = ""
+    """The action at which the activation peak happens, e.g. ``"1F3 layer 5"``."""
+    terms: dict = field(default_factory=dict)
+
+    @property
+    def static(self) -> int:
+        """Weights, gradients and optimizer state."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def device(self) -> int:
+        """Everything on the device at the worst moment (static + activations)."""
+        return self.static + self.activations
+
+
+def static_bytes(param_bytes: int, optimizer: str, momentum: float = 0.0,
+                 shards: int = 1) -> tuple[int, int, int]:
+    """``(weights, gradients, optimizer state)`` of ``param_bytes`` of parameters.
+
+    Raises:
+        ValueError: an unknown optimizer or ``shards < 1``.
+    """
+    key = "sgd_momentum" if optimizer == "sgd" and momentum > 0 else optimizer
+    if key not in OPTIMIZER_STATE or shards < 1:
+        raise ValueError(f"need optimizer in {sorted(OPTIMIZER_STATE)} and shards >= 1; got "
+                         f"{optimizer!r}, shards={shards}")
+    return param_bytes, param_bytes, OPTIMIZER_STATE[key] * param_bytes // shards
+
+
+def arrivals(actions: list) -> dict[int, list]:
+    """When each receive buffer comes into being on a rank whose receives are posted ahead.
+
+    The runtime's point-to-point layer (:mod:`trainwright.dist.comm`, [Note: receives posted
+    ahead]) posts receives ahead of the action that needs them, into buffers shaped like the
+    stream's previous message, and the buffers are released with the step's sends and
+    receives at ``SYNC``. Metered on 2-stage 1F1B and GPipe runs (the live meter's per-op
+    breakdown at the peak), a stream's buffers were all alive early in the step, so the walk
+    takes every buffer of a stream from the stream's first ``RECV`` on.
+
+    Args:
+        actions: the rank's actions.
+
+    Returns:
+        Action position -> the ``RECV_F``/``RECV_B`` actions whose buffer exists from just
+        before that position.
+    """
+    first: dict[tuple, int] = {}
+    out: dict[int, list] = {}
+    for i, a in enumerate(actions):
+        if a.kind in ("RECV_F", "RECV_B"):
+            out.setdefault(first.setdefault((a.kind, a.stage), i), []).append(a)
+    return out
+
+
+def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
+         copy_back: bool = False, arrive: dict[int, list] | None = None
+         ) -> tuple[int, int, str]:
+    """Device and host activation peaks of one rank over its schedule.
+
+    Args:
+        layers: the rank's layers in model order (``chunk`` = the model stage of each).
+        policies: layer -> ``"keep"``, ``"swap"`` or ``"recompute"`` (missing: keep).
+        actions: the rank's actions (:class:`~trainwright.schedule.base.Action`: ``stage``
+            is the chunk, ``kind.value`` one of ``F, B, W, RECV_B, ...``, ``mb``).
+            The model's first stage is the chunk that receives no input (no ``RECV_F``):
+            under a split backward its ``B`` is deferred to ``W`` (its input needs no
+            gradient); the last stage receives no gradient (no ``RECV_B``).
+        copy_back: swapped tensors are copied back to the device at backward (accelerator);
+            False on a CPU, where the host copy is read in place.
+        arrive: :func:`arrivals` of the rank: receive buffers that exist before the action
+            that needs them (None: each comes at its own ``RECV``).
+
+    Returns:
+        ``(device peak, host peak, moment of the device peak)``.
+    """
+    by_chunk: dict[int, list[LayerTerms]] = {}
+    for x in layers:
+        by_chunk.setdefault(x.chunk, []).append(x)
+    fed = {a.stage for a in actions if a.kind == "RECV_F"}
+    first = {c for c in by_chunk if c not in fed}
+    pol = {x.layer: policies.get(x.layer, "keep") for x in layers}
+    held: dict[tuple[int, int], dict] = {}  # (chunk, mb) -> {layer (-1: input): bytes}
+    host: dict[tuple[int, int], int] = {}
+    back: dict[tuple[int, int], int] = {}   # brought back at B, held until W
+    grad_buf: dict[tuple[int, int], int] = {}
+    received: set[tuple[int, int]] = set()  # inputs whose buffer is counted in ``bufs``
+    sent: set[tuple[int, int]] = set()  # outputs sent: alive until SYNC waits for the sends
+    bufs = 0  # receive buffers: alive until the step's SYNC
+    cur = peak = host_cur = host_peak = 0
+    moment = ""
+
+    def see(extra: int, where: str) -> None:
+        nonlocal peak, moment
+        if cur + extra > peak:
+            peak, moment = cur + extra, where
+
+    def release(key: tuple[int, int]) -> None:
+        nonlocal cur, host_cur
+        cur -= sum(held.pop(key, {}).values()) + back.pop(key, 0)
+        host_cur -= host.pop(key, 0)
+
+    def backward(a, key, rows: list[LayerTerms], split: bool) -> None:
+        nonlocal cur, bufs
+        for x in reversed(rows):
+            if pol[x.layer] == "recompute":
+                see(x.work, f"{a} layer {x.layer} (recompute)")
+                extra = x.kept
+            elif pol[x.layer] == "swap" and copy_back:
+                extra = x.saved
+            else:
+                extra = 0
+            see(extra, f"{a} layer {x.layer}")
+            if split:  # brought back: held until W
+                back[key] = back.get(key, 0) + extra
+                cur += extra
+            else:  # the segment is released once its backward is done
+                h = held.get(key, {}).pop(x.layer, 0)
+                if x is rows[-1] and key in sent:  # the pending send keeps the output
+                    kept_out = min(h, x.output_bytes)
+                    h -= kept_out
+                    bufs += kept_out
+                cur -= h
+        if not split:
+            release(key)
+
+    def receive(r) -> None:
+        nonlocal cur, bufs
+        rk, rrows = (r.stage, r.mb), by_chunk.get(r.stage, [])
+        if not rrows:
+            return
+        if r.kind == "RECV_F" and rk not in received:
+            received.add(rk)
+            n = rrows[0].input_bytes
+        elif r.kind == "RECV_B" and rk not in grad_buf:
+            grad_buf[rk] = n = rrows[-1].output_bytes
+        else:
+            return
+        cur, bufs = cur + n, bufs + n
+        see(0, f"{r} posted")
+
+    early = arrive or {}
+    for i, a in enumerate(actions):
+        for r in early.get(i, ()):  # receives posted ahead
+            receive(r)
+        kind, c, mb = a.kind, a.stage, a.mb  # ActionKind is a str Enum: == "F" holds
+        rows, key = by_chunk.get(c, []), (c, mb)
+        if kind in ("RECV_F", "RECV_B"):
+            receive(a)
+        elif kind == "SEND_F":
+            sent.add(key)
+        elif kind == "SYNC":
+            cur, bufs = cur - bufs, 0
+            received.clear()
+            sent.clear()
+            grad_buf.clear()
+        if kind == "F" and rows:
+            if key not in held:  # the first stage's input (a received one is in ``bufs``)
+                n = 0 if key in received else rows[0].input_bytes
+                held[key] = {-1: n}
+                cur += n
+                see(0, f"{a} input")
+            for x in rows:
+                see(x.forward_work(pol[x.layer]), f"{a} layer {x.layer}")
+                h = x.held(pol[x.layer])
+                held[key][x.layer] = h
+                cur += h
+                if pol[x.layer] == "swap":
+                    host[key] = host.get(key, 0) + x.saved
+                    host_cur += x.saved
+                    host_peak = max(host_peak, host_cur)
+        elif kind == "B" and rows:
+            if c in first and _splits(actions):
+                continue  # deferred to W, which runs the whole backward
+            backward(a, key, rows, split=_splits(actions))
+        elif kind == "W" and rows:
+            if c in first:
+                backward(a, key, rows, split=False)
+            else:
+                release(key)
+    return peak, host_peak, moment
+
+
+def _splits(actions: list) -> bool:
+    return any(a.kind == "W" for a in actions)
+
+
+def stage_footprint(layers: list[LayerTerms], policies: dict[int, str], actions: list,
+                    optimizer: str = "sgd", momentum: float = 0.0, shards: int = 1,
+                    copy_back: bool = False, arrive: dict[int, list] | None = None
+                    ) -> Footprint:
+    """A rank's whole footprint: :func:`static_bytes` of its layers plus :func:`walk`.
+
+    Args:
+        layers, policies, actions, copy_back, arrive: see :func:`walk`.
+        optimizer, momentum, shards: see :func:`static_bytes`.
+
+    Returns:
+        The :class:`Footprint`, its ``terms`` the per-layer rows used.
+    """
+    w, g, o = static_bytes(sum(x.param_bytes for x in layers), optimizer, momentum, shards)
+    dev, host, moment = walk(layers, policies, actions, copy_back, arrive)
+    return Footprint(w, g, o, dev, host, moment,
+                     {x.layer: {"work": x.work, "kept": x.kept, "saved": x.saved,
+                                "output_bytes": x.output_bytes, "policy":
+                                policies.get(x.layer, "keep")} for x in layers})
+
+
+def fit_plan(mems: list, terms: list[LayerTerms], in_flight: int, limit_bytes: int | None,
+             host_bandwidth: float, planner: str = "greedy",
+             current: dict[int, str] | None = None, copy_back: bool = False,
+             arrive: dict[int, list] | None = None, tries: int = 12):
+    """:func:`~trainwright.plan.memory.plan_stage` held to the footprint walk.
+
+    The policy planners price activations with the store's model (held bytes and one
+    transient); the walk (:func:`walk`) also sees forward working sets, recomputes during
+    backward and gradient buffers. A plan is accepted only when the walk's device peak is
+    below ``limit_bytes``; otherwise the planners' bound is lowered by the overshoot and
+    they plan again (no margin is added: the bound moves by what the walk measured).
+
+    Args:
+        mems, in_flight, limit_bytes, host_bandwidth, planner, current: as
+            :func:`~trainwright.plan.memory.plan_stage`; ``in_flight.actions`` must hold
+            the rank's schedule.
+        terms: the rank's :class:`LayerTerms`, in the order of ``mems``.
+        copy_back, arrive: see :func:`walk`.
+
+    Returns:
+        None when ``current`` stays (it fits by the walk and recomputes nothing needlessly),
+        else the plan, its ``required_bytes`` the walk's peak.
+
+    Raises:
+        PlanError: no plan's walk fits under ``limit_bytes``.
+    """
+    from trainwright.errors import PlanError
+    from trainwright.plan.memory import MemoryPlan, greedy_plan, needs_optimising, optimal_plan
+
+    actions, arrive = in_flight.actions, arrive if arrive is not None else in_flight.arrive
+    current = dict(current or {})
+    if limit_bytes is None:
+        return None
+
+    def peak(policies: dict[int, str]) -> int:
+        return walk(terms, policies, actions, copy_back, arrive)[0]
+
+    now = peak(current)
+    if now < limit_bytes and needs_optimising(mems, current, in_flight, None) is None:
+        return None
+    make = greedy_plan if planner == "greedy" else optimal_plan
+    cap, best = limit_bytes, None
+    for _ in range(tries):
+        try:
+            plan = make(mems, in_flight, cap, host_bandwidth,
+                        reason=f"footprint {now} B >= limit {limit_bytes} B" if now >= limit_bytes
+                        else "needless recompute")
+        except PlanError:  # the store's model finds no plan under ``cap``: try the
+            # uniform plans, which the walk may price lower (a CPU swap brings nothing back)
+            fits = [MemoryPlan.build(mems, pol, in_flight, limit_bytes, host_bandwidth,
+                                     planner, "every layer swapped or recomputed")
+                    for pol in ({x.layer: p for x in terms} for p in ("swap", "recompute"))
+                    if peak(pol) < limit_bytes]
+            if not fits:
+                break
+            plan = min(fits, key=lambda p: p.added_time_s)
+            plan.required_bytes = peak(plan.policies)
+            return plan
+        got = peak(plan.policies)
+        if got < limit_bytes:
+            plan.required_bytes = got
+            return plan
+        best = got if best is None else min(best, got)
+        cap -= got - limit_bytes + 1
+    least = min(peak({x.layer: p for x in terms}) for p in ("swap", "recompute"))
+    need = least if best is None else min(best, least)
+    raise PlanError(f"no memory plan fits the limit {limit_bytes} bytes by the footprint "
+                    f"model (forward working sets, recomputes and receive buffers included); "
+                    f"the best plan found peaks at {need} bytes; raise memory.limit to at "
+                    f"least {need + 1} bytes or use more stages")
