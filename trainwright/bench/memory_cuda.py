@@ -110,6 +110,7 @@ def _config(spec: GpuMemorySpec, run_dir: Path, extra: list[str], steps: int) ->
         f"parallel.partition={spec.layer_split()}", 'parallel.backend="gloo"',
         'parallel.device="cuda"', "run.report=false", "run.progress=false",
         "run.checkpoint_every=0", "run.trace_steps=0", f"run.profile_every={steps}",
+        "observe.mfu=false",
         f'run.dir="{run_dir.parent}"', f'run.name="{run_dir.name}"', *extra,
     ])
 
