@@ -37,10 +37,18 @@ def _config(pp: int, mbs: int, schedule: str, extra: tuple = ()) -> list[str]:
 
 
 def plan_run_meter(sets: list[str], fraction: float, work: Path) -> dict:
+    """:func:`_plan_run_meter` with the benchmarks' split model (``TW_BENCH_SPLIT``) for
+    this call only: a variable left set would change the model of every later test."""
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"TW_BENCH_SPLIT": "1"}):
+        return _plan_run_meter(sets, fraction, work)
+
+
+def _plan_run_meter(sets: list[str], fraction: float, work: Path) -> dict:
     """Limit every stage to ``fraction`` of the way from the smallest predicted peak (every
     layer swapped or recomputed, the better) to the largest all-keep one, plan, train with
     ``trainwright run`` under the live meter; predicted and metered peaks."""
-    os.environ["TW_BENCH_SPLIT"] = "1"
     cfg = load_config(None, sets)
     table = profile_model(cfg, build_layers(cfg))
     keep = max(f.activations for f in predicted_footprints(cfg, table))

@@ -275,4 +275,4 @@ def test_netns_needs_root_message(monkeypatch, capsys):
     assert "needs root" in capsys.readouterr().err
     assert main(["bench", "sparse", "--link", "1gbit"]) == 2
     err = capsys.readouterr().err
-    assert "needs root" in err and "leave out --link" in err
+    assert "needs root" in err and "--link none" in err

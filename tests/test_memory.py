@@ -56,7 +56,11 @@ def _unconstrained_peaks(tiny, world: int, tmp: Path) -> list[int]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_policy_mix_equals_keep_and_planned_stages_fit(tiny, world, tmp_path):
     peaks = _unconstrained_peaks(tiny, world, tmp_path)
-    limit = peaks[0] // 2  # half of the first stage's unconstrained peak, for every stage
+    # a share of the first stage's unconstrained peak (by the store), for every stage: half
+    # with 2 stages; with 4 (1F1B, 8 micro-batches), 70 %: the footprint model, which also
+    # counts working sets and receive buffers, finds no plan under 60 % (best 706 kB for a
+    # 675 kB limit)
+    limit = int(peaks[0] * (0.5 if world == 2 else 0.7))
     limited = [_limited(tiny, world, p, limit) for p in ("greedy", "optimal")]
     cfgs = _policy_matrix(tiny, world) + limited
     dirs = [create_run_dir(c) for c in cfgs]

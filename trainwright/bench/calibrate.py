@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainwright.dist import collective as coll
 from trainwright.plan.calibration import (
     Calibration,
     default_path,
@@ -105,16 +106,16 @@ def _p2p_times(rank: int, repeats: int, group) -> dict:
         for n in _SIZES:
             t = torch.randn(n)
             if rank == 0:
-                w = dist.isend(t, dst=1, group=group, tag=7)
-            dist.barrier(group=group)
+                w = coll.isend(t, dst=1, group=group, tag=7)
+            coll.barrier(group)
             if rank == 1:
                 t0 = time.perf_counter()
-                dist.recv(t, src=0, group=group, tag=7)
+                coll.recv(t, src=0, group=group, tag=7)
                 if i >= 2:
                     out["raw"][n].append(time.perf_counter() - t0)
             else:
                 w.wait()
-            dist.barrier(group=group)
+            coll.barrier(group)
     # the protocol: header + payload; the receive starts after the send is posted
     for i in range(repeats + 2):
         for n in _SIZES:
@@ -124,7 +125,7 @@ def _p2p_times(rank: int, repeats: int, group) -> dict:
                 p2p.send(1, "act", i, [t])
                 if i >= 2:
                     out["send"].append(time.perf_counter() - t0)
-            dist.barrier(group=group)
+            coll.barrier(group)
             if rank == 1:
                 t0 = time.perf_counter()
                 p2p.recv(0, "act", i)
@@ -132,7 +133,7 @@ def _p2p_times(rank: int, repeats: int, group) -> dict:
                     out["recv"][n].append(time.perf_counter() - t0)
             else:
                 p2p.wait_sends()
-            dist.barrier(group=group)
+            coll.barrier(group)
     return out
 
 
@@ -147,14 +148,14 @@ def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[in
     for r in range(rounds):
         counts = range(1, world + 1) if r % 2 == 0 else range(world, 0, -1)
         for k in counts:
-            dist.barrier()
+            coll.barrier()
             if rank < k:
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     for _ in range(8):
                         torch.mm(a, b)
                     out.setdefault(k, []).append(time.perf_counter() - t0)
-            dist.barrier()
+            coll.barrier()
     return out
 
 
@@ -164,7 +165,7 @@ def _worker(rank: int, world: int, repeats: int, out_dir: str) -> None:
     pair = dist.new_group([0, 1])  # every rank takes part in creating it
     if rank < 2:
         got["p2p"] = _p2p_times(rank, repeats, pair)
-    dist.barrier()
+    coll.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
 
 

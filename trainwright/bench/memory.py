@@ -320,13 +320,14 @@ def predict_planned(spec: MemoryBenchSpec, limit: int, systems: dict) -> dict:
     """Per planned row, the footprint model's per-stage ``(device, host)`` peaks from one
     profile in this process (the rows' model: ``TW_BENCH_SPLIT=1``)."""
     import tempfile
+    from unittest import mock
 
     from trainwright.model.build import build_layers
     from trainwright.pipeline.budget import predicted_footprints, profile_model
 
-    os.environ["TW_BENCH_SPLIT"] = "1"
     out, table = {}, None
-    with tempfile.TemporaryDirectory() as tmp:
+    # the rows' model, in this process only for the profile (a test process runs on)
+    with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, {"TW_BENCH_SPLIT": "1"}):
         for name in ("plan_no_swap", "plan_with_swap"):
             cfg = _config(spec, Path(tmp) / name, list(systems[name][0]), spec.steps)
             if table is None:

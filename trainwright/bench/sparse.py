@@ -428,7 +428,7 @@ def run(spec: SparseBenchSpec, timeout_s: float = 3000) -> dict:
                               total=len(spec.densities) * (spec.repeats + 1),
                               label="bench sparse")
             except NetnsUnavailable as exc:
-                raise ConfigError(f"{exc} (or leave out --link to measure on loopback)") from None
+                raise ConfigError(f"{exc} (or --link none to measure on loopback only)") from None
         else:
             run_workers(_bench_rank, spec.world, spec, str(out), timeout_s=timeout_s)
         data = json.loads(out.read_text())
@@ -486,7 +486,13 @@ def main(args) -> dict:
     default = SparseBenchSpec()
     repeats = getattr(args, "repeats", None) or default.repeats
     steps = getattr(args, "steps", None) or default.steps
-    link = getattr(args, "link", None) or "1gbit"
+    asked = getattr(args, "link", None)
+    link = asked or "1gbit"
+    if asked and asked != "none":  # asked for by name: say at once, before the loopback run
+        try:
+            TwoTierNetwork.check_privilege()
+        except NetnsUnavailable as exc:
+            raise ConfigError(f"{exc} (or --link none to measure on loopback only)") from None
     spec = SparseBenchSpec(**{"repeats": repeats, "steps": steps, "link_rate": link,
                               **spec_overrides("sparse", default, getattr(args, "spec", None))})
     result = run(spec)
