@@ -89,6 +89,10 @@ TARGETS: list[Target] = [
     *(_ratio("sparse", f"auto / best forced path at {d}", f"auto_vs_best_forced/{d}/ratio",
              1.05, f"auto_vs_best_forced/{d}/paired_ratios")
       for d in ("0.001", "0.01", "0.1", "0.5")),
+    *(_ratio("sparse", f"auto / a plain dense all-reduce of the table at {d}",
+             f"ratio_vs_dense_allreduce/{d}/ratio", 0.2 if d == "0.01" else 1.05,
+             f"ratio_vs_dense_allreduce/{d}/paired_ratios")
+      for d in ("0.001", "0.01", "0.1", "0.5")),
     _ratio("sparse", "vs DDP's sparse all-reduce at 1 %, loopback",
            "ratio_vs_ddp_sparse_at_1pct", 0.65, "paired_ratios"),
     _ratio("sparse_1gbit", "vs DDP's sparse all-reduce at 1 %, 1 Gbit/s",
