@@ -3,9 +3,11 @@
 On a GPU, ``time.perf_counter`` around a layer's forward sees how long the host took to
 *launch* its kernels, not how long they ran. :class:`CudaEventTimer` records an event
 before and after and returns the device time between them; it waits for the end event,
-so a timed layer is finished when :meth:`~CudaEventTimer.stop` returns (the pipeline only
-times what it measures: the measured micro-batch of a profile step and layers that
-recompute or swap).
+so a timed layer is finished when :meth:`~CudaEventTimer.stop` returns. The pipeline times
+every layer it runs on its own (the measured micro-batch of a profile step, layers that
+recompute or swap, and every layer of a step that is not fused: the first, and every step
+under a memory limit or with rebalancing on), so on a GPU those steps wait for each such
+layer before launching the next: a cost the GPU check's timings include.
 
 Both timers have the same two calls, ``mark = timer.start()`` and
 ``seconds = timer.stop(mark)``; :func:`device_timer` picks one for a device. Tests pass
