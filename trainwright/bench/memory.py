@@ -65,6 +65,7 @@ from trainwright.bench.paired import (
     paired,
     round_order,
     seconds,
+    slowest_rank_step_s,
     spread,
 )
 from trainwright.config import Config, load_config
@@ -230,11 +231,6 @@ def _peaks(per_rank: list[dict]) -> list[int]:
     return [r["metered_peak_bytes"] for r in per_rank]
 
 
-def _step_s(per_rank: list[dict], warmup: int) -> float:
-    """Median over the timed steps of the slowest rank's step time."""
-    per = [r["step_times_s"][warmup:] for r in per_rank]
-    return statistics.median(max(ts) for ts in zip(*per, strict=True))
-
 
 def search_checkpoint(spec: MemoryBenchSpec, limit: int) -> dict:
     """Meter every candidate rule (:func:`checkpoint_candidates`) in one process group, each
@@ -244,7 +240,7 @@ def search_checkpoint(spec: MemoryBenchSpec, limit: int) -> dict:
     got = _spawn_runs(spec, [(name, (), layers, spec.warmup + spec.search_steps)
                              for name, layers in cands])
     tried = [{"rule": name, "layers": layers, "metered_peak_bytes_per_stage": _peaks(g),
-              "step_s": round(_step_s(g, spec.warmup), 5),
+              "step_s": round(slowest_rank_step_s(g, spec.warmup), 5),
               "fits": all(p <= limit for p in _peaks(g))}
              for (name, layers), g in zip(cands, got, strict=True)]
     fitting = [t for t in tried if t["fits"]]
@@ -359,7 +355,7 @@ def _errors(predicted: dict, by: dict) -> dict:
 
 
 def _row(name: str, system: tuple, runs: list, limit: int, warmup: int) -> dict:
-    times = [_step_s(g, warmup) for g in runs]
+    times = [slowest_rank_step_s(g, warmup) for g in runs]
     peaks = [max(p) for p in zip(*(_peaks(g) for g in runs), strict=True)]
     last = runs[-1]
     row = {"system": name, "step_s": round(statistics.median(times), 4),

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 import statistics
 import time
@@ -37,8 +38,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainwright.bench import peers
-from trainwright.bench.paired import host_info, judged, paired, round_order, seconds
+from trainwright.bench.paired import (
+    host_info,
+    judged,
+    paired,
+    round_order,
+    seconds,
+    slowest_rank_step_s,
+)
 from trainwright.config import Config, load_config
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GpuMemorySpec", "gpu_checkpoint_candidates", "run", "main"]
 
@@ -221,10 +231,6 @@ def _peaks(per_rank: list[dict]) -> list[int]:
     return [r["allocator_peak_bytes"] for r in per_rank]
 
 
-def _step_s(per_rank: list[dict], warmup: int) -> float:
-    per = [r["step_times_s"][warmup:] for r in per_rank]
-    return statistics.median(max(ts) for ts in zip(*per, strict=True))
-
 
 def run(spec: GpuMemorySpec, progress=None) -> dict:
     """Measure every row (module docstring); ``progress``: callback(str)."""
@@ -237,7 +243,7 @@ def run(spec: GpuMemorySpec, progress=None) -> dict:
     say(f"checkpoint search: {len(cands)} rules, each over {spec.steps} steps (as timed)")
     got = _spawn(spec, [(n, (), layers, spec.steps, False) for n, layers in cands])
     tried = [{"rule": n, "layers": layers, "allocator_peak_bytes_per_stage": _peaks(g),
-              "step_s": seconds(_step_s(g, spec.warmup)),
+              "step_s": seconds(slowest_rank_step_s(g, spec.warmup)),
               "fits": all(p <= limit for p in _peaks(g))}
              for (n, layers), g in zip(cands, got, strict=True)]
     fitting = [t for t in tried if t["fits"]]
@@ -265,7 +271,8 @@ def _result(spec, unconstrained, limit, tried, best, systems, per, profiled, wal
         runs = per[name]
         peaks = [max(p) for p in zip(*(_peaks(g) for g in runs), strict=True)]
         rows.append({"system": name,
-                     "step_s_per_round": [seconds(_step_s(g, spec.warmup)) for g in runs],
+                     "step_s_per_round": [seconds(slowest_rank_step_s(g, spec.warmup))
+                                          for g in runs],
                      "allocator_peak_bytes_per_stage": peaks,
                      "allocator_total_peak_bytes_per_stage": [
                          max(r["allocator_total_peak_bytes"] for r in col)
@@ -321,15 +328,11 @@ def main(args: argparse.Namespace) -> dict:
         spec.repeats = args.repeats
     if args.steps:
         spec.steps = args.steps
-    import sys
-
     t0 = time.monotonic()
 
     def say(bar, task, what: str) -> None:
         bar.update(task, description=f"bench memory (cuda): {what}")
-        if not sys.stderr.isatty():  # a log gets one line per phase, with the time so far
-            print(f"[{time.monotonic() - t0:6.1f} s] bench memory (cuda): {what}",
-                  file=sys.stderr, flush=True)
+        log.info("[%6.1f s] bench memory (cuda): %s", time.monotonic() - t0, what)
 
     with Progress(transient=True) as bar:
         task = bar.add_task("bench memory --device cuda", total=None)

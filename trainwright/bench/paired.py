@@ -110,6 +110,13 @@ def judged(values: Sequence[float], target: float, *, at_most: bool = True) -> d
             "verdict": verdict(bounds, target, at_most=at_most)}
 
 
+def slowest_rank_step_s(per_rank: list[dict], warmup: int) -> float:
+    """Median over the timed steps (after ``warmup``) of the slowest rank's step time;
+    ``per_rank``: one record per rank with its ``step_times_s``."""
+    per = [r["step_times_s"][warmup:] for r in per_rank]
+    return statistics.median(max(ts) for ts in zip(*per, strict=True))
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -31,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from trainwright.bench.paired import host_info, judged, round_order, seconds
+
+log = logging.getLogger(__name__)
 
 __all__ = ["PlanPickSpec", "LLAMA_8B", "GPT2", "run", "main"]
 
@@ -91,7 +94,7 @@ def _run_candidate(plan: Path, k: int, runs: Path, spec: PlanPickSpec) -> float:
     return _step_s(runs / name, spec.warmup)
 
 
-def pick_rounds(spec: PlanPickSpec, work: Path, say=print) -> dict:
+def pick_rounds(spec: PlanPickSpec, work: Path, say=log.info) -> dict:
     """Plan the tiny model for this host, then race the top candidates (module docstring)."""
     plan = work / "plan.json"
     got = _cli("plan", "--model", "gpt", *_model_sets(spec), "--topology", "cpu",
@@ -138,7 +141,7 @@ def planning_time(work: Path) -> dict:
     return out
 
 
-def run(spec: PlanPickSpec, say=print) -> dict:
+def run(spec: PlanPickSpec, say=log.info) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tw-bench-plan-pick-") as tmp:
         work = Path(tmp)
@@ -156,4 +159,4 @@ def main(args: argparse.Namespace) -> dict:
         spec.repeats = args.repeats
     if args.steps:
         spec.steps = args.steps
-    return run(spec, say=lambda s: print(f"bench plan_pick: {s}", file=sys.stderr, flush=True))
+    return run(spec, say=lambda s: log.info("bench plan_pick: %s", s))

@@ -117,6 +117,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {args.name!r}; choose one of {sorted(BENCHMARKS)}")
+    setup_logging("[bench]", logging.INFO)  # benches log their phases (a log file gets them)
     result = run_benchmark(args.name, args)
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
