@@ -130,3 +130,14 @@ def test_cuda_event_layer_times_agree_with_a_synchronised_wall_clock():
         wall_s = time.perf_counter() - t0
         del y
         assert events_s == pytest.approx(wall_s, rel=0.10), (events_s, wall_s)
+    # the pipeline's timer does not wait: its reading resolves later, to the same time
+    later = CudaEventTimer(device, wait=False)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    mark = later.start()
+    for _ in range(20):
+        layer(x)
+    reading = later.stop(mark)
+    torch.cuda.synchronize(device)
+    wall_s = time.perf_counter() - t0
+    assert float(reading) == pytest.approx(wall_s, rel=0.10), (float(reading), wall_s)

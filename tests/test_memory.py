@@ -159,6 +159,24 @@ def test_periodic_checks_keep_a_plan_that_recomputes_on_purpose():
 
 
 @pytest.mark.timeout(60)
+def test_an_allocator_peak_over_the_limit_replans_against_what_it_measured_beyond():
+    stage, budget = _budget_stage(limit=500)
+    plan = budget.replan(why="before step 1")
+    assert budget.check_allocator(499, step=1) is None  # within the limit: nothing to do
+    # the allocator saw 200 B more than the plan predicted (360 B: two layers recomputed):
+    # planned again under 500 - 200, which only recomputing all three meets (160 B)
+    over = plan.required_bytes + 200
+    assert over > 500
+    again = budget.check_allocator(over, step=1)
+    assert again is not None and budget.allocator_excess == 200
+    assert again.required_bytes <= 300
+    assert sorted(again.policies.values()).count("recompute") == 3
+    # the next step fits: nothing changes, and a plan is not made twice
+    assert budget.check_allocator(again.required_bytes + 200, step=2) is None
+    assert budget.replan(why="after step 10", only_if_over=True) is None
+
+
+@pytest.mark.timeout(60)
 def test_layer_change_drops_needless_recompute():
     stage, budget = _budget_stage(limit=500)
     budget.replan()

@@ -14,7 +14,11 @@ The instrument is the CUDA allocator, not trainwright's accounting: per stage an
 ``torch.cuda.max_memory_allocated`` less what was allocated when the step began and the
 stage's gradients (``cuda_activation_peak_bytes`` of the step rows, see
 :class:`~trainwright.pipeline.runtime.StepStats`), the worst over every step of the run but
-the first (which also allocates the optimizer's state).
+the first. The first step is where a plan learns what the allocator holds beyond the
+footprint model (:meth:`~trainwright.pipeline.budget.MemoryBudget.check_allocator`: a stage
+over its limit plans again against the limit less the excess); its peaks are in each row's
+``first_step_allocator_peak_bytes_per_stage``, the learned excess in
+``allocator_excess_bytes_per_stage``.
 
 Rows: ``keep`` (gives the limit), ``plan_with_swap`` (the exact planner, host bandwidth
 measured at start on the device, pinned buffers), ``plan_no_swap`` (swap priced out),
@@ -210,7 +214,12 @@ def _record(name: str, rows: list, rank: int, overlap: dict | None) -> dict:
     # step 1 also allocates AdamW's state (created at the first optimizer step): the
     # allocator's figures are the worst of the later steps
     mine = [r["stages"][rank] for r in (steps[1:] if len(steps) > 1 else steps)]
+    first = steps[0]["stages"][rank] if steps else {}
     return {"name": name, "step_times_s": [r["step_time_s"] for r in steps],
+            "first_step_allocator_peak_bytes": first.get("cuda_activation_peak_bytes", -1),
+            "replans": sum(p["stage"] == rank for p in plans),
+            "allocator_excess_bytes": max((p.get("allocator_excess_bytes", 0) for p in plans
+                                           if p["stage"] == rank), default=0),
             "losses": [r["loss"] for r in steps],
             "allocator_peak_bytes": max(s.get("cuda_activation_peak_bytes", -1) for s in mine),
             "allocator_total_peak_bytes": max(s.get("cuda_max_allocated_bytes", -1)
@@ -278,6 +287,11 @@ def _result(spec, unconstrained, limit, tried, best, systems, per, profiled, wal
                          max(r["allocator_total_peak_bytes"] for r in col)
                          for col in zip(*runs, strict=True)],
                      "store_peak_bytes_per_stage": [r["store_peak_bytes"] for r in runs[-1]],
+                     "first_step_allocator_peak_bytes_per_stage": [
+                         r["first_step_allocator_peak_bytes"] for r in runs[-1]],
+                     "allocator_excess_bytes_per_stage": [r["allocator_excess_bytes"]
+                                                          for r in runs[-1]],
+                     "plans_per_stage": [r["replans"] for r in runs[-1]],
                      "fits": all(p <= limit for p in peaks),
                      "policies": {str(k): v for r in runs[-1]
                                   for k, v in r["policies"].items()},

@@ -1,13 +1,15 @@
 """Per-layer cost table collected during normal steps: time, saved bytes, output bytes.
 
-Collection is a ``perf_counter`` pair around each layer's forward and backward plus the
-byte counts the activation store already computes, so it runs on every step at no extra
-cost. Planners read :meth:`LayerProfiler.table` (pure data).
+Collection is a timer pair around each layer's forward and backward (the wall clock on a
+CPU, CUDA events on a GPU, read at :meth:`LayerProfiler.end_step` so that a step never
+waits for its own timing) plus the byte counts the activation store already computes, so
+it runs on every step at little extra cost. Planners read :meth:`LayerProfiler.table` (pure data).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import SupportsFloat
 
 __all__ = ["LayerCost", "LayerProfiler"]
 
@@ -47,7 +49,8 @@ class LayerProfiler:
     def __init__(self, smoothing: float = 0.3, warmup_steps: int = 1):
         self.smoothing, self.warmup_steps = smoothing, warmup_steps
         self.costs: dict[int, LayerCost] = {}
-        self._step: dict[int, list[float]] = {}
+        self._step: dict[int, tuple[list, list]] = {}
+        """layer -> this step's (forward, backward) readings, one per micro-batch."""
         self._seen: dict[int, int] = {}
 
     def register(self, layer: int, name: str, param_bytes: int) -> None:
@@ -68,13 +71,12 @@ class LayerProfiler:
         self._step = {mapping[k]: v for k, v in self._step.items() if k in mapping}
         self._seen = {mapping[k]: v for k, v in self._seen.items() if k in mapping}
 
-    def forward(self, layer: int, seconds: float, saved_bytes: int | None, input_bytes: int,
-                output_bytes: int) -> None:
-        """Record one micro-batch's forward of ``layer`` (``saved_bytes`` None: not known
-        yet, as under recompute, where :meth:`saved` reports it at backward)."""
-        acc = self._step.setdefault(layer, [0.0, 0.0, 0, 0])
-        acc[0] += seconds
-        acc[2] += 1
+    def forward(self, layer: int, seconds: SupportsFloat, saved_bytes: int | None,
+                input_bytes: int, output_bytes: int) -> None:
+        """Record one micro-batch's forward of ``layer`` (``seconds``: a float, or a timer's
+        reading that ``float()`` resolves at :meth:`end_step`; ``saved_bytes`` None: not
+        known yet, as under recompute, where :meth:`saved` reports it at backward)."""
+        self._step.setdefault(layer, ([], []))[0].append((seconds,))
         c = self.costs[layer]
         c.input_bytes, c.output_bytes = input_bytes, output_bytes
         if saved_bytes is not None:
@@ -84,18 +86,19 @@ class LayerProfiler:
         """Record the activation bytes of ``layer`` measured when its graph was rebuilt."""
         self.costs[layer].saved_bytes = saved_bytes
 
-    def backward(self, layer: int, seconds: float) -> None:
-        """Record one micro-batch's backward of ``layer``."""
-        acc = self._step.setdefault(layer, [0.0, 0.0, 0, 0])
-        acc[1] += seconds
-        acc[3] += 1
+    def backward(self, layer: int, *seconds: SupportsFloat) -> None:
+        """Record one micro-batch's backward of ``layer``, in one part or several (a split
+        backward's ``B`` and ``W``), read as :meth:`forward`'s."""
+        self._step.setdefault(layer, ([], []))[1].append(seconds)
 
     def end_step(self) -> None:
         """Fold this step's per-micro-batch means into the smoothed costs."""
-        for layer, (fsum, bsum, fn, bn) in self._step.items():
+        for layer, (fwd, bwd) in self._step.items():
             c = self.costs.get(layer)
             if c is None:
                 continue
+            fsum, bsum = (sum(float(x) for parts in got for x in parts) for got in (fwd, bwd))
+            fn, bn = len(fwd), len(bwd)
             seen = self._seen[layer] = self._seen.get(layer, 0) + 1
             a = self.smoothing if c.forward_s and seen != self.warmup_steps + 1 else 1.0
             if fn:

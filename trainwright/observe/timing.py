@@ -2,32 +2,38 @@
 
 On a GPU, ``time.perf_counter`` around a layer's forward sees how long the host took to
 *launch* its kernels, not how long they ran. :class:`CudaEventTimer` records an event
-before and after and returns the device time between them; it waits for the end event,
-so a timed layer is finished when :meth:`~CudaEventTimer.stop` returns. The pipeline times
-every layer it runs on its own (the measured micro-batch of a profile step, layers that
+before and after and returns the device time between them. The pipeline times every
+layer it runs on its own (the measured micro-batch of a profile step, layers that
 recompute or swap, and every layer of a step that is not fused: the first, and every step
-under a memory limit or with rebalancing on), so on a GPU those steps wait for each such
-layer before launching the next: a cost the GPU check's timings include.
+under a memory limit or with rebalancing on), so its timer does not wait
+(``wait=False``): :meth:`~CudaEventTimer.stop` returns a :class:`DeviceSeconds` that
+reads the events when first converted with ``float()``, which the layer profiler does
+at the end of the step (:meth:`~trainwright.observe.layer_profile.LayerProfiler.end_step`),
+so the host keeps launching kernels ahead of the device. (A waiting timer, as the first
+GPU check had, made every measured layer a host-device round trip: launch latency the
+step then paid once per layer and micro-batch.)
 
 Both timers have the same two calls, ``mark = timer.start()`` and
-``seconds = timer.stop(mark)``; :func:`device_timer` picks one for a device. Tests pass
-their own object with these calls (an injected clock).
+``seconds = timer.stop(mark)`` (a float, or anything ``float()`` turns into one);
+:func:`device_timer` picks one for a device. Tests pass their own object with these
+calls (an injected clock).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Protocol, SupportsFloat
 
 import torch
 
 
 class Timer(Protocol):
-    """``start() -> mark``; ``stop(mark) -> seconds`` of work done in between."""
+    """``start() -> mark``; ``stop(mark) -> seconds`` of work done in between (a float, or
+    a value ``float()`` reads later)."""
 
     def start(self) -> object: ...
 
-    def stop(self, mark: object) -> float: ...
+    def stop(self, mark: object) -> float | SupportsFloat: ...
 
 
 class WallTimer:
@@ -43,26 +49,50 @@ class WallTimer:
         return self.clock() - mark
 
 
-class CudaEventTimer:
-    """Device time between two CUDA events on the current stream of ``device``."""
+class DeviceSeconds:
+    """Device time between two recorded CUDA events, read (waiting for the end event) when
+    first converted with ``float()``."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    __slots__ = ("start", "end", "_value")
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event):
+        self.start, self.end, self._value = start, end, None
+
+    def __float__(self) -> float:
+        if self._value is None:
+            self.end.synchronize()
+            self._value = self.start.elapsed_time(self.end) / 1e3  # milliseconds -> s
+        return self._value
+
+
+class CudaEventTimer:
+    """Device time between two CUDA events on the current stream of ``device``.
+
+    Args:
+        device: the CUDA device.
+        wait: :meth:`stop` waits for the end event and returns seconds; False: it returns
+            a :class:`DeviceSeconds`, read later (the step goes on meanwhile).
+    """
+
+    def __init__(self, device: torch.device, wait: bool = True):
+        self.device, self.wait = device, wait
 
     def start(self) -> torch.cuda.Event:
         mark = torch.cuda.Event(enable_timing=True)
         mark.record(torch.cuda.current_stream(self.device))
         return mark
 
-    def stop(self, mark: torch.cuda.Event) -> float:
+    def stop(self, mark: torch.cuda.Event) -> float | DeviceSeconds:
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self.device))
-        end.synchronize()
-        return mark.elapsed_time(end) / 1e3  # elapsed_time is in milliseconds
+        seconds = DeviceSeconds(mark, end)
+        return float(seconds) if self.wait else seconds
 
 
-def device_timer(device: torch.device | None) -> WallTimer | CudaEventTimer:
-    """The timer for work on ``device``: CUDA events on a CUDA device, else the wall clock."""
+def device_timer(device: torch.device | None,
+                 wait: bool = True) -> WallTimer | CudaEventTimer:
+    """The timer for work on ``device``: CUDA events on a CUDA device (``wait``: see
+    :class:`CudaEventTimer`), else the wall clock."""
     if device is not None and device.type == "cuda":
-        return CudaEventTimer(device)
+        return CudaEventTimer(device, wait=wait)
     return WallTimer()

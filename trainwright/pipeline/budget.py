@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from trainwright.config import Config, parse_bytes
-from trainwright.errors import ConfigError
+from trainwright.errors import ConfigError, PlanError
 from trainwright.model.build import build_data, loss_fn
 from trainwright.observe.layer_profile import LayerCost, LayerProfiler
 from trainwright.pipeline.stage import LayerSlot, Stage, StageOptions
@@ -246,6 +246,9 @@ class MemoryBudget:
         self.planner, self.host_bandwidth = planner, host_bandwidth
         self.fixed, self.chunks = fixed, chunks
         self.plan: MemoryPlan | None = None
+        self.allocator_excess = 0
+        """Bytes the CUDA allocator measured beyond the plan's prediction, at most (learned
+        by :meth:`check_allocator`): plans are made against ``limit`` less this."""
         self.terms: dict[int, LayerTerms] = {}
         """Footprint terms per layer, from the first :class:`ProfileTable` given to
         :meth:`replan` (measured once); with them plans are held to the footprint walk."""
@@ -277,14 +280,15 @@ class MemoryBudget:
             own = self.in_flight.actions[0].stage
             terms = [replace(t, chunk=x.chunk if self.chunks is not None else own)
                      for t, x in zip(terms, mems, strict=True)]
-        if only_if_over and required_bytes(mems, current, self.in_flight) < self.limit:
+        target = self.limit - self.allocator_excess
+        if only_if_over and required_bytes(mems, current, self.in_flight) < target:
             return None
         if walked:
-            plan = fit_plan(mems, terms, self.in_flight, self.limit, self.host_bandwidth,
+            plan = fit_plan(mems, terms, self.in_flight, target, self.host_bandwidth,
                             planner=self.planner, current=current,
                             copy_back=self.stage.store.swap.cuda)
         else:
-            plan = plan_stage(mems, self.in_flight, self.limit, self.host_bandwidth,
+            plan = plan_stage(mems, self.in_flight, target, self.host_bandwidth,
                               planner=self.planner, current=current)
         if plan is None or (self.plan is not None and plan.policies == current):
             return None
@@ -296,9 +300,40 @@ class MemoryBudget:
                  "adds %.1f ms per micro-batch", why, plan.planner, plan.reason,
                  counts["keep"], counts["swap"], counts["recompute"],
                  format_bytes(plan.required_bytes),
-                 format_bytes(self.limit) if self.limit else "no limit",
+                 format_bytes(target) if self.limit else "no limit",
                  1e3 * plan.added_time_s)
         return plan
+
+    def check_allocator(self, peak_bytes: int, step: int) -> MemoryPlan | None:
+        """Hold the plan to the CUDA allocator: re-plan when a step's activation peak by the
+        allocator (:attr:`~trainwright.pipeline.runtime.StepStats.cuda_activation_peak_bytes`)
+        exceeded the limit.
+
+        The footprint model sees the storages tensors own; the allocator also holds what
+        kernels allocate inside an op (workspaces, rounding, backward intermediates). What
+        it measured beyond the plan's prediction is remembered (:attr:`allocator_excess`,
+        the most seen) and the stage is planned again against the limit less that.
+
+        Returns:
+            The new plan, or None (within the limit, nothing planned, or no plan fits the
+            lowered bound: then a warning names the shortfall).
+        """
+        if self.fixed is not None or self.limit is None or self.plan is None \
+                or peak_bytes <= self.limit:
+            return None
+        excess = peak_bytes - self.plan.required_bytes
+        if excess <= self.allocator_excess:
+            return None  # not from this plan (made before the last correction)
+        self.allocator_excess = excess
+        why = (f"after step {step}: the CUDA allocator measured {format_bytes(peak_bytes)} "
+               f"over the {format_bytes(self.limit)} limit, {format_bytes(excess)} more than "
+               f"the plan predicted")
+        try:
+            return self.replan(why=why)
+        except PlanError as exc:
+            log.warning("memory plan %s, and no plan fits the limit less that: %s. Raise "
+                        "memory.limit or use more stages", why, exc)
+            return None
 
     def _mems(self, costs: list[LayerCost]) -> list[LayerMem]:
         """Planner rows of this stage's layers (per chunk with several chunks per rank)."""
@@ -317,7 +352,7 @@ class MemoryBudget:
         return {"planner": plan.planner, "reason": plan.reason,
                 "required_bytes": plan.required_bytes, "limit_bytes": plan.limit_bytes,
                 "added_time_s": plan.added_time_s, "host_bandwidth": self.host_bandwidth,
-                "layers": self.rows()}
+                "allocator_excess_bytes": self.allocator_excess, "layers": self.rows()}
 
     def rows(self) -> list[dict]:
         """The current plan per layer, for the metrics and the report."""

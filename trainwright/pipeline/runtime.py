@@ -28,7 +28,7 @@ from trainwright.pipeline.stage import Stage
 from trainwright.schedule.actions import COMPUTE, Action
 from trainwright.schedule.base import MIG_KINDS, ActionKind
 
-__all__ = ["StepStats", "StepHooks", "Runtime", "PipelineRuntime"]
+__all__ = ["StepStats", "StepHooks", "Runtime", "PipelineRuntime", "allocator_figures"]
 
 
 class LiveMigration(Protocol):
@@ -100,13 +100,24 @@ class StepHooks:
     """Unscale and clip the synced gradients, step the optimizers and the learning rate."""
 
 
-def _allocator_figures(params: list[torch.Tensor], start_bytes: int) -> dict:
+def allocator_figures(now: int, params: list[torch.Tensor], start_bytes: int,
+                      updates: list[tuple[int, int]]) -> dict:
     """The CUDA allocator's peak over a step, whole and as activations
-    (:attr:`StepStats.cuda_activation_peak_bytes`)."""
-    peak = torch.cuda.max_memory_allocated(params[0].device)
+    (:attr:`StepStats.cuda_activation_peak_bytes`).
+
+    Args:
+        now: ``torch.cuda.max_memory_allocated`` at the step's end.
+        params: the stage's parameters (their gradients are taken off).
+        start_bytes: allocated when the step began.
+        updates: per optimizer step run in the step, the allocator's peak before it and the
+            bytes it left allocated (the optimizer state the first creates); the peak
+            counter was reset before each, so the state is taken off what follows it.
+    """
+    grown = sum(g for _, g in updates)
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    return {"cuda_max_allocated_bytes": peak,
-            "cuda_activation_peak_bytes": peak - start_bytes - grads}
+    return {"cuda_max_allocated_bytes": max([now, *(p for p, _ in updates)]),
+            "cuda_activation_peak_bytes": max([now - grown, *(p for p, _ in updates)])
+            - start_bytes - grads}
 
 
 class Runtime(ABC):
@@ -131,11 +142,15 @@ class Runtime(ABC):
         self.split = view.options.split_backward
         """Zero-bubble schedule: ``B`` computes input gradients only, ``W`` the weights'."""
         self.handlers: dict[ActionKind, Callable[[Action], None]] = {
-            ActionKind.SYNC: self._sync, ActionKind.STEP: lambda a: self.hooks.update()}
+            ActionKind.SYNC: self._sync, ActionKind.STEP: self._update}
         """Action kind -> what runs it; each executor adds its own kinds."""
         self.after: Callable[[Action], None] | None = None
         """Called after every action (the peer-swap extension's bookkeeping)."""
         self._measured_peak = 0
+        self._cuda: torch.device | None = None
+        """The stage's CUDA device while a step runs there (None: not on CUDA)."""
+        self._updates: list[tuple[int, int]] = []
+        """This step's optimizer steps on CUDA: (allocator peak before, bytes added)."""
         self._index: int | None = None
         """Index of the running action in the step's list (None: carried from the last)."""
 
@@ -164,6 +179,7 @@ class Runtime(ABC):
         view.store.reset_peaks()
         params = view.parameters()
         cuda = bool(params) and params[0].is_cuda
+        self._cuda, self._updates = (params[0].device if cuda else None), []
         if cuda:
             torch.cuda.reset_peak_memory_stats(params[0].device)
             cuda_start = torch.cuda.memory_allocated(params[0].device)
@@ -181,7 +197,8 @@ class Runtime(ABC):
                          activation_peak_bytes=self._measured_peak,
                          held_microbatches_peak=view.store.peak_microbatches, events=events,
                          host_peak_bytes=view.store.peak_host_bytes,
-                         **(_allocator_figures(params, cuda_start) if cuda else {}),
+                         **(allocator_figures(torch.cuda.max_memory_allocated(self._cuda), params,
+                                              cuda_start, self._updates) if cuda else {}),
                          migration=self._migration_stats(migration))
 
     def _run(self, step: int, actions: list[Action], events: list, trace: bool,
@@ -208,6 +225,19 @@ class Runtime(ABC):
                 events.append((a.kind, a.mb, time.time_ns() - (time.perf_counter_ns() - t0),
                                t1 - t0))
         return compute_ns
+
+    def _update(self, a: Action) -> None:
+        """``STEP``: the trainer's optimizer step. On CUDA the allocator's peak so far is
+        kept and its counter reset, so that the optimizer state the first step creates is
+        not counted as activations afterwards (see :func:`allocator_figures`)."""
+        if self._cuda is None:
+            self.hooks.update()
+            return
+        before, peak = torch.cuda.memory_allocated(self._cuda), \
+            torch.cuda.max_memory_allocated(self._cuda)
+        torch.cuda.reset_peak_memory_stats(self._cuda)
+        self.hooks.update()
+        self._updates.append((peak, torch.cuda.memory_allocated(self._cuda) - before))
 
     def _sync(self, a: Action) -> None:
         """``SYNC``: drain this rank's sends, then the trainer syncs the gradients."""

@@ -361,7 +361,7 @@ class Stage:
             t0 = self.options.timer.start()
             backward_weight(work)
             if not seg.span:
-                self.profiler.backward(seg.layer, b_s + self.options.timer.stop(t0))
+                self.profiler.backward(seg.layer, b_s, self.options.timer.stop(t0))
             self.store.pop(seg.layer, mb)
             self.store.add_bytes(-transient)
 

@@ -131,7 +131,7 @@ class Trainer:
             autocast=autocast_factory(cfg.train.precision, self.device),
             loss_gradient=self.rules.loss_gradient,
             split_backward=any(a.kind == ActionKind.W for a in self.actions),
-            timer=device_timer(self.device))
+            timer=device_timer(self.device, wait=False))  # read at the step's end
         self.stage = Stage(self.slots, self.store, self.profiler, is_first=topo.stage == 0,
                            loss_fn=loss_fn(cfg) if cfg.n_stages - 1 in self.my_stages else None,
                            loss_scale=1.0 / cfg.train.micro_batches, options=self.stage_options)
@@ -289,6 +289,9 @@ class Trainer:
             trace=step - self.start < self.cfg.run.trace_steps, migration=migration,
             carry=self._carry(step))
         if step == self.start and self.budget.plan is not None:
+            stats.memory_plan = self.budget.record()
+        if stats.cuda_activation_peak_bytes is not None and \
+                self.budget.check_allocator(stats.cuda_activation_peak_bytes, step) is not None:
             stats.memory_plan = self.budget.record()
         if migration is not None:
             self._after_migration(stats, migration)
