@@ -10,7 +10,8 @@ NCCL; none has been available.
 What they check: the pipeline trains on the GPU equal to the one-process CPU reference
 (fp32, to 1e-4: CUDA and CPU kernels sum in other orders); swap (pinned buffers, side
 stream, prefetch) and recompute (CUDA RNG restored) equal keep on the GPU; a run planned
-under a limit stays within it by the CUDA allocator; ``memory.limit = "auto"`` resolves
+under a limit stays within it by the CUDA allocator, every step; the profile measures each
+layer's backward by the allocator; ``memory.limit = "auto"`` resolves
 against the device; bf16 trains; per-layer times from CUDA events agree with a
 synchronised wall clock.
 """
@@ -84,6 +85,20 @@ def test_a_planned_run_stays_within_its_limit_by_the_allocator(tiny):
             for row in step_rows(planned) for st in row["stages"]
             if st["cuda_activation_peak_bytes"] > limit]
     assert not over, f"limit {limit} B (half of {peaks}); by the allocator, over: {over}"
+
+
+def test_the_profile_measures_each_layers_backward_by_the_allocator(tiny):
+    from trainwright.model.build import build_layers
+    from trainwright.pipeline.budget import profile_model
+
+    cfg = _gpu(tiny, **{"model.d_model": 256, "model.context": 128})
+    table = profile_model(cfg, build_layers(cfg), torch.device("cuda", 0))
+    back = {i: t.back_work for i, t in table.terms.items()}
+    # measured for every layer (the blocks' backward allocates at least their input's
+    # gradient); on a CPU nothing is measured (-1) and the walk leaves the backward out
+    assert all(b >= 0 for b in back.values()) and max(back.values()) > 0, back
+    cpu = profile_model(tiny(), build_layers(tiny()))
+    assert {t.back_work for t in cpu.terms.values()} == {-1}
 
 
 def test_auto_limit_resolves_against_the_device(tiny):

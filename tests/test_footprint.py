@@ -68,6 +68,23 @@ def test_receives_posted_ahead_exist_before_their_forward():
     assert "F3" in late_at and "F0" in early_at
 
 
+def test_a_backward_measured_by_the_allocator_is_walked_with_its_incoming_gradient():
+    from dataclasses import replace
+
+    sched = _one_stage("gpipe", 1)
+    plain, _, _ = walk(_layers(), {}, sched)  # the forward's working set: 10 + 60 + 300
+    assert plain == 370
+    # layer 0's backward allocates 500 B (its gradients and workspace) while layer 1's
+    # output gradient (10 B) is alive; the top layer's backward takes 50 B
+    got = [replace(_layers()[0], back_work=500), replace(_layers()[1], back_work=50)]
+    peak, _, moment = walk(got, {}, sched)
+    # at layer 0's backward: its input 10 and kept 60 still held (layer 1's released)
+    assert peak == 10 + 60 + 500 + 10 and "B0 layer 0" in moment
+    # recomputed: the rebuilt kept bytes are held during the backward as well
+    peak, _, _ = walk(got, {0: "recompute", 1: "recompute"}, sched)
+    assert peak == 10 + 10 + 60 + 500 + 10
+
+
 def test_static_terms_by_optimizer_and_shards():
     assert static_bytes(100, "sgd") == (100, 100, 0)
     assert static_bytes(100, "sgd", momentum=0.9) == (100, 100, 100)

@@ -13,12 +13,14 @@ host memory: NCCL refuses two ranks on one device), 1F1B.
 The instrument is the CUDA allocator, not trainwright's accounting: per stage and step,
 ``torch.cuda.max_memory_allocated`` less what was allocated when the step began and the
 stage's gradients (``cuda_activation_peak_bytes`` of the step rows, see
-:class:`~trainwright.pipeline.runtime.StepStats`), the worst over every step of the run but
-the first. The first step is where a plan learns what the allocator holds beyond the
-footprint model (:meth:`~trainwright.pipeline.budget.MemoryBudget.check_allocator`: a stage
-over its limit plans again against the limit less the excess); its peaks are in each row's
-``first_step_allocator_peak_bytes_per_stage``, the learned excess in
-``allocator_excess_bytes_per_stage``.
+:class:`~trainwright.pipeline.runtime.StepStats`; the optimizer state the first step
+creates is taken off), the worst over every step of the run, the first included. The plan
+is made from a profile on the GPU that measures each layer's backward by the allocator
+(the footprint's ``back_work``); should a step still exceed the limit, the stage plans
+again against the limit less what the allocator held beyond the plan
+(:meth:`~trainwright.pipeline.budget.MemoryBudget.check_allocator`): each row's
+``first_step_allocator_peak_bytes_per_stage`` and ``allocator_excess_bytes_per_stage``
+show whether that happened.
 
 Rows: ``keep`` (gives the limit), ``plan_with_swap`` (the exact planner, host bandwidth
 measured at start on the device, pinned buffers), ``plan_no_swap`` (swap priced out),
@@ -211,9 +213,9 @@ def copy_overlap(events) -> dict:
 def _record(name: str, rows: list, rank: int, overlap: dict | None) -> dict:
     steps = [r for r in rows if r["kind"] == "step"]
     plans = [r for r in rows if r["kind"] == "memory_plan"]
-    # step 1 also allocates AdamW's state (created at the first optimizer step): the
-    # allocator's figures are the worst of the later steps
-    mine = [r["stages"][rank] for r in (steps[1:] if len(steps) > 1 else steps)]
+    # every step, the first included (the runtime takes the optimizer state the first
+    # optimizer step creates off its figure)
+    mine = [r["stages"][rank] for r in steps]
     first = steps[0]["stages"][rank] if steps else {}
     return {"name": name, "step_times_s": [r["step_time_s"] for r in steps],
             "first_step_allocator_peak_bytes": first.get("cuda_activation_peak_bytes", -1),
@@ -308,7 +310,8 @@ def _result(spec, unconstrained, limit, tried, best, systems, per, profiled, wal
                     "torch.utils.checkpoint rule?",
         "spec": asdict(spec), "layer_names": spec.layer_names(),
         "instrument": "CUDA allocator: max_memory_allocated over each step less the bytes "
-                      "allocated at its start and the stage's gradients; worst step",
+                      "allocated at its start, the stage's gradients and the optimizer "
+                      "state the first step creates; worst step, the first included",
         "unconstrained_peak_bytes": unconstrained, "limit_bytes": limit,
         "checkpoint_search": tried,
         "best_fitting_checkpoint": ({"rule": best["rule"], "layers": best["layers"]}

@@ -83,7 +83,9 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
     Used before training starts: to reject an impossible ``memory.limit`` before any
     process is launched, and to plan every stage before its first step. A third, untimed
     pass runs under a :class:`~trainwright.pipeline.workset.WorkingSetProbe`, which
-    measures each layer's forward working set and what it keeps (the footprint terms).
+    measures each layer's forward working set and what it keeps (the footprint terms);
+    on a GPU its backward also measures each layer's backward by the CUDA allocator
+    (``back_work``: what the allocator holds that tensors' storages do not show).
 
     Args:
         cfg: the configuration (batch shape, loss, data).
@@ -119,14 +121,40 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
             stage.forward(0, (x[:n],), y[:n])
     finally:
         del stage._run
-    stage.backward(0)
+    back_work = _backward_by_allocator(stage, device) if device is not None \
+        and device.type == "cuda" else {}
     for _, m in named:
         m.zero_grad(set_to_none=True)
     costs = profiler.table()
     terms = {c.layer: LayerTerms(c.layer, *probe.layers.get(c.layer, (0, 0)), c.saved_bytes,
                                  c.output_bytes, c.input_bytes, c.param_bytes,
-                                 work_nograd=probe.nograd.get(c.layer, -1)) for c in costs}
+                                 work_nograd=probe.nograd.get(c.layer, -1),
+                                 back_work=back_work.get(c.layer, -1)) for c in costs}
     return ProfileTable(costs, terms)
+
+
+def _backward_by_allocator(stage: Stage, device: torch.device) -> dict[int, int]:
+    """Run micro-batch 0's backward on ``stage`` (CUDA), each layer's under the allocator:
+    layer -> highest bytes allocated during its backward above those at its start
+    (:attr:`~trainwright.plan.footprint.LayerTerms.back_work`). The parameters' gradients
+    exist from the earlier passes, so they are not counted (the allocator's bookkeeping is
+    the host's: nothing waits for the device)."""
+    out: dict[int, int] = {}
+    one = stage._backward_segment
+
+    def measured(seg, *args, **kwargs):
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        got = one(seg, *args, **kwargs)
+        out[seg.layer] = torch.cuda.max_memory_allocated(device) - base
+        return got
+
+    stage._backward_segment = measured
+    try:
+        stage.backward(0)
+    finally:
+        del stage._backward_segment
+    return out
 
 
 def stage_in_flight(cfg: Config) -> list[int]:

@@ -27,8 +27,11 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
     new device bytes) and copied back (``saved`` bytes) on an accelerator;
   - ``W`` (split backward): the segments and what was brought back are released.
-  Gradients and backward intermediates are not activations (the meter does not count
-  them; the ``gradients`` static term holds the accumulated ones).
+  Gradients and backward intermediates are not activations for the live meter (it does
+  not count them; the ``gradients`` static term holds the accumulated ones). The CUDA
+  allocator holds them, though: where the profile measured a layer's ``back_work`` by
+  the allocator (on a GPU), its ``B`` also sees that, plus the gradient arriving from
+  the layer above (a received one is already a buffer).
 * **host** — swap copies held on the host, walked the same way (on a CPU host they live in
   the same RAM; the meter tells them apart by where they were allocated).
 
@@ -68,6 +71,10 @@ class LayerTerms:
     work_nograd: int = -1
     """``work`` of its forward without a graph (how a recomputed layer's first forward runs:
     intermediates are freed as soon as used); -1: not measured, ``work`` is used."""
+    back_work: int = -1
+    """Highest bytes its backward allocated above what was allocated when it began, by the
+    CUDA allocator (gradients of its activations and input, kernel workspaces); -1: not
+    measured (a CPU profile, whose meter does not count gradients): not walked."""
 
     def forward_work(self, policy: str) -> int:
         """The forward's working set under ``policy`` (recompute runs it without a graph)."""
@@ -200,7 +207,11 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
                 extra = x.saved
             else:
                 extra = 0
-            see(extra, f"{a} layer {x.layer}")
+            # by the allocator: the layer's backward, and the gradient coming from the layer
+            # above (the rank's top layer's is a receive buffer); gone when it is done
+            grad = (x.back_work + (x.output_bytes if x is not rows[-1] else 0)
+                    if x.back_work >= 0 else 0)
+            see(extra + grad, f"{a} layer {x.layer}")
             if split:  # brought back: held until W
                 back[key] = back.get(key, 0) + extra
                 cur += extra
@@ -292,7 +303,8 @@ def stage_footprint(layers: list[LayerTerms], policies: dict[int, str], actions:
     dev, host, moment = walk(layers, policies, actions, copy_back, arrive)
     return Footprint(w, g, o, dev, host, moment,
                      {x.layer: {"work": x.work, "kept": x.kept, "saved": x.saved,
-                                "output_bytes": x.output_bytes, "policy":
+                                "output_bytes": x.output_bytes,
+                                "back_work": x.back_work, "policy":
                                 policies.get(x.layer, "keep")} for x in layers})
 
 
