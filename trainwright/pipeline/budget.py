@@ -121,8 +121,11 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
             stage.forward(0, (x[:n],), y[:n])
     finally:
         del stage._run
-    back_work = _backward_by_allocator(stage, device) if device is not None \
-        and device.type == "cuda" else {}
+    if device is not None and device.type == "cuda":
+        back_work = _backward_by_allocator(stage, device)
+    else:
+        back_work = {}
+        stage.backward(0)
     for _, m in named:
         m.zero_grad(set_to_none=True)
     costs = profiler.table()
