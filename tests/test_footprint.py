@@ -54,6 +54,19 @@ def test_swap_moves_saved_bytes_to_the_host_and_copy_back_brings_them():
     assert back >= peak
 
 
+def test_copy_back_counts_the_next_swapped_layer_already_coming_back():
+    lay = [LayerTerms(0, work=20, kept=60, saved=50, output_bytes=10, input_bytes=10),
+           LayerTerms(1, work=30, kept=210, saved=200, output_bytes=10, input_bytes=10)]
+    both = {0: "swap", 1: "swap"}
+    sched = _one_stage("gpipe", 1)
+    # held: the input and both outputs (30); layer 1's backward has its 200 back and layer
+    # 0's 50 on the way (the store prefetches the next layer down)
+    peak, _, moment = walk(lay, both, sched, copy_back=True)
+    assert peak == 30 + 200 + 50 and "B0 layer 1" in moment
+    assert walk(lay, {1: "swap"}, sched, copy_back=True)[0] == 10 + 60 + 10 + 200
+    assert walk(lay, both, sched)[0] == 10 + 10 + 30  # a CPU reads the host copy in place
+
+
 def test_receives_posted_ahead_exist_before_their_forward():
     sched = build_schedule("1f1b", 2, 4)
     got = arrivals(sched[1])

@@ -25,7 +25,8 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
-    new device bytes) and copied back (``saved`` bytes) on an accelerator;
+    new device bytes) and copied back (``saved`` bytes) on an accelerator, where the next
+    swapped layer down is already coming back (prefetched) while it computes;
   - ``W`` (split backward): the segments and what was brought back are released.
   Gradients and backward intermediates are not activations for the live meter (it does
   not count them; the ``gradients`` static term holds the accumulated ones). The CUDA
@@ -199,19 +200,24 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
 
     def backward(a, key, rows: list[LayerTerms], split: bool) -> None:
         nonlocal cur, bufs
-        for x in reversed(rows):
+        down = list(reversed(rows))
+        for j, x in enumerate(down):
+            # on an accelerator the next layer down starts coming back while this one
+            # computes (the store's prefetch): its saved bytes are on the device too
+            below = down[j + 1] if j + 1 < len(down) else None
+            ahead = below.saved if copy_back and below is not None \
+                and pol[below.layer] == "swap" else 0
+            # measured by the allocator (back_work >= 0): the gradient coming from the layer
+            # above is alive too (the rank's top layer's is a receive buffer, counted)
+            incoming = x.output_bytes if x.back_work >= 0 and j > 0 else 0
             if pol[x.layer] == "recompute":
-                see(x.work, f"{a} layer {x.layer} (recompute)")
+                see(x.work + ahead + incoming, f"{a} layer {x.layer} (recompute)")
                 extra = x.kept
             elif pol[x.layer] == "swap" and copy_back:
                 extra = x.saved
             else:
                 extra = 0
-            # by the allocator: the layer's backward, and the gradient coming from the layer
-            # above (the rank's top layer's is a receive buffer); gone when it is done
-            grad = (x.back_work + (x.output_bytes if x is not rows[-1] else 0)
-                    if x.back_work >= 0 else 0)
-            see(extra + grad, f"{a} layer {x.layer}")
+            see(extra + max(x.back_work, 0) + incoming + ahead, f"{a} layer {x.layer}")
             if split:  # brought back: held until W
                 back[key] = back.get(key, 0) + extra
                 cur += extra
