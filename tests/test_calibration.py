@@ -1,12 +1,17 @@
-"""The step-time calibration's fits, from injected timings (no clock is read here)."""
+"""The step-time calibration's fits, from injected timings (no clock is read here), and
+the planner's use of an injected calibration (``trainwright plan --topology cpu``)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from trainwright.errors import PlanError
+from trainwright.observe.tensor_profile import LayerTensors, SavedTensor
 from trainwright.plan.calibration import (
     Calibration,
+    count_segments,
     fit_overhead,
     fit_slowdown,
     load,
@@ -14,6 +19,14 @@ from trainwright.plan.calibration import (
     scaled,
     with_overheads,
 )
+from trainwright.plan.candidates import (
+    bytes_per_param,
+    enumerate_candidates,
+    rank_candidates,
+    scaled_layers,
+)
+from trainwright.plan.devices import DeviceTopology
+from trainwright.plan.planner import PlanRequest, make_plan, slowdown_of
 from trainwright.plan.simulate import StageCost
 from trainwright.schedule.base import ActionKind
 
@@ -79,3 +92,79 @@ def test_cache_is_used_only_on_the_host_it_was_measured_on(tmp_path):
     assert load(path, HOST) == cal
     assert load(path, {**HOST, "cpus": 16}) is None
     assert load(tmp_path / "missing.json", HOST) is None
+
+
+def test_segments_count_runs_of_kept_layers_and_every_other_layer():
+    assert count_segments([0, 1, 2, 3], {}) == 1
+    assert count_segments([0, 1, 2, 3], {1: "recompute"}) == 3
+    assert count_segments([4, 5], {4: "swap", 5: "swap"}) == 2
+
+
+def _gpt_like_rows(n: int = 6) -> list:
+    """One sample's rows of ``n`` equal layers (embedding, blocks, head of a tiny GPT)."""
+    return [LayerTensors(i, f"l{i}", 1e-3, 2e-3, input_bytes=4096, output_bytes=4096,
+                         param_bytes=1000, tensors=[SavedTensor(0, 4096, [1024], "float32")])
+            for i in range(n)]
+
+
+def _cpu2() -> DeviceTopology:
+    """Two ranks on this host's cores (the ``cpu`` preset's links)."""
+    return DeviceTopology("cpu2", [2**31] * 2, [[0.0, 2.6e9], [2.6e9, 0.0]], [5.4e9] * 2,
+                          kind="cpu")
+
+
+def _ranked(cal: Calibration | None) -> dict[str, float]:
+    rows, per = _gpt_like_rows(), bytes_per_param(4, "sgd")
+    cands, _ = enumerate_candidates(2, 2, len(rows), 32, [1, 2])
+    base = PlanRequest(rows, "1f1b", 2, 1, _cpu2(), state_factor=per.total / 4,
+                       latency_s=1e-5, calibration=cal)
+    outs = rank_candidates(cands, {k: scaled_layers(rows, k) for k in (1, 2)}, base, per, 4)
+    return {o.candidate.label(): o.step_s for o in outs}
+
+
+M16, M8 = "pp1 x dp2 1f1b m=16 (mbs 1)", "pp1 x dp2 1f1b m=8 (mbs 2)"
+
+
+def test_calibrated_overhead_ranks_fewer_larger_micro_batches_first():
+    # 32 samples on 2 replicas: 16 micro-batches of 1 or 8 of 2 do the same compute; only
+    # the per-action overhead tells them apart (issue 33: the uncalibrated plan picked
+    # m=16, which ran 1.27x slower than m=8 on a 2-core host)
+    plain = _ranked(None)
+    assert plain[M16] == pytest.approx(plain[M8], rel=1e-9)  # no preference without it
+    cal = Calibration(HOST, 2, action_s=5e-3, slowdown={1: 1.0, 2: 1.0})
+    got = _ranked(cal)
+    assert next(iter(got)) == M8, got  # the pick
+    # m=16 runs 16 more F/B actions per rank, each paying 5 ms
+    assert got[M16] - got[M8] == pytest.approx(16 * 5e-3, rel=1e-6)
+    assert got[M8] == pytest.approx(plain[M8] + 16 * 5e-3, rel=1e-6)
+
+
+def test_shared_core_slowdown_counts_every_replica():
+    rows = _gpt_like_rows()
+    cal = Calibration(HOST, 2, slowdown={1: 1.0, 2: 2.0, 4: 3.0})
+    req = PlanRequest(rows, "1f1b", 1, 4, _cpu2(), peer_swap=False)
+    alone = make_plan(req).sim.step_s
+    one = make_plan(replace(req, calibration=cal)).sim
+    two = make_plan(replace(req, calibration=cal, replicas=2)).sim
+    assert one.step_s == pytest.approx(alone) and one.slowdown == pytest.approx(1.0)
+    # one rank per replica, two replicas computing at once: factor(2)
+    assert two.step_s == pytest.approx(2.0 * alone) and two.slowdown == pytest.approx(2.0)
+    assert slowdown_of(replace(req, calibration=cal, replicas=2))(1.5) == cal.factor(3)
+    assert slowdown_of(req) is None
+    # in the ranking: a dp2 candidate is planned with its 2 replicas (its few-microsecond
+    # gradient sync is not scaled)
+    ranked = _ranked(cal)
+    assert ranked[M8] == pytest.approx(2.0 * _ranked(None)[M8], rel=1e-4)
+
+
+def test_planned_costs_carry_one_fused_segment_per_kept_stage():
+    rows = _gpt_like_rows()
+    cal = Calibration(HOST, 2, action_s=1e-3, segment_s=1e-4, send_s=2e-5, recv_s=3e-5)
+    req = PlanRequest(rows, "1f1b", 2, 4, _cpu2(), peer_swap=False, calibration=cal)
+    plan = make_plan(req)
+    for c in plan.costs:  # every layer kept: one segment per action
+        assert c.action_s[ActionKind.F] == pytest.approx(1e-3 + 1e-4)
+        assert c.action_s[ActionKind.SEND_F] == pytest.approx(2e-5)
+    plain = make_plan(replace(req, calibration=None))
+    assert all(not c.action_s for c in plain.costs)
+    assert plan.sim.step_s > plain.sim.step_s + 2 * 4 * 1e-3

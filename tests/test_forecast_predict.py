@@ -11,7 +11,6 @@ import pytest
 from trainwright.bench.planner_forecast import (
     ForecastSpec,
     Profile,
-    _segments,
     plan_limit,
     predict,
     predicted_peaks,
@@ -34,12 +33,6 @@ def profile():
     for r in rows:
         r.forward_s, r.backward_s = 1e-3, 2e-3
     return spec, Profile(rows, [1e-4] * len(rows), 1e-4, 1e9, 1e10, 0.0)
-
-
-def test_segments_count_runs_of_kept_layers_and_every_other_layer():
-    assert _segments([0, 1, 2, 3], {}) == 1
-    assert _segments([0, 1, 2, 3], {1: "recompute"}) == 3
-    assert _segments([4, 5], {4: "swap", 5: "swap"}) == 2
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v"])

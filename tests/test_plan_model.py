@@ -123,7 +123,7 @@ def test_run_plan_trains_the_pick_permuted_equal_to_reference(tmp_path, capsys):
     topo = _slow_link_topology(tmp_path / "topo.json")
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt", *TINY, "--topology", str(topo), "--pp", "4",
-                 "--reserve", "0", "--json", str(out)]) == 0
+                 "--reserve", "0", "--no-calibration", "--json", str(out)]) == 0
     plan = json.loads(out.read_text())
     order = plan["run_config"]["parallel"]["mapping"]
     assert order != [0, 1, 2, 3], plan["mapping"]
@@ -155,7 +155,7 @@ def test_run_plan_refuses_other_devices_and_other_models(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt", *TINY, "--topology", "cpu", "--devices", "2",
                  "--pp", "2", "--reserve", "0", "--micro-batch-size", "4", "--schedule",
-                 "1f1b", "--json", str(out)]) == 0
+                 "1f1b", "--no-calibration", "--json", str(out)]) == 0
     load_plan_config(out, cuda=False)  # the plan's own model on the plan's devices
     with pytest.raises(ConfigError, match="made for gpt .*4 layers.*builds 5 layers"):
         load_plan_config(out, ["model.n_blocks=3"], cuda=False)
@@ -169,6 +169,39 @@ def test_run_plan_refuses_other_devices_and_other_models(tmp_path, capsys):
     assert main(["run", "--plan", str(other)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was made for 2 GPUs" in err[0], err
+
+
+def test_cpu_plan_uses_this_hosts_calibration(tmp_path, capsys, monkeypatch):
+    import trainwright.bench.calibrate as calibrate_mod
+    from trainwright.cli.main import main
+    from trainwright.plan.calibration import Calibration
+
+    cal = Calibration({"cpu_model": "injected"}, 2, action_s=2e-3, segment_s=1e-4,
+                      send_s=5e-5, recv_s=1e-4, slowdown={1: 1.0, 2: 1.5})
+    calls = []
+    monkeypatch.setattr(calibrate_mod, "calibrate", lambda **kw: calls.append(kw) or cal)
+    model = ["plan", "--model", "gpt", *TINY, "--devices", "2", "--reserve", "0", "--top", "2"]
+    args = [*model, "--topology", "cpu"]
+    out = tmp_path / "plan.json"
+    assert main([*args, "--json", str(out)]) == 0
+    assert len(calls) == 1  # loaded (or measured) once, not per candidate
+    assert "includes this host's calibration: action/segment/send/recv 2000/100/50/100 us" \
+        in capsys.readouterr().out
+    plan = json.loads(out.read_text())
+    assert plan["calibration"] == cal.to_dict()
+    assert plan["predicted"]["slowdown"] > 1.0  # two ranks computing at once
+    assert main(["simulate", str(out)]) == 0  # the replay charges what the plan did
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["step_s"] == pytest.approx(plan["predicted"]["step_s"])
+    plain = tmp_path / "plain.json"
+    assert main([*args, "--no-calibration", "--json", str(plain)]) == 0
+    plain_plan = json.loads(plain.read_text())  # (profiled afresh: its times differ)
+    assert len(calls) == 1 and plain_plan["calibration"] is None
+    assert plain_plan["predicted"]["slowdown"] == 1.0
+    assert all(not c["action_s"] for c in plain_plan["stage_costs"])
+    gpus = tmp_path / "gpus.json"  # GPUs: never this host's calibration
+    assert main([*model, "--topology", "nvswitch8", "--json", str(gpus)]) == 0
+    assert len(calls) == 1 and json.loads(gpus.read_text())["calibration"] is None
 
 
 class _StepTimer:

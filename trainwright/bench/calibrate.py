@@ -30,6 +30,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -202,16 +203,20 @@ def measure(max_ranks: int = 4, repeats: int = 20, max_layers: int = 6) -> Calib
 
 
 def calibrate(path: Path | None = None, refresh: bool = False, max_ranks: int = 4,
-              repeats: int = 20) -> Calibration:
+              repeats: int = 20, say: Callable[[str], None] | None = None) -> Calibration:
     """This machine's calibration: the cached one if it was measured here (and covers
     ``max_ranks``), else measured now and cached at ``path`` (default
-    :func:`~trainwright.plan.calibration.default_path`)."""
+    :func:`~trainwright.plan.calibration.default_path`).
+
+    ``say`` is told one line before a measurement starts (a CLI's progress line)."""
     from trainwright.bench.paired import host_info
 
     path = Path(path) if path else default_path()
     cal = None if refresh else load(path, host_info())
     if cal is not None and max(cal.slowdown) >= max_ranks:
         return cal
+    (say or log.info)(f"measuring this host's per-action overheads and shared-core slowdown "
+                      f"(about 10-20 s, cached in {path})")
     cal = measure(max_ranks=max_ranks, repeats=repeats)
     save(path, cal)
     return cal

@@ -238,18 +238,6 @@ def _layout(spec: ForecastSpec, pp: int, schedule: str):
     return v, idx, stage_ranks(schedule, pp, v)
 
 
-def _segments(layers: list[int], policies: dict[int, str]) -> int:
-    """Autograd segments one compute action of these layers launches on a fused step
-    (``trainwright run`` without a limit): each run of consecutive kept layers is one,
-    every other layer one of its own."""
-    n, prev_keep = 0, False
-    for i in layers:
-        keep = policies.get(i, "keep") == "keep"
-        n += not (keep and prev_keep)
-        prev_keep = keep
-    return n
-
-
 def _policies(spec: ForecastSpec, policy) -> dict[int, str]:
     if isinstance(policy, str):
         return dict.fromkeys(range(spec.n_layers), policy)
@@ -263,7 +251,7 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
 
     ``policy``: one name for every layer, or one per layer."""
     from trainwright.bench.planner_predict import _layer_policy_placement
-    from trainwright.plan.calibration import with_overheads
+    from trainwright.plan.calibration import count_segments, with_overheads
     from trainwright.plan.planner import stage_costs
     from trainwright.plan.simulate import Links, simulate
     from trainwright.schedule.actions import build_schedule
@@ -278,7 +266,7 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
     costs = stage_costs(profile.rows, idx, placement, list(range(pp)), step_s,
                         [0.0] * len(idx), rank_of=ranks if v > 1 else None)
     if cal is not None:
-        costs = with_overheads(costs, [_segments(layers, pols) for layers in idx], cal)
+        costs = with_overheads(costs, [count_segments(layers, pols) for layers in idx], cal)
     bw = [[0.0 if i == j else profile.bandwidth_Bps for j in range(pp)] for i in range(pp)]
     links = Links(list(range(pp)), bw, host_bandwidth=profile.host_bandwidth_Bps,
                   latency_s=profile.latency_s)

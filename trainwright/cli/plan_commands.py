@@ -207,6 +207,7 @@ def format_plan(out: dict) -> str:
 
 def cmd_simulate(args: argparse.Namespace) -> dict:
     """``trainwright simulate``: the plan's figures (timeline PNG to ``args.png`` when given)."""
+    from trainwright.plan.calibration import scaled
     from trainwright.plan.simulate import Links, StageCost, simulate
     from trainwright.schedule.actions import build_schedule
     from trainwright.schedule.carry import simulated_lists
@@ -224,6 +225,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
                                               plan.get("virtual_stages", 1)), peers)
         sched = simulated_lists(plan["schedule"], sched,  # as the planner simulated it
                                 plan.get("carry_weight_grads", True))
+        slowdown = float(plan["predicted"].get("slowdown", 1.0))  # ranks sharing cores
     except FileNotFoundError:
         raise ConfigError(f"no plan file {path}; write one with `trainwright plan --json`") \
             from None
@@ -232,7 +234,7 @@ def cmd_simulate(args: argparse.Namespace) -> dict:
                           f"({exc})") from None
     n = plan["pp"]
     links = Links(list(range(n)), plan["stage_bandwidth"], latency_s=args.latency_us * 1e-6)
-    r = simulate(sched, costs, links)
+    r = simulate(sched, scaled(costs, slowdown) if slowdown != 1.0 else costs, links)
     figures = {"step_s": r.step_s, "bubble": [round(b, 4) for b in r.bubble],
                "peak_bytes": r.peak_bytes, "activation_peak_bytes": r.own_peak_bytes}
     if args.png:
@@ -330,6 +332,9 @@ def add_parsers(sub, on_plan, on_simulate) -> None:
                    "byte for parameters, gradients and optimizer state (4: fp32 Adam)")
     p.add_argument("--reserve", default="2GiB")
     p.add_argument("--no-peer-swap", action="store_true")
+    p.add_argument("--no-calibration", action="store_true", help="with --model SPEC on "
+                   "--topology cpu: predict without this host's calibrated per-action "
+                   "overheads and shared-core slowdown (cached in ~/.cache/trainwright)")
     p.add_argument("--flops", type=float, default=None, help="device TFLOP/s (cost model; "
                    "default 125)")
     p.add_argument("--mem-gbps", type=float, default=None, help="device memory GB/s "

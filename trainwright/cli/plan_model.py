@@ -7,12 +7,19 @@ dp, schedule, chunks per rank, micro-batch size, peer swap on or off) is planned
 one was rejected. ``--json OUT`` writes the table, the best plan (the format
 ``trainwright simulate`` replays), and ``OUT.toml``: the run configuration of the pick,
 which ``trainwright run --plan`` (OUT or the TOML) trains with exactly.
+
+On ``--topology cpu`` (a topology of kind ``cpu``: ranks on this host's cores, one node)
+the prediction includes this host's calibrated per-action, per-segment, send and receive
+overheads and shared-core slowdown (:func:`trainwright.bench.calibrate.calibrate`: cached
+per host, measured the first time); the JSON's ``calibration`` names the terms used (None
+for GPUs or ``--no-calibration``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +53,16 @@ def _run_config(args):
     return load_config(args.config, list(args.set or []))
 
 
+def _calibration(args, topology):
+    """This host's calibration when the devices are its own cores (a ``cpu`` topology of
+    one node), loaded from the cache or measured (a progress line on stderr); else None."""
+    if topology.kind != "cpu" or args.nodes > 1 or args.no_calibration:
+        return None
+    from trainwright.bench.calibrate import calibrate
+
+    return calibrate(say=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 def cmd_plan_model(args: argparse.Namespace, topology) -> dict:
     """The ranked answer as data (written to ``args.json`` and its ``.toml`` when given)."""
     from trainwright.model.spec import load_spec
@@ -77,9 +94,11 @@ def cmd_plan_model(args: argparse.Namespace, topology) -> dict:
     if not cands:
         raise ConfigError(f"no candidate to plan for {n_dev} devices, global batch {batch}, "
                           f"micro-batch sizes {sizes}: {skipped[:3]}")
+    cal = _calibration(args, topology)
     base = PlanRequest(prof.layers, "1f1b", 2, 1, topology,
                        state_factor=per.total / prof.param_dtype_bytes,
-                       reserve=_bytes(args.reserve), latency_s=args.latency_us * 1e-6)
+                       reserve=_bytes(args.reserve), latency_s=args.latency_us * 1e-6,
+                       calibration=cal)
     rows_for = {k: scaled_layers(prof.layers, k) for k in sizes}
     outs = rank_candidates(cands, rows_for, base, per, prof.param_dtype_bytes,
                            full=max(3, args.top))
@@ -105,7 +124,7 @@ def cmd_plan_model(args: argparse.Namespace, topology) -> dict:
         "params": prof.params, "state_bytes": best.state,
         "device_memory": topology.memory[0],
         "ranked": [_row(o, batch, tokens, topology.memory[0]) for o in outs],
-        "skipped": skipped,
+        "skipped": skipped, "calibration": cal.to_dict() if cal is not None else None,
     })
     top = [o for o in outs if o.fits and o.plan is not None][:max(1, args.top)]
     out["top"] = [{"label": o.candidate.label(), "config": _run_keys(o, prof, cfg, batch)}
@@ -226,6 +245,11 @@ def format_ranked(out: dict, limit: int = 12) -> str:
                                                       else "  (screened)"))
     if len(fits) > limit:
         lines.append(f"    ... {len(fits) - limit} more that fit (--json has them all)")
+    if out.get("calibration"):
+        from trainwright.plan.calibration import Calibration
+
+        lines.append("includes this host's calibration: "
+                     f"{Calibration.from_dict(out['calibration']).describe()}")
     lines.append(f"rejected ({len(bad)}):")
     for r in bad[:limit]:
         lines.append(f"    {r['label']}: {r['reason']}")

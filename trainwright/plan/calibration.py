@@ -32,8 +32,8 @@ from pathlib import Path
 from trainwright.errors import PlanError
 from trainwright.schedule.base import ActionKind
 
-__all__ = ["Calibration", "fit_overhead", "fit_slowdown", "with_overheads", "scaled",
-           "load", "save", "default_path"]
+__all__ = ["Calibration", "fit_overhead", "fit_slowdown", "count_segments", "with_overheads",
+           "scaled", "load", "save", "default_path"]
 
 
 @dataclass
@@ -67,6 +67,13 @@ class Calibration:
             return pts[0][1]
         (k0, f0), (k1, f1) = pts[-2], pts[-1]
         return f1 + (f1 - f0) / (k1 - k0) * (k - k1)
+
+    def describe(self) -> str:
+        """One line: the overheads in microseconds and the slowdown per rank count."""
+        us = "/".join(f"{x * 1e6:.0f}" for x in (self.action_s, self.segment_s, self.send_s,
+                                                   self.recv_s))
+        slow = ", ".join(f"{k}: {v:.2f}" for k, v in sorted(self.slowdown.items()))
+        return f"action/segment/send/recv {us} us, slowdown by concurrent ranks {{{slow}}}"
 
     def to_dict(self) -> dict:
         """JSON view (slowdown keys as strings)."""
@@ -127,6 +134,23 @@ def fit_slowdown(times_by_ranks: Mapping[int, Sequence[float]]) -> dict[int, flo
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+def count_segments(layers: Sequence[int], policies: Mapping[int, str]) -> int:
+    """Autograd segments one compute action of ``layers`` launches on a fused step
+    (``trainwright run`` without pending plan changes): each run of consecutive kept layers
+    is one, every other layer one of its own.
+
+    Args:
+        layers: the stage's layer indices, in order.
+        policies: layer -> memory policy; a layer not named is kept.
+    """
+    n, prev_keep = 0, False
+    for i in layers:
+        keep = policies.get(i, "keep") == "keep"
+        n += not (keep and prev_keep)
+        prev_keep = keep
+    return n
 
 
 def with_overheads(costs: list, segments: Sequence[int], cal: Calibration) -> list:

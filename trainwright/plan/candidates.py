@@ -35,7 +35,13 @@ import math
 from dataclasses import dataclass, field, replace
 
 from trainwright.plan.choose import PEER_SWAP_SCHEDULES, schedule_candidates
-from trainwright.plan.planner import PlanRequest, PlanResult, make_plan
+from trainwright.plan.planner import (
+    PlanRequest,
+    PlanResult,
+    make_plan,
+    placement_policies,
+    slowdown_of,
+)
 from trainwright.plan.simulate import Links, simulate
 from trainwright.schedule.actions import build_schedule
 from trainwright.schedule.carry import simulated_lists
@@ -187,16 +193,19 @@ def enumerate_candidates(n_devices: int, node_size: int, n_layers: int, global_b
     return out, skipped
 
 
-def _step_at(plan: PlanResult, base: PlanRequest, m: int) -> float:
-    """The plan's step time simulated at ``m`` micro-batches (same placement and costs)."""
+def _step_at(plan: PlanResult, req: PlanRequest, m: int) -> float:
+    """The plan's step time simulated at ``m`` micro-batches (same placement and costs:
+    ``plan.costs`` carry the request's calibrated overheads; its shared-core slowdown,
+    every replica counted, is applied again here)."""
     sched = build_schedule(plan.schedule, plan.pp, m, plan.virtual_stages)
-    sched = simulated_lists(plan.schedule, sched, base.carry_weight_grads)
+    sched = simulated_lists(plan.schedule, sched, req.carry_weight_grads)
     links = Links(list(range(plan.pp)), plan.stage_bandwidth,
-                  min(base.topology.host_bandwidth), base.latency_s)
-    return simulate(with_peer_swap(sched, plan.peers), plan.costs, links).step_s
+                  min(req.topology.host_bandwidth), req.latency_s)
+    return simulate(with_peer_swap(sched, plan.peers), plan.costs, links,
+                    slowdown=slowdown_of(req)).step_s
 
 
-def _extrapolated(plan: PlanResult, base: PlanRequest, m: int) -> float:
+def _extrapolated(plan: PlanResult, req: PlanRequest, m: int) -> float:
     """Step time at ``m`` micro-batches from a plan simulated at fewer: the period of the
     steady state (one more simulation at ``pp`` more micro-batches gives the slope, host
     and peer links included), times the micro-batches left."""
@@ -204,7 +213,7 @@ def _extrapolated(plan: PlanResult, base: PlanRequest, m: int) -> float:
     if m <= m0:
         return plan.sim.step_s
     m1 = min(m, m0 + plan.pp)
-    s1 = _step_at(plan, base, m1)
+    s1 = _step_at(plan, req, m1)
     return s1 + (m - m1) * (s1 - plan.sim.step_s) / (m1 - m0)
 
 
@@ -248,7 +257,8 @@ def screen(c: Candidate, layers: list, base: PlanRequest, per: BytesPerParam,
     Args:
         c: the candidate.
         layers: per-layer rows of one micro-batch of ``c.micro_batch_size`` samples.
-        base: topology, reserve, state factor, latency (the rest is the candidate's).
+        base: topology, reserve, state factor, latency, calibration (the rest is the
+            candidate's; ``replicas`` is its ``dp``).
         per: bytes per parameter; ``dtype_bytes``: of one parameter.
         screen_micro: most micro-batches simulated in the screen (0: plan in full).
     """
@@ -274,14 +284,15 @@ def screen(c: Candidate, layers: list, base: PlanRequest, per: BytesPerParam,
     cheap = dict(top_mappings=1, max_rounds=0) if screen_micro else {}
     req = replace(base, layers=layers, schedule=c.schedule, pp=c.pp, micro_batches=m_sim,
                   sync_s=sync_time(grad, c.pp, c.dp, base.topology),
-                  virtual_stages=c.virtual_stages, peer_swap=c.peer_swap, **cheap)
+                  virtual_stages=c.virtual_stages, peer_swap=c.peer_swap, replicas=c.dp,
+                  **cheap)
     try:
         plan = make_plan(req)
     except Exception as exc:  # a combination the planner cannot build is reported, not fatal
         out.reason = f"cannot be planned: {str(exc)[:160]}"
         return out
     _judge(out, plan, layers, per, dtype_bytes, base.topology.memory, base.reserve)
-    out.step_s = _extrapolated(plan, base, m)
+    out.step_s = _extrapolated(plan, req, m)
     out.planned = "screen" if screen_micro else "full"
     return out
 
@@ -313,14 +324,9 @@ def layer_policies(plan: PlanResult, n_layers: int) -> list[str]:
     """``memory.policies`` of a plan, one per layer: a layer with a recomputed tensor is
     recomputed, one with a host-swapped tensor swapped, the rest kept (peer-swapped tensors
     are the peer-swap runtime's, see :func:`peer_swapped`)."""
-    out = ["keep"] * n_layers
-    for sp in plan.placement.stages:
-        for t in sp.tensors:
-            if t.policy == "recompute":
-                out[t.layer] = "recompute"
-            elif t.policy == "host" and out[t.layer] != "recompute":
-                out[t.layer] = "swap"
-    return out
+    pols = placement_policies(plan.placement)
+    return [p if p in ("recompute", "swap") else "keep"
+            for p in (pols.get(i, "keep") for i in range(n_layers))]
 
 
 def peer_swapped(plan: PlanResult) -> bool:

@@ -29,6 +29,14 @@ simulator replays each rank's list with its chunks' rows), budgets, in-flight co
 (per chunk: :class:`~trainwright.plan.memory.ChunkInFlight`) and placement per rank, and
 peer swap is not planned.
 
+With a :attr:`PlanRequest.calibration` (CPU ranks on one host) every simulation charges
+the host's measured per-action, per-segment, send and receive overheads
+(:func:`~trainwright.plan.calibration.with_overheads`; a stage's segments from its layers'
+policies, :func:`~trainwright.plan.calibration.count_segments`) and slows the ranks by
+the shared-core factor of all ranks computing at once, every data-parallel replica's
+included (:attr:`PlanRequest.replicas`). The plan's ``costs`` carry the overheads; the
+slowdown is the replay's (``sim.slowdown``).
+
 Pure: no torch (profiles are plain rows with ``forward_s, backward_s, input_bytes,
 output_bytes, param_bytes, tensors``).
 """
@@ -36,9 +44,11 @@ output_bytes, param_bytes, tensors``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from trainwright.errors import PlanError
+from trainwright.plan.calibration import Calibration, count_segments, with_overheads
 from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.memory import ChunkInFlight, InFlight, LayerMem
 from trainwright.plan.partition import ClusterCost, minmax_partition
@@ -63,7 +73,8 @@ from trainwright.schedule.carry import simulated_lists
 from trainwright.schedule.occupancy import chunk_states
 from trainwright.schedule.peer import with_peer_swap
 
-__all__ = ["PlanRequest", "PlanResult", "make_plan", "stage_costs", "stage_mems"]
+__all__ = ["PlanRequest", "PlanResult", "make_plan", "stage_costs", "stage_mems",
+           "placement_policies", "calibrated_costs", "slowdown_of"]
 
 
 @dataclass
@@ -104,6 +115,14 @@ class PlanRequest:
     carry_weight_grads: bool = True
     """``zb-v``: simulate the steady step, each rank's carried weight passes first
     (``train.carry_weight_grads``, ``schedule.carry.steady_state``)."""
+    calibration: Calibration | None = None
+    """Measured per-action, per-segment, send and receive overheads and shared-core
+    slowdown of the host whose cores the plan's devices are
+    (:mod:`trainwright.plan.calibration`); None for GPU topologies and analytic costs."""
+    replicas: int = 1
+    """Data-parallel replicas of this pipeline computing at the same time on the same
+    host's cores: the calibrated slowdown counts the computing ranks of all of them
+    (ignored without :attr:`calibration`)."""
 
 
 @dataclass
@@ -149,7 +168,7 @@ class PlanResult:
             "peers": {str(k): v for k, v in self.peers.items()},
             "predicted": {"step_s": self.sim.step_s, "peak_bytes": self.sim.peak_bytes,
                           "activation_peak_bytes": self.sim.own_peak_bytes,
-                          "bubble": self.sim.bubble},
+                          "bubble": self.sim.bubble, "slowdown": self.sim.slowdown},
             "all_keep": {"step_s": self.keep_sim.step_s, "peak_bytes": self.keep_sim.peak_bytes},
             "fits": [sp.fits for sp in self.placement.stages],
             "policy_counts": [sp.policy_counts() for sp in self.placement.stages],
@@ -238,6 +257,39 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
                              host_bytes=host, peer_bytes=peer, step_s=step_s[s],
                              sync_s=sync_s[s], layer_forward_s=fwd, layer_backward_s=bwd))
     return out
+
+
+def placement_policies(placement: Placement | None) -> dict[int, str]:
+    """Layer -> ``recompute``, ``swap`` (a host-swapped tensor) or ``peer`` (a tensor sent
+    to a peer) for every layer with a tensor not kept, the first of those winning; kept
+    layers are left out."""
+    rank = {"recompute": 0, "host": 1, "peer": 2}
+    best: dict[int, str] = {}
+    for sp in placement.stages if placement is not None else ():
+        for t in sp.tensors:
+            if t.policy in rank and (t.layer not in best or rank[t.policy] < rank[best[t.layer]]):
+                best[t.layer] = t.policy
+    return {i: "swap" if p == "host" else p for i, p in best.items()}
+
+
+def calibrated_costs(req: PlanRequest, costs: list[StageCost], parts: list[list[int]],
+                     placement: Placement | None) -> list[StageCost]:
+    """``costs`` with the request's calibrated overheads (unchanged without one): every
+    model stage's compute actions launch :func:`~trainwright.plan.calibration.count_segments`
+    segments under the placement's policies."""
+    if req.calibration is None:
+        return costs
+    pols = placement_policies(placement)
+    return with_overheads(costs, [count_segments(idx, pols) for idx in parts], req.calibration)
+
+
+def slowdown_of(req: PlanRequest) -> Callable[[float], float] | None:
+    """The simulator's ``slowdown`` for a request: the calibrated factor of ``c`` computing
+    ranks of the pipeline times its ``replicas`` (None without a calibration)."""
+    cal, dp = req.calibration, max(req.replicas, 1)
+    if cal is None:
+        return None
+    return lambda c: cal.factor(c * dp)
 
 
 def _backward_extra(layers: list, idx: list[int], recomputed: set, kept: dict,
@@ -349,10 +401,11 @@ def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0
     placement = place(mems, local, direct, min(req.topology.host_bandwidth), rules)
     placement.mapping = list(mapping)
     costs = stage_costs(req.layers, parts, placement, local, steps, syncs, ranks)
+    costs = calibrated_costs(req, costs, parts, placement)
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
     links = Links(local, xfer, min(req.topology.host_bandwidth), req.latency_s)
     sched = simulated_lists(req.schedule, sched, req.carry_weight_grads)
-    sim = simulate(with_peer_swap(sched, peers), costs, links)
+    sim = simulate(with_peer_swap(sched, peers), costs, links, slowdown=slowdown_of(req))
     return placement, costs, peers, sim, xfer
 
 
@@ -379,10 +432,11 @@ def make_plan(req: PlanRequest) -> PlanResult:
         raise PlanError(f"{req.pp} stages do not fill whole nodes of {ns} devices; use a "
                         f"multiple of {ns} or at most {ns} stages")
     ident = list(range(req.pp))
-    keep_costs = stage_costs(req.layers, parts, None, ident, steps, syncs, ranks)
+    keep_costs = calibrated_costs(req, stage_costs(req.layers, parts, None, ident, steps, syncs,
+                                                   ranks), parts, None)
     xfer0, _ = _links(req, ident)
     keep_sim = simulate(sched, keep_costs, Links(ident, xfer0, min(req.topology.host_bandwidth),
-                                                 req.latency_s))
+                                                 req.latency_s), slowdown=slowdown_of(req))
     intervals = liveness(keep_sim, keep_costs, parts)
     mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals, ranks)
     rounds: list[dict] = []
