@@ -204,6 +204,32 @@ def test_cpu_plan_uses_this_hosts_calibration(tmp_path, capsys, monkeypatch):
     assert len(calls) == 1 and json.loads(gpus.read_text())["calibration"] is None
 
 
+def test_a_measured_model_is_profiled_at_every_micro_batch_size(tmp_path, monkeypatch):
+    import trainwright.cli.plan_model as plan_model
+    from trainwright.cli.main import main
+
+    sizes, measured = [], plan_model._measured_rows
+
+    def spy(model, cfg, size):
+        sizes.append(size)
+        return measured(model, cfg, size)
+
+    monkeypatch.setattr(plan_model, "_measured_rows", spy)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt", *TINY, "--topology", "cpu", "--devices", "2",
+                 "--reserve", "0", "--no-calibration", "--json", str(out)]) == 0
+    assert sorted(sizes) == [1, 2]  # each size measured, not the one-sample profile scaled
+    cfg = plan_model._run_config(_Args(TINY))
+    one, two = measured("gpt", cfg, 1), measured("gpt", cfg, 2)
+    assert [r.input_bytes * 2 for r in one] == [r.input_bytes for r in two]
+    assert all(r.forward_s > 0 and r.backward_s > 0 for r in [*one, *two])
+
+
+class _Args:
+    def __init__(self, sets: list[str]):
+        self.config, self.set = None, sets[1::2]
+
+
 class _StepTimer:
     """An injected :class:`~trainwright.observe.timing.Timer`: the n-th timed piece of work
     takes n seconds."""
