@@ -3,6 +3,7 @@ the planner's use of an injected calibration (``trainwright plan --topology cpu`
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -92,6 +93,10 @@ def test_cache_is_used_only_on_the_host_it_was_measured_on(tmp_path):
     assert load(path, HOST) == cal
     assert load(path, {**HOST, "cpus": 16}) is None
     assert load(tmp_path / "missing.json", HOST) is None
+    # measured by an older method (single short units: shared cores looked free): again
+    old = {k: v for k, v in cal.to_dict().items() if k != "method"}
+    path.write_text(json.dumps(old))
+    assert load(path, HOST) is None
 
 
 def test_segments_count_runs_of_kept_layers_and_every_other_layer():

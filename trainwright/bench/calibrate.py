@@ -138,25 +138,48 @@ def _p2p_times(rank: int, repeats: int, group) -> dict:
     return out
 
 
+SPIN_BATCH_S = 0.1
+"""Seconds of work one rank does alone per timed batch of the shared-core timing: long
+against the scheduler's time slices (a few ms), so a batch that shares its core is slowed
+by its share, not timed between preemptions."""
+
+
 def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[int, list[float]]:
-    """Per ``k``: this rank's seconds per unit of work while ``k`` ranks work at once; the
-    counts are swept ``rounds`` times, ascending then descending (a drift of the machine's
-    load hits every count alike)."""
+    """Per ``k``: this rank's seconds per unit of work while ``k`` ranks work at once, one
+    figure per batch of units (the batch's wall time over its units; each batch about
+    :data:`SPIN_BATCH_S` alone). The counts are swept ``rounds`` times, ascending then
+    descending (a drift of the machine's load hits every count alike).
+
+    Timing each unit alone would miss the sharing: a unit much shorter than a time slice
+    mostly runs unpreempted, and the median of such units says ``k`` ranks on fewer cores
+    run at full speed (measured here: 0.96 for 4 ranks on 2 cores)."""
     a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def unit() -> None:
+        for _ in range(8):
+            torch.mm(a, b)
+
     for _ in range(20):
-        torch.mm(a, b)
+        unit()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        unit()
+    # every rank sizes the batch alike (rank 0's figure), so that k ranks do equal work
+    units = torch.tensor([max(1, round(SPIN_BATCH_S / ((time.perf_counter() - t0) / 20)))])
+    dist.broadcast(units, src=0)
+    n = int(units)
     out: dict[int, list[float]] = {}
     for r in range(rounds):
         counts = range(1, world + 1) if r % 2 == 0 else range(world, 0, -1)
         for k in counts:
-            coll.barrier()
-            if rank < k:
-                for _ in range(repeats):
+            for _ in range(max(1, repeats // 10)):
+                coll.barrier()
+                if rank < k:
                     t0 = time.perf_counter()
-                    for _ in range(8):
-                        torch.mm(a, b)
-                    out.setdefault(k, []).append(time.perf_counter() - t0)
-            coll.barrier()
+                    for _ in range(n):
+                        unit()
+                    out.setdefault(k, []).append((time.perf_counter() - t0) / n)
+                coll.barrier()
     return out
 
 

@@ -32,8 +32,13 @@ from pathlib import Path
 from trainwright.errors import PlanError
 from trainwright.schedule.base import ActionKind
 
-__all__ = ["Calibration", "fit_overhead", "fit_slowdown", "count_segments", "with_overheads",
+__all__ = ["METHOD", "Calibration", "fit_overhead", "fit_slowdown", "count_segments", "with_overheads",
            "scaled", "load", "save", "default_path"]
+
+
+METHOD = 2
+"""The measuring method's version: a cache measured by an older one is measured again
+(2: the shared-core slowdown from whole batches of work, not single short units)."""
 
 
 @dataclass
@@ -53,6 +58,8 @@ class Calibration:
     """Per ``RECV_F``/``RECV_B``, beyond the link model's ``latency + bytes / bandwidth``."""
     slowdown: dict = field(default_factory=lambda: {1: 1.0})
     """Concurrent computing ranks ``k`` -> per-rank time factor (1.0 at ``k = 1``)."""
+    method: int = METHOD
+    """The :data:`METHOD` it was measured with."""
 
     def factor(self, k: float) -> float:
         """Time factor of ``k`` (possibly fractional) concurrent ranks: linear between the
@@ -202,10 +209,13 @@ def _same_host(a: Mapping, b: Mapping) -> bool:
 
 
 def load(path: Path, host: Mapping) -> Calibration | None:
-    """The calibration cached at ``path`` if it was measured on ``host``, else None."""
+    """The calibration cached at ``path`` if it was measured on ``host`` by this
+    :data:`METHOD`, else None."""
     try:
         d = json.loads(Path(path).read_text())
     except (OSError, ValueError):
+        return None
+    if d.get("method", 1) != METHOD:
         return None
     cal = Calibration.from_dict(d)
     return cal if _same_host(cal.host, host) else None
