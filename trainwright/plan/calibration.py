@@ -32,8 +32,8 @@ from pathlib import Path
 from trainwright.errors import PlanError
 from trainwright.schedule.base import ActionKind
 
-__all__ = ["METHOD", "Calibration", "fit_overhead", "fit_slowdown", "count_segments", "with_overheads",
-           "scaled", "load", "save", "default_path"]
+__all__ = ["METHOD", "Calibration", "fit_overhead", "fit_slowdown", "count_segments",
+           "with_overheads", "scaled", "load", "save", "default_path"]
 
 
 METHOD = 2
