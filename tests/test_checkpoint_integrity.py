@@ -104,6 +104,27 @@ def test_a_run_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path, capfd):
         assert code == 2 and len(err) == 1 and "Permission denied" in err[0], err
 
 
+@pytest.mark.timeout(120)
+def test_under_torchrun_an_uncreatable_run_dir_stops_every_rank_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from trainwright.dist.ports import free_port
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    sets = [x for o in tiny_overrides(blocker / "runs") for x in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-port", str(free_port()), "-m", "trainwright.cli",
+                           "run", *sets], capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0
+    ours = [x for x in proc.stderr.splitlines() if x.startswith("error: run.dir")]
+    # each rank says why in one line (rank 1 does not wait for a directory that never
+    # comes), and none prints a traceback of ours (torchrun's own summary follows)
+    assert len(ours) == 2 and "Not a directory" in ours[0], proc.stderr[-3000:]
+    assert "trainwright/" not in proc.stderr.split("ChildFailedError")[0], proc.stderr[-3000:]
+
+
 def _run(tmp_path, name: str, capfd, resume=None, **kw) -> tuple[int, list[str]]:
     sets = tiny_overrides(tmp_path / "runs", **{**PP2, **kw, "run.name": f'"{name}"'})
     if resume is not None:  # the run keeps its config: the steps change, no fault again

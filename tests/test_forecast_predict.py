@@ -11,6 +11,7 @@ import pytest
 from trainwright.bench.planner_forecast import (
     ForecastSpec,
     Profile,
+    _layers_and_batch,
     plan_limit,
     predict,
     predicted_peaks,
@@ -22,7 +23,6 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def profile():
-    from trainwright.bench.planner_forecast import _layers_and_batch
     from trainwright.model.build import cross_entropy
     from trainwright.observe.tensor_profile import profile_tensors
 
@@ -65,6 +65,29 @@ def test_limit_plans_follow_the_predicted_unconstrained_peak(profile):
         got = predicted_peaks(prof, spec, 2, 8, "1f1b", plan["policies"])["device"]
         for fits, peak, limit in zip(plan["fits"], got, plan["limits"], strict=True):
             assert not fits or peak <= limit  # what the planner says fits, the model agrees
+
+
+def test_with_footprint_terms_peaks_and_limit_plans_come_from_the_footprint_model(profile):
+    from dataclasses import replace
+
+    from trainwright.pipeline.budget import profile_model
+
+    spec, prof = profile
+    layers, _, _, cfg = _layers_and_batch(spec, with_config=True)
+    prof = replace(prof, table=profile_model(cfg, layers))
+    keep = predicted_peaks(prof, spec, 2, 4, "1f1b", "keep")
+    swap = predicted_peaks(prof, spec, 2, 4, "1f1b", "swap")
+    assert keep["host"] == [0, 0] and all(h > 0 for h in swap["host"])  # host copies apart
+    assert all(s < k for s, k in zip(swap["device"], keep["device"], strict=True))
+    loose = plan_limit(prof, spec, 2, 4, "1f1b", 0.8)
+    assert loose["requested_limits"] == [int(0.8 * p) for p in keep["device"]]
+    got = predicted_peaks(prof, spec, 2, 4, "1f1b", loose["policies"])["device"]
+    for fits, peak, limit in zip(loose["fits"], got, loose["limits"], strict=True):
+        assert fits and peak < limit  # the plan a run's memory.limit makes, held to the walk
+    # a limit no plan meets is raised to the smallest feasible (a run would refuse it)
+    tiny = plan_limit(prof, spec, 2, 4, "1f1b", 0.01)
+    assert all(u > r for u, r in zip(tiny["limits"], tiny["requested_limits"], strict=True))
+    assert all(tiny["fits"])
 
 
 def test_a_sweep_deeper_than_the_model_says_how_to_fix_it(profile):

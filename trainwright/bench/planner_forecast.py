@@ -24,8 +24,9 @@ with stage costs from the profile (:func:`~trainwright.plan.planner.stage_costs`
 machine's calibration (:mod:`~trainwright.plan.calibration`, measured once by
 :mod:`~trainwright.bench.calibrate` and cached): per-action, per-segment, send and receive
 overhead, and ranks sharing the host's cores. Per-stage peaks come from one call,
-:func:`predicted_peaks` (the footprint model's when it lands; today the simulator's
-activation peak).
+:func:`predicted_peaks`: the footprint model (:mod:`~trainwright.plan.footprint`), device
+and host apart, from the same profile's working-set terms; limits are planned as a run's
+``memory.limit`` plans them (:func:`~trainwright.plan.footprint.fit_plan`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class Profile:
     bandwidth_Bps: float
     host_bandwidth_Bps: float
     wall_s: float
+    table: object = None
+    """The footprint terms of the same micro-batch
+    (:func:`~trainwright.pipeline.budget.profile_model`'s
+    :class:`~trainwright.pipeline.budget.ProfileTable`): what :func:`predicted_peaks` and
+    :func:`plan_limit` use; None: the simulator's activation-store peak instead."""
 
     def summary(self) -> dict:
         """JSON view (per-layer times and bytes, links)."""
@@ -139,7 +145,7 @@ class Profile:
                 "host_bandwidth_Bps": self.host_bandwidth_Bps, "wall_s": self.wall_s}
 
 
-def _layers_and_batch(spec: ForecastSpec):
+def _layers_and_batch(spec: ForecastSpec, with_config: bool = False):
     from trainwright.config import load_config
     from trainwright.model.build import build_data, build_layers
 
@@ -147,7 +153,7 @@ def _layers_and_batch(spec: ForecastSpec):
     os.environ.pop("TW_BENCH_METER", None)
     layers = build_layers(cfg)
     x, y = build_data(cfg).batch(0, spec.micro_batch_size)
-    return layers, x, y
+    return (layers, x, y, cfg) if with_config else (layers, x, y)
 
 
 def _link_worker(rank: int, world: int, out_dir: str) -> None:
@@ -205,12 +211,13 @@ def take_profile(spec: ForecastSpec) -> Profile:
     """The one profile: single process, one thread, one micro-batch (see module docstring)."""
     from trainwright.model.build import cross_entropy
     from trainwright.observe.tensor_profile import profile_tensors
+    from trainwright.pipeline.budget import profile_model
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        layers, x, y = _layers_and_batch(spec)
+        layers, x, y, cfg = _layers_and_batch(spec, with_config=True)
         runs = [profile_tensors(layers, x, y, cross_entropy) for _ in range(spec.profile_repeats)]
         rows = runs[-1]
         for i, r in enumerate(rows):
@@ -218,10 +225,11 @@ def take_profile(spec: ForecastSpec) -> Profile:
             r.backward_s = statistics.median(run[i].backward_s for run in runs)
         opt = _opt_step_times(layers)
         host = _host_bandwidth()
+        table = profile_model(cfg, layers)  # the footprint terms, same micro-batch size
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = _measure_links()
-    return Profile(rows, opt, latency, bandwidth, host, time.perf_counter() - t0)
+    return Profile(rows, opt, latency, bandwidth, host, time.perf_counter() - t0, table)
 
 
 def _layout(spec: ForecastSpec, pp: int, schedule: str):
@@ -279,10 +287,18 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
 def predicted_peaks(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
                     policy) -> dict:
     """Per-stage predicted peaks of one configuration: ``{"device": [...], "host": [...] or
-    None}``. The one call to repoint at the footprint model (plan/footprint.py) when it
-    lands; today the simulator's activation-store peak, and no host prediction."""
-    return {"device": predict(profile, spec, pp, mbs, schedule, policy)["peak_bytes"],
-            "host": None}
+    None}``: the footprint model's (:func:`~trainwright.pipeline.budget.predicted_footprints`:
+    activations walked over each rank's schedule, host copies apart) when the profile has
+    its terms, else the simulator's activation-store peak and no host prediction."""
+    if profile.table is None:
+        return {"device": predict(profile, spec, pp, mbs, schedule, policy)["peak_bytes"],
+                "host": None}
+    from trainwright.config import load_config
+    from trainwright.pipeline.budget import predicted_footprints
+
+    cfg = load_config(None, spec.overrides(pp, mbs, schedule, policy))
+    fps = predicted_footprints(cfg, profile.table)
+    return {"device": [f.activations for f in fps], "host": [f.host for f in fps]}
 
 
 def plan_limit(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
@@ -290,18 +306,24 @@ def plan_limit(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule
     """Per-layer policies planned from the profile for each stage's limit of ``fraction``
     of its predicted unconstrained peak (:func:`predicted_peaks`, every layer kept).
 
+    With the footprint terms, the plan is the one ``memory.limit`` makes in a run
+    (:func:`~trainwright.plan.footprint.fit_plan` per rank, held to the walk); without
+    them, the peer-swap planner's with host swap and recompute only.
+
     Returns:
         ``limits`` (bytes per rank), ``policies`` (one per layer), ``fits`` (per rank, the
         planner's word).
     """
+    keep = predicted_peaks(profile, spec, pp, mbs, schedule, "keep")["device"]
+    limits = [int(fraction * p) for p in keep]
+    if profile.table is not None:
+        return _fit_limits(profile, spec, pp, mbs, schedule, limits)
     from trainwright.pipeline.peer_setup import runtime_policies
     from trainwright.plan.devices import DeviceTopology
     from trainwright.plan.placement import Rules
     from trainwright.plan.planner import PlanRequest, make_plan
 
     v, idx, _ = _layout(spec, pp, schedule)
-    keep = predicted_peaks(profile, spec, pp, mbs, schedule, "keep")["device"]
-    limits = [int(fraction * p) for p in keep]
     bw = [[0.0 if i == j else profile.bandwidth_Bps for j in range(pp)] for i in range(pp)]
     topo = DeviceTopology("loopback", [max(keep) * 4] * pp, bw,
                           [profile.host_bandwidth_Bps] * pp)
@@ -314,6 +336,46 @@ def plan_limit(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule
     got = runtime_policies(plan)
     return {"limits": limits, "fits": list(plan["fits"]),
             "policies": [got.get(i, "keep") for i in range(spec.n_layers)]}
+
+
+def _fit_limits(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
+                limits: list[int]) -> dict:
+    """:func:`plan_limit` with the footprint terms: per rank, the plan ``memory.limit``
+    makes (:func:`~trainwright.plan.footprint.fit_plan`). A limit below what any plan can
+    meet (a run would refuse it, naming the smallest feasible) is raised to the smallest
+    feasible, every layer recomputed or swapped, the better: ``requested_limits`` keeps
+    what was asked."""
+    from trainwright.config import load_config
+    from trainwright.errors import PlanError
+    from trainwright.pipeline.budget import (
+        chunked_layer_mems,
+        rank_chunks,
+        rank_terms,
+        stage_in_flight,
+    )
+    from trainwright.plan.footprint import fit_plan, walk
+
+    cfg = load_config(None, spec.overrides(pp, mbs, schedule, "keep"))
+    table = profile.table
+    chunks = rank_chunks(cfg, cfg.partition(len(table)))
+    used, policies, fits = [], {}, []
+    for r, (rows, flight) in enumerate(zip(rank_terms(cfg, table), stage_in_flight(cfg),
+                                           strict=True)):
+        mems = chunked_layer_mems(list(table), chunks[r])
+        actions = list(flight.actions)
+        try:
+            plan = fit_plan(mems, rows, flight, limits[r], profile.host_bandwidth_Bps,
+                            cfg.memory.planner)
+            pol, limit = (plan.policies if plan is not None else {}), limits[r]
+        except PlanError:
+            uniform = [{x.layer: p for x in rows} for p in ("recompute", "swap")]
+            pol = min(uniform, key=lambda u: walk(rows, u, actions, arrive=flight.arrive)[0])
+            limit = max(limits[r], 1 + walk(rows, pol, actions, arrive=flight.arrive)[0])
+        used.append(limit)
+        fits.append(walk(rows, pol, actions, arrive=flight.arrive)[0] < limit)
+        policies.update(pol)
+    return {"limits": used, "requested_limits": list(limits), "fits": fits,
+            "policies": [policies.get(i, "keep") for i in range(spec.n_layers)]}
 
 
 def run_config(spec: ForecastSpec, config: list, work: Path, tag: str,

@@ -92,14 +92,27 @@ def _device(cfg: Config, env: DistEnv) -> tuple[str, torch.device]:
 
 
 def _agree_run_dir(store, env: DistEnv, run_dir: Path | None, cfg: Config) -> Path:
-    """Under torchrun every rank parsed the config; rank 0 creates the run dir for all."""
+    """Under torchrun every rank parsed the config; rank 0 creates the run dir for all.
+
+    Raises:
+        ConfigError: rank 0 could not create it; every rank raises rank 0's message (each
+            exits 2 in that one line, none waits for a directory that never comes).
+    """
     if run_dir is not None:
         return run_dir
     if env.rank == 0:
         from trainwright.run.launch import create_run_dir
-        run_dir = create_run_dir(cfg)
+        try:
+            run_dir = create_run_dir(cfg)
+        except ConfigError as exc:
+            store.set("tw/run_dir_error", str(exc))
+            store.set("tw/run_dir", "")
+            raise
         store.set("tw/run_dir", str(run_dir.resolve()))
-    return Path(store.get("tw/run_dir").decode())
+    got = store.get("tw/run_dir").decode()
+    if not got:
+        raise ConfigError(store.get("tw/run_dir_error").decode())
+    return Path(got)
 
 
 def run_worker(cfg: Config, run_dir: Path | None,
