@@ -218,3 +218,19 @@ def test_ranks_sharing_one_core_cannot_beat_their_summed_work():
     # a host with a core per rank changes nothing
     assert simulate(sched, costs, _links(p), slowdown=lambda k: 1.0).step_s == \
         pytest.approx(alone.step_s)
+
+
+def test_concurrency_is_what_a_computing_rank_experiences():
+    from trainwright.plan.simulate import experienced_concurrency
+
+    # two ranks busy together for 1 s, then one alone for 2 s: the time average over the
+    # 3 s is 4/3 ranks, but 2 of the 4 rank-seconds of compute ran two at a time
+    timeline = [(0, "F", 0, 0.0, 1.0), (1, "F", 0, 0.0, 3.0), (0, "RECV_F", 1, 1.0, 3.0)]
+    assert experienced_concurrency(timeline) == pytest.approx((2 * 2 * 1 + 1 * 1 * 2) / 4)
+    assert experienced_concurrency([(0, "SEND_F", 0, 0.0, 1.0)]) == 1.0
+    # a GPipe fill and drain: alternating all-busy and few-busy stretches read higher than
+    # the time average, which hid the contention the 2-core host measured (issue 32)
+    p, m = 4, 4
+    costs = [StageCost(1.0, 2.0) for _ in range(p)]
+    res = simulate(build_schedule("gpipe", p, m), costs, _links(p))
+    assert experienced_concurrency(res.timeline) > sum(res.busy_s) / res.step_s
