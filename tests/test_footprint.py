@@ -75,10 +75,14 @@ def test_receives_posted_ahead_exist_before_their_forward():
     lay = _layers(chunk=1)
     late, _, late_at = walk(lay, {}, sched[1])
     early, _, early_at = walk(lay, {}, sched[1], arrive=got)
-    # the last stage holds one micro-batch (60 + working set 300); its 4 receive buffers
-    # live until SYNC: posted ahead they all exist at the first forward already
-    assert late == early == 4 * 10 + 60 + 300
-    assert "F3" in late_at and "F0" in early_at
+    # the last stage holds one micro-batch (60 + working set 300) and, by its fourth
+    # forward, three sent input gradients (10 each) that live until SYNC waits for them.
+    # Not posted ahead (the single-chunk runtime), each input is held by its segment
+    # only: one at a time
+    assert late == 10 + 3 * 10 + 60 + 300 and "F3" in late_at
+    # posted ahead (the interleaved runtime), all 4 receive buffers live until SYNC: they
+    # all exist at the first forward already
+    assert early == 4 * 10 + 60 + 300 and "F0" in early_at
 
 
 def test_a_backward_measured_by_the_allocator_is_walked_with_its_incoming_gradient():

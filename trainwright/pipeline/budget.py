@@ -166,12 +166,12 @@ def stage_in_flight(cfg: Config) -> list[int]:
     several chunks per rank, each chunk's own counts at every peak (:class:`ChunkInFlight`)."""
     sched = build_schedule(cfg.train.schedule, cfg.parallel.pp, cfg.train.micro_batches,
                            cfg.parallel.virtual_stages)  # interleaved: per rank, all chunks
-    arrive = [arrivals(actions) for actions in sched]  # receives posted ahead
-    if cfg.parallel.virtual_stages > 1:
+    if cfg.parallel.virtual_stages > 1:  # the interleaved runtime posts receives ahead
+        arrive = [arrivals(actions) for actions in sched]
         return [ChunkInFlight(chunk_states(actions), actions, got)
                 for actions, got in zip(sched, arrive, strict=True)]
-    return [InFlight(max_in_flight(actions), max_waiting_w(actions), actions, got)
-            for actions, got in zip(sched, arrive, strict=True)]
+    return [InFlight(max_in_flight(actions), max_waiting_w(actions), actions, None)
+            for actions in sched]
 
 
 def rank_chunks(cfg: Config, parts: list[int]) -> list[dict[int, list[int]]]:

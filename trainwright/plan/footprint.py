@@ -19,9 +19,12 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     swap: its output only, the input being the previous layer's output, already held);
     swap also moves ``saved`` bytes to the host copy;
   - receive buffers (``RECV_F``: the chunk's input; ``RECV_B``: the gradient of its output,
-    ``output_bytes`` of its last layer): posted ahead (:func:`arrivals`) and held until
-    the step's ``SYNC``; a sent output (``SEND_F``) likewise outlives its segment until
-    ``SYNC``, where the runtime waits for its sends;
+    ``output_bytes`` of its last layer): under the interleaved runtime posted ahead
+    (:func:`arrivals`) and held until the step's ``SYNC``; under the single-chunk runtime
+    (no receive posted ahead) each comes at its ``RECV``, the input held by its segment
+    and the gradient until its backward is done. A sent output (``SEND_F``), and on the
+    single-chunk runtime a sent input gradient (``SEND_B``: ``input_bytes`` of the chunk's
+    first layer), outlive their use until ``SYNC``, where the runtime waits for its sends;
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
@@ -166,8 +169,11 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             gradient); the last stage receives no gradient (no ``RECV_B``).
         copy_back: swapped tensors are copied back to the device at backward (accelerator);
             False on a CPU, where the host copy is read in place.
-        arrive: :func:`arrivals` of the rank: receive buffers that exist before the action
-            that needs them (None: each comes at its own ``RECV``).
+        arrive: :func:`arrivals` of the rank (the interleaved runtime, which posts
+            receives ahead): receive buffers that exist before the action that needs them,
+            all held until ``SYNC``. None (the single-chunk runtime, which posts none
+            ahead): each comes at its own ``RECV``; a received input is held by its
+            segment, a received gradient until its backward is done.
 
     Returns:
         ``(device peak, host peak, moment of the device peak)``.
@@ -239,13 +245,30 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         if r.kind == "RECV_F" and rk not in received:
             received.add(rk)
             n = rrows[0].input_bytes
+            if not ahead:  # the received input is the segment's: released with it
+                held.setdefault(rk, {})[-1] = n
+                cur += n
+                see(0, f"{r}")
+                return
         elif r.kind == "RECV_B" and rk not in grad_buf:
             grad_buf[rk] = n = rrows[-1].output_bytes
+            if not ahead:  # consumed by the micro-batch's backward, then released
+                cur += n
+                see(0, f"{r}")
+                return
         else:
             return
         cur, bufs = cur + n, bufs + n
         see(0, f"{r} posted")
 
+    def consumed(key: tuple[int, int]) -> None:
+        """The backward of ``key`` is done with its received gradient (not posted ahead:
+        a buffer of its own, released; posted ahead: held in ``bufs`` until SYNC)."""
+        nonlocal cur
+        if not ahead:
+            cur -= grad_buf.pop(key, 0)
+
+    ahead = arrive is not None
     early = arrive or {}
     for i, a in enumerate(actions):
         for r in early.get(i, ()):  # receives posted ahead
@@ -256,6 +279,12 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             receive(a)
         elif kind == "SEND_F":
             sent.add(key)
+        elif kind == "SEND_B" and rows and not ahead:  # the pending send keeps the input
+            # gradient (metered on the single-chunk runtime; the interleaved runtime's
+            # measured terms, the buffers posted ahead, already stand for what it holds)
+            n = rows[0].input_bytes
+            cur, bufs = cur + n, bufs + n
+            see(0, f"{a}")
         elif kind == "SYNC":
             cur, bufs = cur - bufs, 0
             received.clear()
@@ -280,9 +309,11 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             if c in first and _splits(actions):
                 continue  # deferred to W, which runs the whole backward
             backward(a, key, rows, split=_splits(actions))
+            consumed(key)
         elif kind == "W" and rows:
             if c in first:
                 backward(a, key, rows, split=False)
+                consumed(key)
             else:
                 release(key)
     return peak, host_peak, moment

@@ -153,15 +153,16 @@ class InFlight(int):
     """The rank's schedule (its :class:`~trainwright.schedule.base.Action` list), for the
     footprint walk (:mod:`trainwright.plan.footprint`); empty when not known."""
 
-    arrive: dict = {}
-    """When receive buffers come into being (:func:`trainwright.plan.footprint.arrivals`)."""
+    arrive: dict | None = None
+    """When receive buffers come into being, under a runtime that posts receives ahead
+    (:func:`trainwright.plan.footprint.arrivals`); None: each at its own receive."""
 
     def __new__(cls, n: int, w_wait: int = 0, actions: tuple = (),
                 arrive: dict | None = None) -> InFlight:
         obj = int.__new__(cls, n)
         obj.w_wait = w_wait
         obj.actions = tuple(actions)
-        obj.arrive = dict(arrive or {})
+        obj.arrive = dict(arrive) if arrive is not None else None
         return obj
 
 
@@ -185,7 +186,7 @@ class ChunkInFlight(int):
     actions: tuple = ()
     """The rank's schedule, as :attr:`InFlight.actions`."""
 
-    arrive: dict = {}
+    arrive: dict | None = None
     """As :attr:`InFlight.arrive`."""
 
     def __new__(cls, states: list[dict[int, tuple[int, int]]],
@@ -195,7 +196,7 @@ class ChunkInFlight(int):
         obj = int.__new__(cls, max(sum(h for h, _ in st.values()) for st in states))
         obj.states = tuple(dict(st) for st in states)
         obj.actions = tuple(actions)
-        obj.arrive = dict(arrive or {})
+        obj.arrive = dict(arrive) if arrive is not None else None
         return obj
 
     def __repr__(self) -> str:
