@@ -262,8 +262,9 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         see(0, f"{r} posted")
 
     def consumed(key: tuple[int, int]) -> None:
-        """The backward of ``key`` is done with its received gradient (not posted ahead:
-        a buffer of its own, released; posted ahead: held in ``bufs`` until SYNC)."""
+        """The backward of ``key`` (its ``W`` under a split backward) is done with its received
+        gradient (not posted ahead: a buffer of its own, released; posted ahead: held in
+        ``bufs`` until SYNC)."""
         nonlocal cur
         if not ahead:
             cur -= grad_buf.pop(key, 0)
@@ -309,13 +310,15 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             if c in first and _splits(actions):
                 continue  # deferred to W, which runs the whole backward
             backward(a, key, rows, split=_splits(actions))
-            consumed(key)
+            if not _splits(actions):
+                consumed(key)
         elif kind == "W" and rows:
             if c in first:
                 backward(a, key, rows, split=False)
-                consumed(key)
             else:
                 release(key)
+            consumed(key)  # a split backward's W still reads the received gradient (the
+            # last linear's stashed output gradient is that tensor)
     return peak, host_peak, moment
 
 
