@@ -166,7 +166,7 @@ def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[in
         unit()
     # every rank sizes the batch alike (rank 0's figure), so that k ranks do equal work
     units = torch.tensor([max(1, round(SPIN_BATCH_S / ((time.perf_counter() - t0) / 20)))])
-    dist.broadcast(units, src=0)
+    coll.broadcast(units, src=0)
     n = int(units)
     out: dict[int, list[float]] = {}
     for r in range(rounds):
