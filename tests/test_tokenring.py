@@ -368,7 +368,10 @@ def test_three_of_four_killed_survivor_saves_and_the_command_fails(tmp_path, cap
         assert not (run_dir / f"node{k}.json").exists()  # they died by SIGKILL
     saved = torch.load(run_dir / "model.pt")
     last = max(rep["hashes"], key=int)
-    assert last == "2"  # killed in step 3: steps 1 and 2 closed
+    # killed in step 3, after their gradients: step 2 closed on the ring, but node 0 learns
+    # of a close when the token next reaches it, which the kills may cut (seen once on a
+    # loaded host: node 0 knew step 1 only); it saves the last step it knows closed
+    assert last in ("1", "2"), rep["hashes"]
     assert param_hash(list(saved.values())) == rep["hashes"][last]
 
 
