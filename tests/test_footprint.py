@@ -129,3 +129,16 @@ def test_fit_plan_holds_the_walk_under_the_limit_where_the_store_model_does_not(
     with pytest.raises(PlanError, match="raise memory.limit"):
         fit_plan(_mems(terms), terms, flight, 50, 1e9, "optimal")
     assert fit_plan(_mems(terms), terms, flight, keep + 1, 1e9, "greedy") is None
+
+
+def test_fit_plan_falls_back_to_a_uniform_plan_when_its_tries_run_out():
+    # at 500 B the store's model plans "keep layer 0, swap layer 1" (410 B by its count),
+    # which the walk prices at 530 B; lowering the bound finds all-swap (380 B) only after
+    # several tries. With one try left, the fit must still come from the uniform plans,
+    # not a "no plan fits" while every layer swapped fits (seen in CI on bench memory)
+    acts = _one_stage("gpipe", 3)
+    flight = InFlight(max_in_flight(acts), max_waiting_w(acts), acts)
+    terms = _layers()
+    plan = fit_plan(_mems(terms), terms, flight, 500, 1e9, "optimal", tries=1)
+    assert plan is not None and plan.policies == {0: "swap", 1: "swap"}
+    assert plan.required_bytes == walk(terms, plan.policies, acts)[0] == 380
