@@ -219,15 +219,12 @@ def test_a_measured_model_is_profiled_at_every_micro_batch_size(tmp_path, monkey
     assert main(["plan", "--model", "gpt", *TINY, "--topology", "cpu", "--devices", "2",
                  "--reserve", "0", "--no-calibration", "--json", str(out)]) == 0
     assert sorted(sizes) == [1, 2]  # each size measured, not the one-sample profile scaled
-    cfg = plan_model._run_config(_Args(TINY))
+    from trainwright.config import load_config
+
+    cfg = load_config(None, TINY[1::2])  # the --set values
     one, two = measured("gpt", cfg, 1), measured("gpt", cfg, 2)
     assert [r.input_bytes * 2 for r in one] == [r.input_bytes for r in two]
     assert all(r.forward_s > 0 and r.backward_s > 0 for r in [*one, *two])
-
-
-class _Args:
-    def __init__(self, sets: list[str]):
-        self.config, self.set = None, sets[1::2]
 
 
 class _StepTimer:

@@ -388,20 +388,6 @@ def fit_plan(mems: list, terms: list[LayerTerms], in_flight: int, limit_bytes: i
     now = peak(current)
     if now < limit_bytes and needs_optimising(mems, current, in_flight, None) is None:
         return None
-    def uniform():
-        """The cheaper of every layer swapped / every layer recomputed that fits by the
-        walk (which may price them lower than the store's model: a CPU swap brings nothing
-        back), or None."""
-        fits = [MemoryPlan.build(mems, pol, in_flight, limit_bytes, host_bandwidth,
-                                 planner, "every layer swapped or recomputed")
-                for pol in ({x.layer: p for x in terms} for p in ("swap", "recompute"))
-                if peak(pol) < limit_bytes]
-        if not fits:
-            return None
-        plan = min(fits, key=lambda p: p.added_time_s)
-        plan.required_bytes = peak(plan.policies)
-        return plan
-
     make = greedy_plan if planner == "greedy" else optimal_plan
     cap, best = limit_bytes, None
     for _ in range(tries):
@@ -417,11 +403,19 @@ def fit_plan(mems: list, terms: list[LayerTerms], in_flight: int, limit_bytes: i
             return plan
         best = got if best is None else min(best, got)
         cap -= got - limit_bytes + 1
-    plan = uniform()  # the store's model ran out (no plan, or none the walk accepts)
-    if plan is not None:
+    # the store's model ran out (no plan, or none the walk accepts): the cheaper of every
+    # layer swapped / every layer recomputed that fits by the walk (which may price them
+    # lower than the store's model: a CPU swap brings nothing back)
+    uniform = [{x.layer: p for x in terms} for p in ("swap", "recompute")]
+    peaks = [peak(pol) for pol in uniform]
+    fits = [MemoryPlan.build(mems, pol, in_flight, limit_bytes, host_bandwidth, planner,
+                             "every layer swapped or recomputed")
+            for pol, got in zip(uniform, peaks, strict=True) if got < limit_bytes]
+    if fits:
+        plan = min(fits, key=lambda p: p.added_time_s)
+        plan.required_bytes = peak(plan.policies)
         return plan
-    least = min(peak({x.layer: p for x in terms}) for p in ("swap", "recompute"))
-    need = least if best is None else min(best, least)
+    need = min(peaks) if best is None else min(best, *peaks)
     raise PlanError(f"no memory plan fits the limit {limit_bytes} bytes by the footprint "
                     f"model (forward working sets, recomputes and receive buffers included); "
                     f"the best plan found peaks at {need} bytes; raise memory.limit to at "
