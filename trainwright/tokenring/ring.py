@@ -225,7 +225,11 @@ class TokenRing:
         ``contributors``' gradients, if its pass does not bring it).
 
         Raises:
-            CommError: neither arrived after ``close_timeout_s``.
+            RingFailed: neither arrived after ``close_timeout_s`` and a contributor whose
+                gradient is missing has left the ring: the sum was lost with it (it died
+                before passing the sum on), so no member can apply ``step``.
+            CommError: neither arrived after ``close_timeout_s`` (the contributors are
+                still members).
         """
         end = self.clock() + self.times.close_timeout_s
         with self.cv:
@@ -240,6 +244,13 @@ class TokenRing:
                 left = end - self.clock()
                 if left <= 0:
                     missing = [c for c in contributors if (step, c) not in self.grads]
+                    gone = [c for c in missing if c not in self.epoch.members]
+                    if gone:
+                        raise RingFailed(
+                            f"token ring node {self.index}: the sum of step {step} (closed "
+                            f"with {contributors}) was lost with node(s) {gone}, which left "
+                            f"the ring before passing it on; without their gradients no "
+                            f"member can rebuild it")
                     raise CommError(f"token ring node {self.index}: the sum of step {step} "
                                     f"(closed with {contributors}) never arrived, and no member "
                                     f"resent the gradients of node(s) {missing} to rebuild it")

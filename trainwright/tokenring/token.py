@@ -22,7 +22,8 @@ class RingLeft(CommError):
 
 
 class RingFailed(CommError):
-    """Fewer than ``min_nodes`` remain: the ring stopped."""
+    """The ring cannot go on: fewer than ``min_nodes`` remain, or a closed step's sum
+    was lost with the nodes that held it."""
 
 
 @dataclass
