@@ -302,3 +302,22 @@ def test_bench_rebalance_runs_and_moves_layers_off_the_heavy_stage():
     # at this size per-op overheads, not the heavy blocks, set the layer times, so the
     # direction of a move is not predictable; a move must change the partition
     assert all(r["old"] != r["new"] for rs in result["repartitions"] for r in rs)
+
+
+def test_the_isolated_compute_bound_runs_the_batch_the_pipeline_ran_at_m(monkeypatch):
+    """At m micro-batches the pipeline runs m of ``micro_batch_size`` samples; the bound
+    once ran the spec's own m (8) worth of samples at m = 4, twice the work (the 4-micro-
+    batch ratio read 0.57: a step under its own compute bound)."""
+    from trainwright.bench import stage_overhead
+
+    seen = []
+    real = stage_overhead.split_microbatches
+
+    def spy(x, m):
+        seen.append((x.shape[0], m))
+        return real(x, m)
+
+    monkeypatch.setattr(stage_overhead, "split_microbatches", spy)
+    spec = PipelineBenchSpec(n_blocks=2, d_model=16, n_heads=2, context=8, split=[2, 2])
+    stage_overhead.isolated_compute_bound(spec, 4, steps=1)
+    assert set(seen) == {(4 * spec.micro_batch_size, 4)}

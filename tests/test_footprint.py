@@ -102,6 +102,29 @@ def test_a_backward_measured_by_the_allocator_is_walked_with_its_incoming_gradie
     assert peak == 10 + 10 + 60 + 500 + 10
 
 
+def test_a_split_backward_keeps_only_what_the_weight_side_needs_until_w():
+    from dataclasses import replace
+
+    # ZB-H1's last stage, 3 micro-batches: F0 B0 F1 B1 W0 W1 F2 B2 W2 (receives and sends
+    # around them); micro-batch 0 is held from its B until W0 while F1 runs
+    sched = build_schedule("zb-h1", 2, 3)[1]
+    lay = _layers(chunk=1)
+    # not measured: everything the forward kept stays until W. At F1's layer 1: micro-batch
+    # 0's input, kept 60 + 210 and sent input gradient (10 + 270 + 10), micro-batch 1's
+    # input and kept 60 (70), layer 1's working set 300
+    peak, _, moment = walk(lay, {}, sched)
+    assert peak == 290 + 70 + 300 and "F1 layer 1" in moment
+    # measured: B leaves layer 1's weight side 20 B and its input (layer 0's output, 10),
+    # layer 0's 30 B: micro-batch 0 holds 10 + 30 + 10 + 20 after B, plus its sent 10
+    split = [replace(lay[0], w_held=30), replace(lay[1], w_held=20, w_keeps_input=True)]
+    peak, _, moment = walk(split, {}, sched)
+    assert peak == 80 + 70 + 300 and "F1 layer 1" in moment
+    # the model's first stage runs its whole backward at W: nothing changes there
+    first = build_schedule("zb-h1", 2, 3)[0]
+    assert walk(_layers(), {}, first) == walk([replace(x, w_held=0) for x in _layers()], {},
+                                              first)
+
+
 def test_static_terms_by_optimizer_and_shards():
     assert static_bytes(100, "sgd") == (100, 100, 0)
     assert static_bytes(100, "sgd", momentum=0.9) == (100, 100, 100)
@@ -142,3 +165,26 @@ def test_fit_plan_falls_back_to_a_uniform_plan_when_its_tries_run_out():
     plan = fit_plan(_mems(terms), terms, flight, 500, 1e9, "optimal", tries=1)
     assert plan is not None and plan.policies == {0: "swap", 1: "swap"}
     assert plan.required_bytes == walk(terms, plan.policies, acts)[0] == 380
+
+
+def test_the_profile_measures_what_swap_and_a_split_backward_leave_on_the_device():
+    """An MLP's hidden layer is Linear + GELU: keep holds the linear's output (GELU saves it)
+    and the GELU's output; swapped, the store moves the saved linear output to the host as
+    it is saved, so only the output stays; under a split backward the linear stashes its
+    input for W and nothing the layer created (GELU's saved tensor goes with the graph)."""
+    from trainwright.config import load_config
+    from trainwright.model.build import build_layers
+    from trainwright.pipeline.budget import profile_model
+
+    cfg = load_config(None, ['model.name="mlp"', "model.d_in=16", "model.d_model=32",
+                             "model.n_blocks=2", "train.batch_size=8",
+                             "train.micro_batches=1"])
+    terms = profile_model(cfg, build_layers(cfg)).terms
+    for hidden in (terms[0], terms[1]):
+        assert hidden.output_bytes == 8 * 32 * 4
+        assert hidden.kept == 2 * hidden.output_bytes
+        assert hidden.kept_swap == hidden.output_bytes
+        assert hidden.work_swap == hidden.work == 2 * hidden.output_bytes
+        assert (hidden.w_held, hidden.w_keeps_input) == (0, True)
+    last = terms[2]  # Linear and the loss: the linear stashes its input
+    assert last.w_keeps_input and last.w_held == 0

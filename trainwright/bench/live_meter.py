@@ -57,9 +57,10 @@ __all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "DeepSpeedCheckpointed
 _HOST_COPY_CODES = {HostSwap.pack.__code__}
 """Where host-swap copies are allocated: a storage created while one of these functions is
 on the Python stack is a host copy (on a CPU it lives in the same RAM as the device's)."""
-_TELEMETRY_CODES = {Mailbox._send.__code__}
+_TELEMETRY_CODES = {Mailbox._send.__code__, Mailbox._post.__code__}
 """Where the telemetry mailbox allocates its host-side message slots (64 KiB each, CPU
-tensors on any device): neither activations nor device memory, so not counted."""
+tensors on any device): what a rank sends, and the receive rank 0 keeps posted per other
+rank. Neither activations nor device memory, so not counted."""
 
 
 def _allocation_site() -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,7 @@ def isolated_compute_bound(spec: PipelineBenchSpec, micro_batches: int, steps: i
     Returns:
         ``bound_s`` (the slowest rank's median step seconds) and ``per_rank_s``.
     """
+    spec = replace(spec, micro_batches=micro_batches)  # the batch the pipeline ran at m
     torch.set_num_threads(spec.threads_per_rank)
     layers = spec.layers()
     starts = [sum(spec.split[:r]) for r in range(len(spec.split))]

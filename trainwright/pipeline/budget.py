@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -115,7 +116,14 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
     # scratch copy of the profiler so that its times never reach the cost table
     stage.profiler = copy.deepcopy(profiler)
     run = stage._run
-    stage._run = lambda slot, *a, **k: probe.measure(slot.index, lambda: run(slot, *a, **k))
+    inputs: dict[int, tuple] = {}
+
+    def measured(slot, inp, *a, **k):
+        inputs[slot.index] = tuple(t.detach() if isinstance(t, torch.Tensor) else t
+                                   for t in inp)
+        return probe.measure(slot.index, lambda: run(slot, inp, *a, **k))
+
+    stage._run = measured
     try:
         with probe:
             stage.forward(0, (x[:n],), y[:n])
@@ -126,14 +134,61 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
     else:
         back_work = {}
         stage.backward(0)
+    _measure_split(stage, inputs, probe, y[:n])
+    inputs.clear()
+    _measure_swapped(stage, probe, x[:n], y[:n])
     for _, m in named:
         m.zero_grad(set_to_none=True)
     costs = profiler.table()
     terms = {c.layer: LayerTerms(c.layer, *probe.layers.get(c.layer, (0, 0)), c.saved_bytes,
                                  c.output_bytes, c.input_bytes, c.param_bytes,
                                  work_nograd=probe.nograd.get(c.layer, -1),
-                                 back_work=back_work.get(c.layer, -1)) for c in costs}
+                                 back_work=back_work.get(c.layer, -1),
+                                 work_swap=probe.swapped.get(c.layer, (-1, -1))[0],
+                                 kept_swap=probe.swapped.get(c.layer, (-1, -1))[1],
+                                 w_held=probe.split.get(c.layer, (-1, False))[0],
+                                 w_keeps_input=probe.split.get(c.layer, (-1, False))[1])
+             for c in costs}
     return ProfileTable(costs, terms)
+
+
+def _measure_swapped(stage: Stage, probe: WorkingSetProbe, x: torch.Tensor,
+                     target: torch.Tensor) -> None:
+    """One more forward with every layer swapped to the host (its copies uncounted), each
+    layer's device working set and what stays on the device after it, then its backward."""
+    stage.store.set_policies({s.index: "swap" for s in stage.slots})
+    stage.store.swap.pack = probe.host_copy(stage.store.swap.pack)
+    run = stage._run
+    stage._run = lambda slot, *a, **k: probe.measure_swapped(slot.index,
+                                                             lambda: run(slot, *a, **k))
+    try:
+        with probe:
+            stage.forward(0, (x,), target)
+    finally:
+        del stage._run, stage.store.swap.pack
+        stage.store.set_policies({})
+    stage.backward(0)
+    stage.profiler.end_step()
+
+
+def _measure_split(stage: Stage, inputs: dict[int, tuple], probe: WorkingSetProbe,
+                   target: torch.Tensor) -> None:
+    """What a split backward's ``B`` leaves for ``W``, per layer whose input takes a gradient
+    (:meth:`~trainwright.pipeline.workset.WorkingSetProbe.measure_split`), as a stage past
+    the first runs it under this stage's autocast."""
+    last = stage.slots[-1].index
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return stage.loss_fn(out.float() if stage.autocast is not None else out, target)
+
+    for slot in stage.slots:
+        inp = inputs.get(slot.index, ())
+        if not inp or not isinstance(inp[0], torch.Tensor) or not inp[0].is_floating_point():
+            continue  # token ids: the model's first stage, whose B defers all to W
+        with stage.autocast() if stage.autocast is not None else nullcontext():
+            probe.measure_split(slot.index, slot.module, inp,
+                                loss if slot.index == last else None,
+                                defer=stage.autocast is None)
 
 
 def _backward_by_allocator(stage: Stage, device: torch.device) -> dict[int, int]:

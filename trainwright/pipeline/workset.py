@@ -5,16 +5,24 @@
 terms it measures are in the meter's own units. Around each layer's forward it records the
 highest bytes alive at once that the layer created (``work``) and what is still alive when
 the forward returns (``kept``: saved for backward plus output); see
-:mod:`trainwright.plan.footprint`.
+:mod:`trainwright.plan.footprint`. :meth:`WorkingSetProbe.measure_split` runs a layer's
+forward again under a split backward's ``B`` and counts what ``B`` leaves for ``W``.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from trainwright.pipeline.deferred_linear import WeightStash, defer_linears
+from trainwright.pipeline.split_backward import backward_input, backward_weight
+from trainwright.pipeline.store import as_tuple
 
 __all__ = ["WorkingSetProbe"]
 
@@ -36,6 +44,14 @@ class WorkingSetProbe(TorchDispatchMode):
         """layer -> (work, kept) of its last measured forward."""
         self.nograd: dict[int, int] = {}
         """layer -> work of the same forward run without a graph (as recompute's first)."""
+        self.swapped: dict[int, tuple[int, int]] = {}
+        """layer -> (work, kept) of its forward with its saved tensors swapped to the host
+        (:meth:`measure_swapped`): device bytes only."""
+        self.paused = 0
+        """While positive, created storages are not counted (a host copy being made)."""
+        self.split: dict[int, tuple[int, bool]] = {}
+        """layer -> (bytes its forward created that a split backward's ``B`` leaves for
+        ``W``, whether ``B`` left its input alive too): :meth:`measure_split`."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -46,7 +62,7 @@ class WorkingSetProbe(TorchDispatchMode):
 
     def _add(self, st) -> None:
         key, n = st.data_ptr(), st.nbytes()
-        if n == 0 or key in self.exclude or key in self._live:
+        if n == 0 or self.paused or key in self.exclude or key in self._live:
             return
         self._live[key] = n
         weakref.finalize(st, self._release, key)
@@ -68,3 +84,57 @@ class WorkingSetProbe(TorchDispatchMode):
         self.nograd[layer] = self.peak - base
         del again
         return out
+
+    def measure_swapped(self, layer: int, run):
+        """Run ``run()`` (one layer's forward whose saved tensors the store swaps to the host,
+        its copies made under :meth:`host_copy`) and record its device ``(work, kept)`` in
+        :attr:`swapped`; returns its result."""
+        base, self.peak = self.bytes, self.bytes
+        out = run()
+        self.swapped[layer] = (self.peak - base, self.bytes - base)
+        return out
+
+    def host_copy(self, pack: Callable) -> Callable:
+        """``pack`` (a host swap's copy), its storages left uncounted: they are the host's."""
+        def paused(t):
+            self.paused += 1
+            try:
+                return pack(t)
+            finally:
+                self.paused -= 1
+        return paused
+
+    def measure_split(self, layer: int, module: nn.Module, inp: tuple,
+                      loss: Callable | None = None, defer: bool = True) -> None:
+        """Run ``module`` on a copy of ``inp`` as a pipeline stage past the first does under a
+        zero-bubble schedule (its linear layers deferred when ``defer``, as the stage's
+        :meth:`~trainwright.pipeline.stage.Stage._stash` decides), its ``B``
+        (:func:`~trainwright.pipeline.split_backward.backward_input`), and record in
+        :attr:`split` what is still alive of what the forward created, then its ``W``.
+
+        ``loss``: the stage's loss on the layer's first output (the model's last layer), or
+        None (``B`` starts from a gradient of ones). Call it outside the mode (the forward
+        enters it; ``B``'s own tensors are gradients, which the meter does not count)."""
+        xs = tuple(t.detach().clone().requires_grad_(t.is_floating_point())
+                   if isinstance(t, torch.Tensor) else t for t in inp)
+        alive = [x.is_floating_point() for x in xs if isinstance(x, torch.Tensor)][:1] or [False]
+        if alive[0]:
+            weakref.finalize(xs[0].untyped_storage(), alive.__setitem__, 0, False)
+        stash = WeightStash() if defer else None
+        base = self.bytes
+        with self, defer_linears(module, stash) if stash is not None else nullcontext():
+            outs = as_tuple(module(xs[0] if len(xs) == 1 else xs))
+            if loss is not None:
+                outs = (loss(outs[0]),)
+        grads = None if loss is not None else tuple(
+            torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
+            for o in outs)
+        params = [q for q in module.parameters() if q.requires_grad]
+        _, work = backward_input(outs, grads, xs, params, stash)
+        del outs, grads, _
+        for x in xs:
+            if isinstance(x, torch.Tensor):
+                x.grad = None
+        del xs, x
+        self.split[layer] = (self.bytes - base, alive[0])
+        backward_weight(work)

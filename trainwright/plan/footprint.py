@@ -17,7 +17,9 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     ``work_nograd`` for a recomputed layer, whose first forward runs without a graph); after
     it, ``kept`` bytes stay (keep: what autograd saved plus its output; recompute and
     swap: its output only, the input being the previous layer's output, already held);
-    swap also moves ``saved`` bytes to the host copy;
+    swap also moves ``saved`` bytes to the host copy, and where the profile ran the layer
+    swapped, its working set and what stays are those measured (``work_swap``,
+    ``kept_swap``: the store moves each saved tensor out as it is saved);
   - receive buffers (``RECV_F``: the chunk's input; ``RECV_B``: the gradient of its output,
     ``output_bytes`` of its last layer): under the interleaved runtime posted ahead
     (:func:`arrivals`) and held until the step's ``SYNC``; under the single-chunk runtime
@@ -30,6 +32,10 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
     new device bytes) and copied back (``saved`` bytes) on an accelerator, where the next
     swapped layer down is already coming back (prefetched) while it computes;
+  - ``B`` under a split backward (a zero-bubble schedule, any chunk but the model's
+    first): what the weight side keeps for ``W`` stays (``w_held``: a deferred linear's
+    input; with ``w_keeps_input`` the layer below's output too); the rest of what the
+    forward kept, or a recompute brought back, is freed (where ``w_held`` was measured);
   - ``W`` (split backward): the segments and what was brought back are released.
   Gradients and backward intermediates are not activations for the live meter (it does
   not count them; the ``gradients`` static term holds the accumulated ones). The CUDA
@@ -79,14 +85,33 @@ class LayerTerms:
     """Highest bytes its backward allocated above what was allocated when it began, by the
     CUDA allocator (gradients of its activations and input, kernel workspaces); -1: not
     measured (a CPU profile, whose meter does not count gradients): not walked."""
+    work_swap: int = -1
+    """``work`` of its forward when its saved tensors are swapped to the host (the store
+    moves each out as it is saved, so fewer stay on the device while it runs); -1: not
+    measured, ``work`` is used."""
+    kept_swap: int = -1
+    """What stays on the device after that forward (its output, and saved tensors the store
+    does not move: those sharing its input's storage); -1: not measured, the output."""
+    w_held: int = -1
+    """Bytes its forward created that are still alive between its ``B`` and its ``W`` under
+    a split backward (what the weight side keeps: a deferred linear's input; input and
+    output excluded); -1: not measured, ``kept`` stays until ``W``."""
+    w_keeps_input: bool = False
+    """Whether its ``B`` leaves its input alive for ``W`` (a linear on its input stashes it):
+    then the layer below keeps its output until ``W``."""
 
     def forward_work(self, policy: str) -> int:
-        """The forward's working set under ``policy`` (recompute runs it without a graph)."""
-        return self.work_nograd if policy == "recompute" and self.work_nograd >= 0 else self.work
+        """The forward's working set under ``policy`` (recompute runs it without a graph,
+        swap moves saved tensors out as they are saved)."""
+        if policy == "recompute" and self.work_nograd >= 0:
+            return self.work_nograd
+        return self.work_swap if policy == "swap" and self.work_swap >= 0 else self.work
 
     def held(self, policy: str) -> int:
         """Device bytes its forward leaves behind under ``policy`` (input not included)."""
-        return self.kept if policy == "keep" else self.output_bytes
+        if policy == "keep":
+            return self.kept
+        return self.kept_swap if policy == "swap" and self.kept_swap >= 0 else self.output_bytes
 
 
 @dataclass
@@ -224,7 +249,18 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             else:
                 extra = 0
             see(extra + max(x.back_work, 0) + incoming + ahead, f"{a} layer {x.layer}")
-            if split:  # brought back: held until W
+            if split:  # brought back, or what the weight side keeps of it: held until W
+                if x.w_held >= 0 and pol[x.layer] != "swap":
+                    above = down[j - 1] if j > 0 else None
+                    keeps = x.w_held + (x.output_bytes if (
+                        above.w_keeps_input if above is not None else key in sent) else 0)
+                    if pol[x.layer] == "keep":  # B frees the rest of what the forward kept
+                        h = held.get(key, {}).get(x.layer, 0)
+                        if h > keeps:
+                            held[key][x.layer] = keeps
+                            cur -= h - keeps
+                    else:
+                        extra = min(extra, keeps)
                 back[key] = back.get(key, 0) + extra
                 cur += extra
             else:  # the segment is released once its backward is done
