@@ -74,5 +74,5 @@ def test_a_wrong_figure_is_caught():
 def test_every_target_is_of_a_bench_that_exists(target):
     from trainwright.bench import BENCHMARKS
 
-    known = {*BENCHMARKS, "gpu", "sparse_1gbit"}  # gpu: tools/gpu_check.sh; the shaped run
+    known = {*BENCHMARKS, "gpu"}  # gpu: tools/gpu_check.sh
     assert target.bench in known, target
