@@ -188,3 +188,20 @@ def test_the_profile_measures_what_swap_and_a_split_backward_leave_on_the_device
         assert (hidden.w_held, hidden.w_keeps_input) == (0, True)
     last = terms[2]  # Linear and the loss: the linear stashes its input
     assert last.w_keeps_input and last.w_held == 0
+
+
+def test_a_layer_whose_split_cannot_be_measured_is_planned_as_before(monkeypatch, caplog):
+    from trainwright.config import load_config
+    from trainwright.model.build import build_layers
+    from trainwright.pipeline import workset
+    from trainwright.pipeline.budget import profile_model
+
+    def refuse(self, layer, *a, **k):
+        raise RuntimeError("no split for this layer")
+
+    monkeypatch.setattr(workset.WorkingSetProbe, "measure_split", refuse)
+    cfg = load_config(None, ['model.name="mlp"', "model.d_in=16", "model.d_model=32",
+                             "model.n_blocks=1", "train.batch_size=8"])
+    terms = profile_model(cfg, build_layers(cfg)).terms
+    assert all(t.w_held == -1 and not t.w_keeps_input for t in terms.values())
+    assert "could not measure what a split backward keeps" in caplog.text

@@ -185,10 +185,15 @@ def _measure_split(stage: Stage, inputs: dict[int, tuple], probe: WorkingSetProb
         inp = inputs.get(slot.index, ())
         if not inp or not isinstance(inp[0], torch.Tensor) or not inp[0].is_floating_point():
             continue  # token ids: the model's first stage, whose B defers all to W
-        with stage.autocast() if stage.autocast is not None else nullcontext():
-            probe.measure_split(slot.index, slot.module, inp,
-                                loss if slot.index == last else None,
-                                defer=stage.autocast is None)
+        try:
+            with stage.autocast() if stage.autocast is not None else nullcontext():
+                probe.measure_split(slot.index, slot.module, inp,
+                                    loss if slot.index == last else None,
+                                    defer=stage.autocast is None)
+        except (RuntimeError, TypeError, ValueError) as exc:  # a layer autograd cannot split
+            log.warning("layer %d (%s): could not measure what a split backward keeps for W "
+                        "(%s); planning keeps its whole activations until W", slot.index,
+                        slot.name, exc)
 
 
 def _backward_by_allocator(stage: Stage, device: torch.device) -> dict[int, int]:
