@@ -73,8 +73,8 @@ def test_receives_posted_ahead_exist_before_their_forward():
     recv = [a for acts in got.values() for a in acts]
     assert list(got) == [0] and [a.mb for a in recv if a.kind == "RECV_F"] == [0, 1, 2, 3]
     lay = _layers(chunk=1)
-    late, _, late_at = walk(lay, {}, sched[1])
-    early, _, early_at = walk(lay, {}, sched[1], arrive=got)
+    late, _, late_at = walk(lay, {}, sched[1], send_header=0)
+    early, _, early_at = walk(lay, {}, sched[1], arrive=got, send_header=0)
     # the last stage holds one micro-batch (60 + working set 300) and, by its fourth
     # forward, three sent input gradients (10 each) that live until SYNC waits for them.
     # Not posted ahead (the single-chunk runtime), each input is held by its segment
@@ -83,6 +83,18 @@ def test_receives_posted_ahead_exist_before_their_forward():
     # posted ahead (the interleaved runtime), all 4 receive buffers live until SYNC: they
     # all exist at the first forward already
     assert early == 4 * 10 + 60 + 300 and "F0" in early_at
+
+
+def test_every_send_holds_its_header_until_sync():
+    from trainwright.dist.comm import HEADER_LEN
+    from trainwright.plan.footprint import SEND_HEADER_BYTES
+
+    assert SEND_HEADER_BYTES == HEADER_LEN * 8  # the comm layer's int64 header
+    # 1F1B's last stage of 2, 4 micro-batches: after B3 its four input gradients (10 B each)
+    # and their four headers wait for SYNC; that outgrows the forward's working set
+    sched = build_schedule("1f1b", 2, 4)[1]
+    peak, _, moment = walk(_layers(chunk=1), {}, sched, send_header=520)
+    assert peak == 4 * (10 + 520) and "SEND_B3" in moment
 
 
 def test_a_backward_measured_by_the_allocator_is_walked_with_its_incoming_gradient():
@@ -112,12 +124,12 @@ def test_a_split_backward_keeps_only_what_the_weight_side_needs_until_w():
     # not measured: everything the forward kept stays until W. At F1's layer 1: micro-batch
     # 0's input, kept 60 + 210 and sent input gradient (10 + 270 + 10), micro-batch 1's
     # input and kept 60 (70), layer 1's working set 300
-    peak, _, moment = walk(lay, {}, sched)
+    peak, _, moment = walk(lay, {}, sched, send_header=0)
     assert peak == 290 + 70 + 300 and "F1 layer 1" in moment
     # measured: B leaves layer 1's weight side 20 B and its input (layer 0's output, 10),
     # layer 0's 30 B: micro-batch 0 holds 10 + 30 + 10 + 20 after B, plus its sent 10
     split = [replace(lay[0], w_held=30), replace(lay[1], w_held=20, w_keeps_input=True)]
-    peak, _, moment = walk(split, {}, sched)
+    peak, _, moment = walk(split, {}, sched, send_header=0)
     assert peak == 80 + 70 + 300 and "F1 layer 1" in moment
     # the model's first stage runs its whole backward at W: nothing changes there
     first = build_schedule("zb-h1", 2, 3)[0]

@@ -55,6 +55,11 @@ from dataclasses import dataclass, field
 __all__ = ["OPTIMIZER_STATE", "LayerTerms", "Footprint", "static_bytes", "walk",
            "stage_footprint", "fit_plan", "arrivals"]
 
+SEND_HEADER_BYTES = 520
+"""Bytes of the metadata header every point-to-point send carries (65 int64,
+:data:`trainwright.dist.comm.HEADER_LEN`), held with its payload until the step's ``SYNC``
+waits for the sends."""
+
 OPTIMIZER_STATE = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """Parameter-sized state buffers per optimizer (Adam: first and second moments)."""
 
@@ -180,8 +185,8 @@ def arrivals(actions: list) -> dict[int, list]:
 
 
 def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
-         copy_back: bool = False, arrive: dict[int, list] | None = None
-         ) -> tuple[int, int, str]:
+         copy_back: bool = False, arrive: dict[int, list] | None = None,
+         send_header: int = SEND_HEADER_BYTES) -> tuple[int, int, str]:
     """Device and host activation peaks of one rank over its schedule.
 
     Args:
@@ -199,6 +204,7 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             all held until ``SYNC``. None (the single-chunk runtime, which posts none
             ahead): each comes at its own ``RECV``; a received input is held by its
             segment, a received gradient until its backward is done.
+        send_header: bytes of each send's header, held until ``SYNC`` (0: not walked).
 
     Returns:
         ``(device peak, host peak, moment of the device peak)``.
@@ -314,7 +320,10 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         rows, key = by_chunk.get(c, []), (c, mb)
         if kind in ("RECV_F", "RECV_B"):
             receive(a)
-        elif kind == "SEND_F":
+        elif kind in ("SEND_F", "SEND_B") and send_header:  # the header, until SYNC
+            cur, bufs = cur + send_header, bufs + send_header
+            see(0, f"{a} header")
+        if kind == "SEND_F":
             sent.add(key)
         elif kind == "SEND_B" and rows and not ahead:  # the pending send keeps the input
             # gradient (metered on the single-chunk runtime; the interleaved runtime's
