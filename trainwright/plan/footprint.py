@@ -27,6 +27,7 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     and the gradient until its backward is done. A sent output (``SEND_F``), and on the
     single-chunk runtime a sent input gradient (``SEND_B``: ``input_bytes`` of the chunk's
     first layer), outlive their use until ``SYNC``, where the runtime waits for its sends;
+    every send also holds its header (:data:`SEND_HEADER_BYTES`) until then;
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
