@@ -89,7 +89,7 @@ def test_a_planned_run_stays_within_its_limit_by_the_allocator(tiny):
 
 def test_the_profile_measures_each_layers_backward_by_the_allocator(tiny):
     from trainwright.model.build import build_layers
-    from trainwright.pipeline.budget import profile_model
+    from trainwright.pipeline.profile import profile_model
 
     cfg = _gpu(tiny, **{"model.d_model": 256, "model.context": 128})
     table = profile_model(cfg, build_layers(cfg), torch.device("cuda", 0))

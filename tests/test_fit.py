@@ -18,7 +18,8 @@ import pytest
 
 from trainwright.config import load_config
 from trainwright.model.build import build_layers
-from trainwright.pipeline.budget import predicted_footprints, profile_model
+from trainwright.pipeline.budget import predicted_footprints
+from trainwright.pipeline.profile import profile_model
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["model.n_blocks=2", "model.d_model=64", "model.n_heads=4", "model.context=32",

@@ -186,7 +186,7 @@ def test_the_profile_measures_what_swap_and_a_split_backward_leave_on_the_device
     input for W and nothing the layer created (GELU's saved tensor goes with the graph)."""
     from trainwright.config import load_config
     from trainwright.model.build import build_layers
-    from trainwright.pipeline.budget import profile_model
+    from trainwright.pipeline.profile import profile_model
 
     cfg = load_config(None, ['model.name="mlp"', "model.d_in=16", "model.d_model=32",
                              "model.n_blocks=2", "train.batch_size=8",
@@ -206,7 +206,7 @@ def test_a_layer_whose_split_cannot_be_measured_is_planned_as_before(monkeypatch
     from trainwright.config import load_config
     from trainwright.model.build import build_layers
     from trainwright.pipeline import workset
-    from trainwright.pipeline.budget import profile_model
+    from trainwright.pipeline.profile import profile_model
 
     def refuse(self, layer, *a, **k):
         raise RuntimeError("no split for this layer")

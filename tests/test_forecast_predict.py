@@ -70,7 +70,7 @@ def test_limit_plans_follow_the_predicted_unconstrained_peak(profile):
 def test_with_footprint_terms_peaks_and_limit_plans_come_from_the_footprint_model(profile):
     from dataclasses import replace
 
-    from trainwright.pipeline.budget import profile_model
+    from trainwright.pipeline.profile import profile_model
 
     spec, prof = profile
     layers, _, _, cfg = _layers_and_batch(spec, with_config=True)

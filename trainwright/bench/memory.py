@@ -319,7 +319,8 @@ def predict_planned(spec: MemoryBenchSpec, limit: int, systems: dict) -> dict:
     from unittest import mock
 
     from trainwright.model.build import build_layers
-    from trainwright.pipeline.budget import predicted_footprints, profile_model
+    from trainwright.pipeline.budget import predicted_footprints
+    from trainwright.pipeline.profile import profile_model
 
     out, table = {}, None
     # the rows' model, in this process only for the profile (a test process runs on)

@@ -130,8 +130,8 @@ class Profile:
     wall_s: float
     table: object = None
     """The footprint terms of the same micro-batch
-    (:func:`~trainwright.pipeline.budget.profile_model`'s
-    :class:`~trainwright.pipeline.budget.ProfileTable`): what :func:`predicted_peaks` and
+    (:func:`~trainwright.pipeline.profile.profile_model`'s
+    :class:`~trainwright.pipeline.profile.ProfileTable`): what :func:`predicted_peaks` and
     :func:`plan_limit` use; None: the simulator's activation-store peak instead."""
 
     def summary(self) -> dict:
@@ -211,7 +211,7 @@ def take_profile(spec: ForecastSpec) -> Profile:
     """The one profile: single process, one thread, one micro-batch (see module docstring)."""
     from trainwright.model.build import cross_entropy
     from trainwright.observe.tensor_profile import profile_tensors
-    from trainwright.pipeline.budget import profile_model
+    from trainwright.pipeline.profile import profile_model
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()

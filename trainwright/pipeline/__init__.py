@@ -9,8 +9,9 @@
   :mod:`~trainwright.pipeline.swap`: layer segments, the activation store (keep / swap /
   recompute, byte accounting), host swap;
 * :mod:`~trainwright.pipeline.budget`: a memory limit -> per-layer policies;
-  :mod:`~trainwright.pipeline.workset`: the profile's per-layer working sets (the
-  footprint model's terms);
+  :mod:`~trainwright.pipeline.profile`: one micro-batch through the model, measured (costs
+  and footprint terms); :mod:`~trainwright.pipeline.workset`: the profile's per-layer
+  working sets (the footprint model's terms);
 * :mod:`~trainwright.pipeline.peerswap`, :mod:`~trainwright.pipeline.peer_setup`: peer swap
   at run time.
 

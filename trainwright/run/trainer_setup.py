@@ -27,13 +27,13 @@ from trainwright.observe.telemetry import atomic_write_text
 from trainwright.pipeline.budget import (
     MemoryBudget,
     measure_host_bandwidth,
-    profile_model,
     resolve_limit,
     stage_in_flight,
 )
 from trainwright.pipeline.interleaved import InterleavedRuntime
 from trainwright.pipeline.peer_setup import agree_plan, runtime_policies
 from trainwright.pipeline.peerswap import PeerSwap
+from trainwright.pipeline.profile import profile_model
 from trainwright.pipeline.runtime import PipelineRuntime, Runtime, StepHooks
 from trainwright.pipeline.stage import LayerSlot, Stage
 from trainwright.pipeline.tied import owned_parameters
