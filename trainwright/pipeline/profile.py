@@ -118,7 +118,6 @@ def _measure_swapped(stage: Stage, probe: WorkingSetProbe, x: torch.Tensor,
     """One more forward with every layer swapped to the host (its copies uncounted), each
     layer's device working set and what stays on the device after it, then its backward."""
     stage.store.set_policies({s.index: "swap" for s in stage.slots})
-    stage.store.swap.pack = probe.host_copy(stage.store.swap.pack)
     run = stage._run
     stage._run = lambda slot, *a, **k: probe.measure_swapped(slot.index,
                                                              lambda: run(slot, *a, **k))
@@ -126,7 +125,7 @@ def _measure_swapped(stage: Stage, probe: WorkingSetProbe, x: torch.Tensor,
         with probe:
             stage.forward(0, (x,), target)
     finally:
-        del stage._run, stage.store.swap.pack
+        del stage._run
         stage.store.set_policies({})
     stage.backward(0)
     stage.profiler.end_step()

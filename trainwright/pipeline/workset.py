@@ -11,6 +11,7 @@ forward again under a split backward's ``B`` and counts what ``B`` leaves for ``
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -23,8 +24,20 @@ from torch.utils._pytree import tree_leaves
 from trainwright.pipeline.deferred_linear import WeightStash, defer_linears
 from trainwright.pipeline.split_backward import backward_input, backward_weight
 from trainwright.pipeline.store import as_tuple
+from trainwright.pipeline.swap import HostSwap
 
 __all__ = ["WorkingSetProbe"]
+
+
+def _in_host_copy() -> bool:
+    """Whether the op being dispatched was called from a host swap's copy
+    (:meth:`~trainwright.pipeline.swap.HostSwap.pack` on the Python stack)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code is HostSwap.pack.__code__:
+            return True
+        f = f.f_back
+    return False
 
 
 class WorkingSetProbe(TorchDispatchMode):
@@ -47,8 +60,9 @@ class WorkingSetProbe(TorchDispatchMode):
         self.swapped: dict[int, tuple[int, int]] = {}
         """layer -> (work, kept) of its forward with its saved tensors swapped to the host
         (:meth:`measure_swapped`): device bytes only."""
-        self.paused = 0
-        """While positive, created storages are not counted (a host copy being made)."""
+        self._swapping = False
+        """Inside :meth:`measure_swapped`: storages a host swap's copy creates are not
+        counted (told apart by where they are allocated, as the live meter does)."""
         self.split: dict[int, tuple[int, bool]] = {}
         """layer -> (bytes its forward created that a split backward's ``B`` leaves for
         ``W``, whether ``B`` left its input alive too): :meth:`measure_split`."""
@@ -62,7 +76,8 @@ class WorkingSetProbe(TorchDispatchMode):
 
     def _add(self, st) -> None:
         key, n = st.data_ptr(), st.nbytes()
-        if n == 0 or self.paused or key in self.exclude or key in self._live:
+        if n == 0 or key in self.exclude or key in self._live or (
+                self._swapping and _in_host_copy()):
             return
         self._live[key] = n
         weakref.finalize(st, self._release, key)
@@ -86,23 +101,16 @@ class WorkingSetProbe(TorchDispatchMode):
         return out
 
     def measure_swapped(self, layer: int, run):
-        """Run ``run()`` (one layer's forward whose saved tensors the store swaps to the host,
-        its copies made under :meth:`host_copy`) and record its device ``(work, kept)`` in
-        :attr:`swapped`; returns its result."""
-        base, self.peak = self.bytes, self.bytes
-        out = run()
+        """Run ``run()`` (one layer's forward whose saved tensors the store swaps to the host)
+        and record its device ``(work, kept)`` in :attr:`swapped`, the host copies left
+        uncounted; returns its result."""
+        base, self.peak, self._swapping = self.bytes, self.bytes, True
+        try:
+            out = run()
+        finally:
+            self._swapping = False
         self.swapped[layer] = (self.peak - base, self.bytes - base)
         return out
-
-    def host_copy(self, pack: Callable) -> Callable:
-        """``pack`` (a host swap's copy), its storages left uncounted: they are the host's."""
-        def paused(t):
-            self.paused += 1
-            try:
-                return pack(t)
-            finally:
-                self.paused -= 1
-        return paused
 
     def measure_split(self, layer: int, module: nn.Module, inp: tuple,
                       loss: Callable | None = None, defer: bool = True) -> None:
