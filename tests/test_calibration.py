@@ -13,11 +13,13 @@ from trainwright.observe.tensor_profile import LayerTensors, SavedTensor
 from trainwright.plan.calibration import (
     Calibration,
     count_segments,
+    fit_delivery,
     fit_overhead,
     fit_slowdown,
     load,
     save,
     scaled,
+    with_delivery,
     with_overheads,
 )
 from trainwright.plan.candidates import (
@@ -28,7 +30,7 @@ from trainwright.plan.candidates import (
 )
 from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.planner import PlanRequest, make_plan, slowdown_of
-from trainwright.plan.simulate import StageCost
+from trainwright.plan.simulate import Links, StageCost
 from trainwright.schedule.base import ActionKind
 
 HOST = {"cpu_model": "test cpu", "cpus": 2, "platform": "linux", "torch": "2.13.0+cpu"}
@@ -65,6 +67,26 @@ def test_factor_interpolates_and_extends_past_the_largest_count():
     assert cal.factor(6) == pytest.approx(3.0)
 
 
+def test_fit_delivery_is_the_mean_beyond_what_the_link_and_receive_already_charge():
+    # a heavy tail (a scheduler tick) is most of the sum: the mean, not the median
+    delays = {2: [0.5e-3, 0.5e-3, 0.5e-3, 4.5e-3], 4: [3e-3, 3e-3], 3: []}
+    got = fit_delivery(delays, plain_s=0.2e-3, recv_s=0.1e-3)
+    assert got == {2: pytest.approx(1.5e-3 - 0.3e-3), 4: pytest.approx(3e-3 - 0.3e-3)}
+    assert fit_delivery({2: [0.1e-3]}, 0.2e-3, 0.1e-3) == {2: 0.0}  # noise is no speed-up
+
+
+def test_delivery_interpolates_between_chains_and_holds_past_them():
+    cal = Calibration(HOST, 2, delivery_s={2: 1e-3, 4: 3e-3})
+    assert cal.delivery(1) == 0.0  # one rank sends no message
+    assert cal.delivery(2) == pytest.approx(1e-3)
+    assert cal.delivery(3) == pytest.approx(2e-3)
+    assert cal.delivery(16) == pytest.approx(3e-3)  # the longest chain's, not a line's
+    assert Calibration(HOST, 2).delivery(4) == 0.0  # not measured: no extra
+    links = Links([0, 1], [[0.0, 1e9], [1e9, 0.0]], latency_s=1e-5)
+    assert with_delivery(links, cal, 3).delivery_s == pytest.approx(2e-3)
+    assert with_delivery(links, None, 3) is links and links.delivery_s == 0.0
+
+
 def test_with_overheads_charges_every_action_kind():
     cal = Calibration(HOST, 2, action_s=1e-3, segment_s=2e-4, send_s=3e-5, recv_s=4e-4)
     c = StageCost(1.0, 2.0, action_s={ActionKind.PEER_RECV: 0.5})
@@ -87,15 +109,19 @@ def test_scaled_multiplies_cpu_work_only():
 
 
 def test_cache_is_used_only_on_the_host_it_was_measured_on(tmp_path):
-    cal = Calibration(HOST, 2, action_s=1e-5, slowdown={1: 1.0, 3: 1.6})
+    cal = Calibration(HOST, 2, action_s=1e-5, slowdown={1: 1.0, 3: 1.6},
+                      delivery_s={2: 1e-3, 3: 2e-3})
     path = tmp_path / "sub" / "calibration.json"
     save(path, cal)
     assert load(path, HOST) == cal
     assert load(path, {**HOST, "cpus": 16}) is None
     assert load(tmp_path / "missing.json", HOST) is None
-    # measured by an older method (single short units: shared cores looked free): again
+    # measured by an older method (single short units: shared cores looked free; no
+    # delivery chain): again
     old = {k: v for k, v in cal.to_dict().items() if k != "method"}
     path.write_text(json.dumps(old))
+    assert load(path, HOST) is None
+    path.write_text(json.dumps({**old, "method": 2}))
     assert load(path, HOST) is None
 
 

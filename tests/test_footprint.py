@@ -202,6 +202,29 @@ def test_the_profile_measures_what_swap_and_a_split_backward_leave_on_the_device
     assert last.w_keeps_input and last.w_held == 0
 
 
+def test_the_profile_times_a_split_backwards_weight_pass_and_stage_costs_carry_it():
+    """Each layer's ``W`` share (its linear's weight gradient) is measured, above nothing
+    and below the whole backward; a stage's ``weight_s`` (a zero-bubble ``W``) sums its
+    layers', so its ``B`` takes the rest rather than half."""
+    from trainwright.config import load_config
+    from trainwright.model.build import build_layers
+    from trainwright.observe.tensor_profile import LayerTensors
+    from trainwright.pipeline.profile import profile_model
+    from trainwright.plan.planner import stage_costs
+
+    cfg = load_config(None, ['model.name="mlp"', "model.d_in=64", "model.d_model=256",
+                             "model.n_blocks=2", "train.batch_size=64",
+                             "train.micro_batches=1"])
+    table = profile_model(cfg, build_layers(cfg))
+    for c in table:
+        assert 0.0 < c.weight_s < c.backward_s, c
+    rows = [LayerTensors(c.layer, c.name, c.forward_s, c.backward_s, c.input_bytes,
+                         c.output_bytes, c.param_bytes, weight_s=c.weight_s) for c in table]
+    costs = stage_costs(rows, [[0, 1], [2]], None, [0, 1], [0.0, 0.0], [0.0, 0.0])
+    assert costs[0].weight_s == pytest.approx(table[0].weight_s + table[1].weight_s)
+    assert costs[1].weight_s == pytest.approx(table[2].weight_s)
+
+
 def test_a_layer_whose_split_cannot_be_measured_is_planned_as_before(monkeypatch, caplog):
     from trainwright.config import load_config
     from trainwright.model.build import build_layers
@@ -214,6 +237,7 @@ def test_a_layer_whose_split_cannot_be_measured_is_planned_as_before(monkeypatch
     monkeypatch.setattr(workset.WorkingSetProbe, "measure_split", refuse)
     cfg = load_config(None, ['model.name="mlp"', "model.d_in=16", "model.d_model=32",
                              "model.n_blocks=1", "train.batch_size=8"])
-    terms = profile_model(cfg, build_layers(cfg)).terms
-    assert all(t.w_held == -1 and not t.w_keeps_input for t in terms.values())
+    table = profile_model(cfg, build_layers(cfg))
+    assert all(t.w_held == -1 and not t.w_keeps_input for t in table.terms.values())
+    assert all(c.weight_s == 0.0 for c in table)  # W's share unknown: planned as half
     assert "could not measure what a split backward keeps" in caplog.text

@@ -204,6 +204,25 @@ def test_receive_overhead_is_on_the_critical_path():
     assert r.step_s == pytest.approx(4.5)
 
 
+def test_delivery_delays_each_message_between_ranks_but_not_a_host_copy():
+    # F0 (1) + activation (1 s of bytes + 0.75) + F1 + B1 + gradient (1 + 0.75) + B0
+    costs = [StageCost(1.0, 1.0, send_bytes=10**9) for _ in range(2)]
+    links = _links(2, bw=1e9)
+    links.delivery_s = 0.75
+    assert simulate(build_schedule("gpipe", 2, 1), costs, links).step_s == pytest.approx(7.5)
+    # stage 0 swaps 8 s of bytes to the host after F0: its B0 waits for the copy back, which
+    # no delivery delay lengthens (it is no message between ranks)
+    swap = [StageCost(1.0, 1.0, send_bytes=10**9, host_bytes=8 * 10**9), costs[1]]
+    links.host_bandwidth = 1e9
+
+    def b0_start(delivery_s):
+        links.delivery_s = delivery_s
+        r = simulate(build_schedule("gpipe", 2, 1), swap, links)
+        return next(st for s, k, mb, st, e in r.timeline if (s, k) == (0, ActionKind.B))
+
+    assert b0_start(0.75) == pytest.approx(b0_start(0.0)) and b0_start(0.0) > 7.5
+
+
 def test_ranks_sharing_one_core_cannot_beat_their_summed_work():
     # four ranks on one core: k ranks computing at once each run k times slower
     p, m = 4, 8

@@ -14,6 +14,11 @@ with ``parallel.threads_per_rank = 1``):
   :meth:`~trainwright.dist.comm.P2P.send` (header and payload posted), the receiver times
   :meth:`~trainwright.dist.comm.P2P.recv` of a message posted beforehand, minus a plain
   ``recv`` of one such message (what the simulator's link model already charges);
+* **delivery**: for ``w = 2 .. max_ranks``, ``w`` processes pass messages down a chain as
+  a pipeline's forward does (receive, compute a few ms, send on, :data:`CHAIN_MESSAGES` per
+  round); each receiver records how long after the send (or its own receive's start, if
+  later) the receive returned; the mean beyond a plain idle receive and ``recv_s`` is
+  ``delivery_s[w]`` (:func:`~trainwright.plan.calibration.fit_delivery`);
 * **shared cores**: ``max_ranks`` processes; for ``k = 1 .. max_ranks``, ``k`` of them time
   the same single-thread matrix products at once (the others wait at a barrier, not
   spinning); ``slowdown[k]`` = their median time over one rank's alone.
@@ -41,6 +46,7 @@ from trainwright.dist import collective as coll
 from trainwright.plan.calibration import (
     Calibration,
     default_path,
+    fit_delivery,
     fit_overhead,
     fit_slowdown,
     load,
@@ -183,9 +189,65 @@ def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[in
     return out
 
 
+CHAIN_MESSAGES = 8
+"""Messages per round down the delivery chain (a pipeline's micro-batches)."""
+CHAIN_WORK_S = 0.005
+"""Seconds of work (alone) a chain rank does per message: a pipeline action of a model
+worth pipelining, longer than a scheduler tick, so the sender is still computing when its
+transport thread needs the core."""
+
+
+def _units(seconds: float) -> Callable[[], None]:
+    """Work of about ``seconds`` alone (fixed work: it stretches when the core is shared),
+    sized on rank 0 and broadcast, so that every rank does the same."""
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    for _ in range(20):
+        torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(a, b)
+    n = torch.tensor([max(1, round(seconds / ((time.perf_counter() - t0) / 50)))])
+    coll.broadcast(n, src=0)
+
+    def work() -> None:
+        for _ in range(int(n)):
+            torch.mm(a, b)
+    return work
+
+
+def _chain_delays(rank: int, world: int, rounds: int) -> dict[int, list[float]]:
+    """Per chain length ``w``: this rank's delays of the messages it received (module
+    docstring). The payload carries the send time (float64; ``perf_counter`` is one
+    monotonic clock for every process of the host)."""
+    from trainwright.dist.comm import P2P
+
+    p2p = P2P(None, rank, 60.0, torch.device("cpu"))
+    work = _units(CHAIN_WORK_S)
+    out: dict[int, list[float]] = {}
+    for w in range(2, world + 1):
+        for _ in range(rounds):
+            coll.barrier()
+            if rank < w:
+                for i in range(CHAIN_MESSAGES):
+                    if rank > 0:
+                        start = time.perf_counter()
+                        (msg,) = p2p.recv(rank - 1, "act", i)
+                        out.setdefault(w, []).append(time.perf_counter()
+                                                     - max(float(msg[0]), start))
+                    work()
+                    if rank < w - 1:
+                        msg = torch.zeros(_SIZES[-1] // 2, dtype=torch.float64)
+                        msg[0] = time.perf_counter()
+                        p2p.send(rank + 1, "act", i, [msg])
+                p2p.wait_sends()
+            coll.barrier()
+    return out
+
+
 def _worker(rank: int, world: int, repeats: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    got: dict = {"spin": _spin_times(rank, world, repeats)}
+    got: dict = {"spin": _spin_times(rank, world, repeats),
+                 "chain": _chain_delays(rank, world, max(2, repeats // 2))}
     pair = dist.new_group([0, 1])  # every rank takes part in creating it
     if rank < 2:
         got["p2p"] = _p2p_times(rank, repeats, pair)
@@ -214,13 +276,18 @@ def measure(max_ranks: int = 4, repeats: int = 20, max_layers: int = 6) -> Calib
     for r in ranks:
         for k, v in r["spin"].items():
             spin.setdefault(int(k), []).extend(v)
+    chain: dict[int, list[float]] = {}
+    for r in ranks:
+        for w, v in r["chain"].items():
+            chain.setdefault(int(w), []).extend(v)
     send = statistics.median(ranks[0]["p2p"]["send"])
-    recv = statistics.median(
+    recv = max(statistics.median(
         statistics.median(ranks[1]["p2p"]["recv"][str(n)])
-        - statistics.median(ranks[1]["p2p"]["raw"][str(n)]) for n in _SIZES)
+        - statistics.median(ranks[1]["p2p"]["raw"][str(n)]) for n in _SIZES), 0.0)
+    plain = statistics.median(ranks[1]["p2p"]["raw"][str(_SIZES[-1])])  # the chain's bytes
     cal = Calibration(host_info(), os.cpu_count() or 1, action_s=action_s,
-                      segment_s=segment_s, send_s=send, recv_s=max(recv, 0.0),
-                      slowdown=fit_slowdown(spin))
+                      segment_s=segment_s, send_s=send, recv_s=recv,
+                      slowdown=fit_slowdown(spin), delivery_s=fit_delivery(chain, plain, recv))
     log.info("calibration: %s", cal.to_dict())
     return cal
 

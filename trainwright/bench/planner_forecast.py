@@ -23,7 +23,8 @@ Prediction: :func:`~trainwright.plan.simulate.simulate` over the schedule's acti
 with stage costs from the profile (:func:`~trainwright.plan.planner.stage_costs`) and the
 machine's calibration (:mod:`~trainwright.plan.calibration`, measured once by
 :mod:`~trainwright.bench.calibrate` and cached): per-action, per-segment, send and receive
-overhead, and ranks sharing the host's cores. Per-stage peaks come from one call,
+overhead, the delivery of messages among ranks sharing the host, and ranks sharing the
+host's cores. Per-stage peaks come from one call,
 :func:`predicted_peaks`: the footprint model (:mod:`~trainwright.plan.footprint`), device
 and host apart, from the same profile's working-set terms; limits are planned as a run's
 ``memory.limit`` plans them (:func:`~trainwright.plan.footprint.fit_plan`).
@@ -137,7 +138,8 @@ class Profile:
     def summary(self) -> dict:
         """JSON view (per-layer times and bytes, links)."""
         return {"layers": [{"name": r.name, "forward_s": r.forward_s,
-                            "backward_s": r.backward_s, "saved_bytes": r.saved_bytes,
+                            "backward_s": r.backward_s, "weight_s": r.weight_s,
+                            "saved_bytes": r.saved_bytes,
                             "input_bytes": r.input_bytes, "output_bytes": r.output_bytes}
                            for r in self.rows],
                 "opt_step_s": self.opt_step_s, "latency_s": self.latency_s,
@@ -226,6 +228,8 @@ def take_profile(spec: ForecastSpec) -> Profile:
         opt = _opt_step_times(layers)
         host = _host_bandwidth()
         table = profile_model(cfg, layers)  # the footprint terms, same micro-batch size
+        for r, c in zip(rows, table, strict=True):  # W's measured share of each backward
+            r.weight_s = r.backward_s * c.weight_s / c.backward_s if c.backward_s else 0.0
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = _measure_links()
@@ -259,7 +263,7 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
 
     ``policy``: one name for every layer, or one per layer."""
     from trainwright.bench.planner_predict import _layer_policy_placement
-    from trainwright.plan.calibration import count_segments, with_overheads
+    from trainwright.plan.calibration import count_segments, with_delivery, with_overheads
     from trainwright.plan.planner import stage_costs
     from trainwright.plan.simulate import Links, simulate
     from trainwright.schedule.actions import build_schedule
@@ -276,8 +280,8 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
     if cal is not None:
         costs = with_overheads(costs, [count_segments(layers, pols) for layers in idx], cal)
     bw = [[0.0 if i == j else profile.bandwidth_Bps for j in range(pp)] for i in range(pp)]
-    links = Links(list(range(pp)), bw, host_bandwidth=profile.host_bandwidth_Bps,
-                  latency_s=profile.latency_s)
+    links = with_delivery(Links(list(range(pp)), bw, host_bandwidth=profile.host_bandwidth_Bps,
+                                latency_s=profile.latency_s), cal, pp)
     lists = simulated_lists(schedule, build_schedule(schedule, pp, mbs, v))
     sim = simulate(lists, costs, links, slowdown=cal.factor if cal is not None else None)
     return {"step_s": sim.step_s, "slowdown": sim.slowdown, "busy_s": list(sim.busy_s),

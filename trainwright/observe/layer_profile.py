@@ -30,6 +30,9 @@ class LayerCost:
     output_bytes: int = 0
     """Bytes of the layer's output (what crosses a stage boundary cut after it)."""
     param_bytes: int = 0
+    weight_s: float = 0.0
+    """Of ``backward_s``, what a split backward's ``W`` computes (the weight gradients a
+    zero-bubble schedule defers); 0: not measured (planners take half)."""
 
     def to_dict(self) -> dict:
         """Plain dict for metrics."""

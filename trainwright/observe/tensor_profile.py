@@ -67,6 +67,9 @@ class LayerTensors:
     output_bytes: int
     param_bytes: int
     tensors: list[SavedTensor] = field(default_factory=list)
+    weight_s: float = 0.0
+    """Of ``backward_s``, a split backward's ``W`` (:attr:`LayerCost.weight_s
+    <trainwright.observe.layer_profile.LayerCost.weight_s>`); 0: not measured."""
 
     @property
     def saved_bytes(self) -> int:

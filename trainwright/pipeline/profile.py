@@ -101,6 +101,9 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
     for _, m in named:
         m.zero_grad(set_to_none=True)
     costs = profiler.table()
+    for c in costs:  # W's share of the split pass, applied to the smoothed backward time
+        b_s, w_s = probe.split_s.get(c.layer, (0.0, 0.0))
+        c.weight_s = c.backward_s * w_s / (b_s + w_s) if b_s + w_s > 0 else 0.0
     terms = {c.layer: LayerTerms(c.layer, *probe.layers.get(c.layer, (0, 0)), c.saved_bytes,
                                  c.output_bytes, c.input_bytes, c.param_bytes,
                                  work_nograd=probe.nograd.get(c.layer, -1),

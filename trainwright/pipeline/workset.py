@@ -12,6 +12,7 @@ forward again under a split backward's ``B`` and counts what ``B`` leaves for ``
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -66,6 +67,8 @@ class WorkingSetProbe(TorchDispatchMode):
         self.split: dict[int, tuple[int, bool]] = {}
         """layer -> (bytes its forward created that a split backward's ``B`` leaves for
         ``W``, whether ``B`` left its input alive too): :meth:`measure_split`."""
+        self.split_s: dict[int, tuple[float, float]] = {}
+        """layer -> seconds of that split backward's ``B`` and ``W`` (one run, warm)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -118,7 +121,8 @@ class WorkingSetProbe(TorchDispatchMode):
         zero-bubble schedule (its linear layers deferred when ``defer``, as the stage's
         :meth:`~trainwright.pipeline.stage.Stage._stash` decides), its ``B``
         (:func:`~trainwright.pipeline.split_backward.backward_input`), and record in
-        :attr:`split` what is still alive of what the forward created, then its ``W``.
+        :attr:`split` what is still alive of what the forward created, then its ``W`` (the
+        two passes' times in :attr:`split_s`).
 
         ``loss``: the stage's loss on the layer's first output (the model's last layer), or
         None (``B`` starts from a gradient of ones). Call it outside the mode (the forward
@@ -138,11 +142,24 @@ class WorkingSetProbe(TorchDispatchMode):
             torch.ones_like(o) if isinstance(o, torch.Tensor) and o.requires_grad else None
             for o in outs)
         params = [q for q in module.parameters() if q.requires_grad]
+        device = next((x.device for x in xs if isinstance(x, torch.Tensor)), None)
+        t0 = _now(device)
         _, work = backward_input(outs, grads, xs, params, stash)
+        b_s = _now(device) - t0
         del outs, grads, _
         for x in xs:
             if isinstance(x, torch.Tensor):
                 x.grad = None
         del xs, x
         self.split[layer] = (self.bytes - base, alive[0])
+        t0 = _now(device)
         backward_weight(work)
+        self.split_s[layer] = (b_s, _now(device) - t0)
+
+
+def _now(device: torch.device | None) -> float:
+    """The wall clock once ``device`` has finished its queued work (CUDA runs
+    asynchronously; the host needs no wait)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -8,6 +8,12 @@ also pays for
   each ``SEND_*`` posts a header and payloads; each ``RECV_*`` decodes a header and posts
   the payload receives after it arrives (a second round trip the link model's one latency
   does not see);
+* **delivery**: a message to a rank that waits for it arrives later than the link's
+  latency and bandwidth say once several ranks share the host: the sender goes back to
+  computing and its transport thread, and the woken receiver, wait for a core (tails of
+  the scheduler's tick, several ms). ``delivery_s[w]`` is the mean extra of one message
+  in a chain of ``w`` ranks, each receiving, computing and sending on, as a pipeline's
+  ranks do;
 * **shared cores**: ``k`` ranks computing at once on a host with fewer than ``k`` free
   cores each run slower than alone (and even under the core count, memory bandwidth and
   caches are shared). ``slowdown[k]`` is the per-rank time factor of ``k`` concurrent
@@ -32,13 +38,15 @@ from pathlib import Path
 from trainwright.errors import PlanError
 from trainwright.schedule.base import ActionKind
 
-__all__ = ["METHOD", "Calibration", "fit_overhead", "fit_slowdown", "count_segments",
-           "with_overheads", "scaled", "load", "save", "default_path"]
+__all__ = ["METHOD", "Calibration", "fit_overhead", "fit_delivery", "fit_slowdown",
+           "count_segments", "with_overheads", "with_delivery", "scaled", "load", "save",
+           "default_path"]
 
 
-METHOD = 2
+METHOD = 3
 """The measuring method's version: a cache measured by an older one is measured again
-(2: the shared-core slowdown from whole batches of work, not single short units)."""
+(2: the shared-core slowdown from whole batches of work, not single short units; 3: the
+delivery of a message in a chain of ranks)."""
 
 
 @dataclass
@@ -58,34 +66,40 @@ class Calibration:
     """Per ``RECV_F``/``RECV_B``, beyond the link model's ``latency + bytes / bandwidth``."""
     slowdown: dict = field(default_factory=lambda: {1: 1.0})
     """Concurrent computing ranks ``k`` -> per-rank time factor (1.0 at ``k = 1``)."""
+    delivery_s: dict = field(default_factory=dict)
+    """Ranks ``w`` on the host passing messages along a chain -> mean seconds one message
+    to a waiting rank takes beyond the link model's ``latency + bytes / bandwidth`` and
+    :attr:`recv_s` (empty: not measured, no extra)."""
     method: int = METHOD
     """The :data:`METHOD` it was measured with."""
 
     def factor(self, k: float) -> float:
         """Time factor of ``k`` (possibly fractional) concurrent ranks: linear between the
         measured counts, extended along the last two points' line past the largest."""
-        pts = sorted((int(a), float(b)) for a, b in self.slowdown.items())
-        if k <= pts[0][0]:
-            return pts[0][1]
-        for (k0, f0), (k1, f1) in zip(pts, pts[1:], strict=False):
-            if k <= k1:
-                return f0 + (f1 - f0) * (k - k0) / (k1 - k0)
-        if len(pts) == 1:
-            return pts[0][1]
-        (k0, f0), (k1, f1) = pts[-2], pts[-1]
-        return f1 + (f1 - f0) / (k1 - k0) * (k - k1)
+        return _interpolate(self.slowdown, k, extend=True)
+
+    def delivery(self, ranks: float) -> float:
+        """Extra seconds per message among ``ranks`` ranks on the host: linear between the
+        measured chains, the nearest one's outside them (a mean of heavy-tailed delays is
+        not extended along a line); 0 for one rank or when not measured."""
+        if ranks < 2 or not self.delivery_s:
+            return 0.0
+        return _interpolate(self.delivery_s, ranks, extend=False)
 
     def describe(self) -> str:
         """One line: the overheads in microseconds and the slowdown per rank count."""
         us = "/".join(f"{x * 1e6:.0f}" for x in (self.action_s, self.segment_s, self.send_s,
                                                    self.recv_s))
         slow = ", ".join(f"{k}: {v:.2f}" for k, v in sorted(self.slowdown.items()))
-        return f"action/segment/send/recv {us} us, slowdown by concurrent ranks {{{slow}}}"
+        late = ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in sorted(self.delivery_s.items()))
+        return (f"action/segment/send/recv {us} us, slowdown by concurrent ranks {{{slow}}}, "
+                f"delivery ms by ranks {{{late}}}")
 
     def to_dict(self) -> dict:
         """JSON view (slowdown keys as strings)."""
         d = dataclasses.asdict(self)
-        d["slowdown"] = {str(k): v for k, v in sorted(self.slowdown.items())}
+        for name in ("slowdown", "delivery_s"):
+            d[name] = {str(k): v for k, v in sorted(d[name].items())}
         return d
 
     @classmethod
@@ -93,7 +107,23 @@ class Calibration:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
         d["slowdown"] = {int(k): float(v) for k, v in d.get("slowdown", {1: 1.0}).items()}
+        d["delivery_s"] = {int(k): float(v) for k, v in d.get("delivery_s", {}).items()}
         return cls(**d)
+
+
+def _interpolate(points: Mapping, x: float, extend: bool) -> float:
+    """Piecewise-linear ``points`` (count -> value) at ``x``; below the first count its
+    value; past the last, along the last two points' line if ``extend`` else the last."""
+    pts = sorted((int(a), float(b)) for a, b in points.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (k0, f0), (k1, f1) in zip(pts, pts[1:], strict=False):
+        if x <= k1:
+            return f0 + (f1 - f0) * (x - k0) / (k1 - k0)
+    if len(pts) == 1 or not extend:
+        return pts[-1][1]
+    (k0, f0), (k1, f1) = pts[-2], pts[-1]
+    return f1 + (f1 - f0) / (k1 - k0) * (x - k1)
 
 
 def fit_overhead(action_s_by_segments: Mapping[int, Sequence[float]],
@@ -123,6 +153,24 @@ def fit_overhead(action_s_by_segments: Mapping[int, Sequence[float]],
         sum((x - mx) ** 2 for x in ns)
     slope = max(slope, 0.0)
     return max(my - slope * mx, 0.0), slope
+
+
+def fit_delivery(delays_by_ranks: Mapping[int, Sequence[float]], plain_s: float,
+                 recv_s: float) -> dict[int, float]:
+    """``w -> mean(delays of a w-rank chain) - plain_s - recv_s``, at least 0.
+
+    Args:
+        delays_by_ranks: chain length -> seconds from a message's send (or the receive's
+            start, if later) until the receive returned, one per message.
+        plain_s: a plain receive of the same bytes between two idle ranks (what the link
+            model's ``latency + bytes / bandwidth`` charges).
+        recv_s: the per-receive overhead already charged (:attr:`Calibration.recv_s`).
+
+    The mean, not the median: a step waits for every message on its critical path, and the
+    delays' tail (a scheduler tick, several ms) is most of their sum.
+    """
+    return {w: max(statistics.fmean(v) - plain_s - recv_s, 0.0)
+            for w, v in sorted(delays_by_ranks.items()) if v}
 
 
 def fit_slowdown(times_by_ranks: Mapping[int, Sequence[float]]) -> dict[int, float]:
@@ -178,6 +226,14 @@ def with_overheads(costs: list, segments: Sequence[int], cal: Calibration) -> li
             acts[k] = acts.get(k, 0.0) + v
         out.append(dataclasses.replace(c, action_s=acts))
     return out
+
+
+def with_delivery(links, cal: Calibration | None, ranks: int):
+    """A copy of simulator ``links`` that delays messages between ranks by the calibrated
+    delivery among ``ranks`` ranks sharing the host (``links`` itself without ``cal``)."""
+    if cal is None:
+        return links
+    return dataclasses.replace(links, delivery_s=cal.delivery(ranks))
 
 
 _SCALED = ("forward_s", "backward_s", "weight_s", "step_s")

@@ -38,6 +38,7 @@ from trainwright.plan.choose import PEER_SWAP_SCHEDULES, schedule_candidates
 from trainwright.plan.planner import (
     PlanRequest,
     PlanResult,
+    calibrated_links,
     make_plan,
     placement_policies,
     slowdown_of,
@@ -199,8 +200,8 @@ def _step_at(plan: PlanResult, req: PlanRequest, m: int) -> float:
     every replica counted, is applied again here)."""
     sched = build_schedule(plan.schedule, plan.pp, m, plan.virtual_stages)
     sched = simulated_lists(plan.schedule, sched, req.carry_weight_grads)
-    links = Links(list(range(plan.pp)), plan.stage_bandwidth,
-                  min(req.topology.host_bandwidth), req.latency_s)
+    links = calibrated_links(req, Links(list(range(plan.pp)), plan.stage_bandwidth,
+                                        min(req.topology.host_bandwidth), req.latency_s))
     return simulate(with_peer_swap(sched, plan.peers), plan.costs, links,
                     slowdown=slowdown_of(req)).step_s
 

@@ -32,10 +32,11 @@ peer swap is not planned.
 With a :attr:`PlanRequest.calibration` (CPU ranks on one host) every simulation charges
 the host's measured per-action, per-segment, send and receive overheads
 (:func:`~trainwright.plan.calibration.with_overheads`; a stage's segments from its layers'
-policies, :func:`~trainwright.plan.calibration.count_segments`) and slows the ranks by
-the shared-core factor of all ranks computing at once, every data-parallel replica's
-included (:attr:`PlanRequest.replicas`). The plan's ``costs`` carry the overheads; the
-slowdown is the replay's (``sim.slowdown``).
+policies, :func:`~trainwright.plan.calibration.count_segments`), delays each message
+between ranks by the measured delivery among the job's ranks (:func:`calibrated_links`)
+and slows the ranks by the shared-core factor of all ranks computing at once, every
+data-parallel replica's included (:attr:`PlanRequest.replicas`). The plan's ``costs``
+carry the overheads; the slowdown is the replay's (``sim.slowdown``).
 
 Pure: no torch (profiles are plain rows with ``forward_s, backward_s, input_bytes,
 output_bytes, param_bytes, tensors``).
@@ -48,7 +49,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from trainwright.errors import PlanError
-from trainwright.plan.calibration import Calibration, count_segments, with_overheads
+from trainwright.plan.calibration import (
+    Calibration,
+    count_segments,
+    with_delivery,
+    with_overheads,
+)
 from trainwright.plan.devices import DeviceTopology
 from trainwright.plan.memory import ChunkInFlight, InFlight, LayerMem
 from trainwright.plan.partition import ClusterCost, minmax_partition
@@ -251,7 +257,8 @@ def stage_costs(layers: list, parts: list[list[int]], placement: Placement | Non
         fwd = [x.forward_s for x in rows]
         bwd = [x.backward_s + (x.forward_s if i in recomputed else 0.0)
                for i, x in zip(idx, rows, strict=True)]
-        out.append(StageCost(sum(fwd), sum(bwd), send_bytes=rows[-1].output_bytes,
+        out.append(StageCost(sum(fwd), sum(bwd), weight_s=sum(x.weight_s for x in rows),
+                             send_bytes=rows[-1].output_bytes,
                              held_bytes=held, transient_bytes=transient,
                              w_held_bytes=sum(per_layer.values()),
                              host_bytes=host, peer_bytes=peer, step_s=step_s[s],
@@ -290,6 +297,12 @@ def slowdown_of(req: PlanRequest) -> Callable[[float], float] | None:
     if cal is None:
         return None
     return lambda c: cal.factor(c * dp)
+
+
+def calibrated_links(req: PlanRequest, links: Links) -> Links:
+    """``links`` with the request's calibrated delivery of a message among the job's
+    ``pp * replicas`` ranks sharing the host (unchanged without a calibration)."""
+    return with_delivery(links, req.calibration, req.pp * max(req.replicas, 1))
 
 
 def _backward_extra(layers: list, idx: list[int], recomputed: set, kept: dict,
@@ -403,7 +416,8 @@ def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0
     costs = stage_costs(req.layers, parts, placement, local, steps, syncs, ranks)
     costs = calibrated_costs(req, costs, parts, placement)
     peers = {s: sorted(c.peer_bytes) for s, c in enumerate(costs) if c.peer_bytes}
-    links = Links(local, xfer, min(req.topology.host_bandwidth), req.latency_s)
+    links = calibrated_links(req, Links(local, xfer, min(req.topology.host_bandwidth),
+                                        req.latency_s))
     sched = simulated_lists(req.schedule, sched, req.carry_weight_grads)
     sim = simulate(with_peer_swap(sched, peers), costs, links, slowdown=slowdown_of(req))
     return placement, costs, peers, sim, xfer
@@ -435,8 +449,9 @@ def make_plan(req: PlanRequest) -> PlanResult:
     keep_costs = calibrated_costs(req, stage_costs(req.layers, parts, None, ident, steps, syncs,
                                                    ranks), parts, None)
     xfer0, _ = _links(req, ident)
-    keep_sim = simulate(sched, keep_costs, Links(ident, xfer0, min(req.topology.host_bandwidth),
-                                                 req.latency_s), slowdown=slowdown_of(req))
+    keep_links = calibrated_links(req, Links(ident, xfer0, min(req.topology.host_bandwidth),
+                                             req.latency_s))
+    keep_sim = simulate(sched, keep_costs, keep_links, slowdown=slowdown_of(req))
     intervals = liveness(keep_sim, keep_costs, parts)
     mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals, ranks)
     rounds: list[dict] = []

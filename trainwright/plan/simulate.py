@@ -114,6 +114,10 @@ class Links:
     host_bandwidth: float = 12e9
     latency_s: float = 0.0
     fallback_bandwidth: float = 1e9
+    delivery_s: float = 0.0
+    """Extra seconds until a message between ranks is received, beyond ``latency_s`` and
+    its bytes, that do not hold the link (ranks sharing the host's cores:
+    :meth:`~trainwright.plan.calibration.Calibration.delivery`); not on host links."""
 
     def bw(self, a: int, b: int) -> float:
         """Bytes/s from stage ``a``'s device to stage ``b``'s."""
@@ -309,11 +313,12 @@ class _Replay:
                 heapq.heappush(self.heap, (t, s, self.version[s]))
 
     def _transfer(self, key_link: tuple, t0: float, nbytes: int, bw: float) -> float:
-        """Reserve link ``key_link`` from ``t0`` (or when it frees); return the arrival."""
+        """Reserve link ``key_link`` from ``t0`` (or when it frees); return the arrival
+        (``delivery_s`` later on a link between ranks, without holding the link)."""
         start = max(t0, self.link_free.get(key_link, 0.0))
         end = start + self.links.latency_s + nbytes / bw
         self.link_free[key_link] = end
-        return end
+        return end if key_link[0] == "host" else end + self.links.delivery_s
 
     def _back(self, peer: int, owner: int, mb: int) -> None:
         """Start a return transfer once both its send and its receive are posted."""
