@@ -37,6 +37,38 @@ def test_gpipe_keep_peaks_at_the_last_forward_working_set():
     assert "F2 layer 1" in moment
 
 
+def test_the_loss_stage_holds_every_micro_batchs_targets_and_loss_all_step():
+    from dataclasses import replace
+
+    layers = _layers()
+    layers[-1] = replace(layers[-1], target_bytes=7)
+    for name in ("gpipe", "1f1b"):
+        plain = walk(_layers(), {}, _one_stage(name, 3))[0]
+        # targets (7) and the loss value (the layer's output, 10) of each micro-batch
+        assert walk(layers, {}, _one_stage(name, 3))[0] == plain + 3 * (7 + 10)
+
+
+def test_the_first_stage_holds_the_steps_inputs_all_step():
+    # 1F1B on one stage: one micro-batch at a time, yet all 3 inputs (10 each) are the
+    # step's batch, read before the first F: 30 at every moment, not 10 a held one
+    peak, _, moment = walk(_layers(), {}, _one_stage("1f1b", 3))
+    assert peak == 3 * 10 + 60 + 300 and "layer 1" in moment
+
+
+def test_a_sent_output_outlives_its_micro_batchs_w_until_sync():
+    """ZB-H1 pp 4 x 8, stage 1, one layer whose only bytes are its output (1000), sent on.
+    The runtime keeps every sent output until SYNC, past its micro-batch's W (metered on
+    this schedule, all swapped: stages 1 and 2 held one output per micro-batch whose W was
+    done, 4 and 5 x 128 KiB the walk had missed). At RECV_B5: W0-W3 done, their 4 outputs
+    still sent; mb 4-7 held; mb 4's gradient (kept for W4) and mb 5's: 10 outputs (6 when
+    the sent ones went with their W)."""
+    o = 1000
+    layer = [LayerTerms(0, work=0, kept=o, saved=0, output_bytes=o, input_bytes=0, w_held=0,
+                        chunk=1)]
+    actions = build_schedule("zb-h1", 4, 8)[1]
+    assert walk(layer, {}, actions, send_header=0)[:3:2] == (10 * o, "1RECV_B5")
+
+
 def test_recompute_holds_outputs_and_rebuilds_during_backward():
     pol = {0: "recompute", 1: "recompute"}
     peak, _, moment = walk(_layers(), pol, _one_stage("gpipe", 3))
@@ -67,22 +99,24 @@ def test_copy_back_counts_the_next_swapped_layer_already_coming_back():
     assert walk(lay, both, sched)[0] == 10 + 10 + 30  # a CPU reads the host copy in place
 
 
-def test_receives_posted_ahead_exist_before_their_forward():
+def test_receives_posted_ahead_exist_one_message_early_and_go_with_their_use():
     sched = build_schedule("1f1b", 2, 4)
     got = arrivals(sched[1])
-    recv = [a for acts in got.values() for a in acts]
-    assert list(got) == [0] and [a.mb for a in recv if a.kind == "RECV_F"] == [0, 1, 2, 3]
+    # each stream's next receive is posted when the one before it returns (comm's [Note:
+    # receives posted ahead]): RECV_F1 with RECV_F0 at the start, RECV_F2 at RECV_F1, ...
+    assert {i: [a.mb for a in acts] for i, acts in got.items()} == {0: [0, 1], 4: [2], 8: [3]}
     lay = _layers(chunk=1)
     late, _, late_at = walk(lay, {}, sched[1], send_header=0)
     early, _, early_at = walk(lay, {}, sched[1], arrive=got, send_header=0)
     # the last stage holds one micro-batch (60 + working set 300) and, by its fourth
     # forward, three sent input gradients (10 each) that live until SYNC waits for them.
-    # Not posted ahead (the single-chunk runtime), each input is held by its segment
-    # only: one at a time
+    # Not posted ahead (the single-chunk runtime), each input is held by its segment from
+    # its receive: one at a time
     assert late == 10 + 3 * 10 + 60 + 300 and "F3" in late_at
-    # posted ahead (the interleaved runtime), all 4 receive buffers live until SYNC: they
-    # all exist at the first forward already
-    assert early == 4 * 10 + 60 + 300 and "F0" in early_at
+    # posted ahead (the interleaved runtime), the next input exists one receive early and
+    # is released with its segment too, not kept until SYNC (metered: ZB-V pp 4 x 8, rank
+    # 0 held 2 of its last chunk's 8 inputs at its peak): two inputs at F2, F3 alike
+    assert early == 2 * 10 + 2 * 10 + 60 + 300 and "F2" in early_at
 
 
 def test_every_send_holds_its_header_until_sync():
@@ -200,6 +234,8 @@ def test_the_profile_measures_what_swap_and_a_split_backward_leave_on_the_device
         assert (hidden.w_held, hidden.w_keeps_input) == (0, True)
     last = terms[2]  # Linear and the loss: the linear stashes its input
     assert last.w_keeps_input and last.w_held == 0
+    # the loss's targets of one micro-batch (8 samples; the mlp's data: a class id each)
+    assert last.target_bytes == 8 * 8 and terms[0].target_bytes == terms[1].target_bytes == 0
 
 
 def test_the_profile_times_a_split_backwards_weight_pass_and_stage_costs_carry_it():

@@ -101,6 +101,7 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
     for _, m in named:
         m.zero_grad(set_to_none=True)
     costs = profiler.table()
+    last, target_bytes = costs[-1].layer, y[:n].numel() * y.element_size()
     for c in costs:  # W's share of the split pass, applied to the smoothed backward time
         b_s, w_s = probe.split_s.get(c.layer, (0.0, 0.0))
         c.weight_s = c.backward_s * w_s / (b_s + w_s) if b_s + w_s > 0 else 0.0
@@ -111,7 +112,8 @@ def profile_model(cfg: Config, named: list, device: torch.device | None = None,
                                  work_swap=probe.swapped.get(c.layer, (-1, -1))[0],
                                  kept_swap=probe.swapped.get(c.layer, (-1, -1))[1],
                                  w_held=probe.split.get(c.layer, (-1, False))[0],
-                                 w_keeps_input=probe.split.get(c.layer, (-1, False))[1])
+                                 w_keeps_input=probe.split.get(c.layer, (-1, False))[1],
+                                 target_bytes=target_bytes if c.layer == last else 0)
              for c in costs}
     return ProfileTable(costs, terms)
 

@@ -21,12 +21,12 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     swapped, its working set and what stays are those measured (``work_swap``,
     ``kept_swap``: the store moves each saved tensor out as it is saved);
   - receive buffers (``RECV_F``: the chunk's input; ``RECV_B``: the gradient of its output,
-    ``output_bytes`` of its last layer): under the interleaved runtime posted ahead
-    (:func:`arrivals`) and held until the step's ``SYNC``; under the single-chunk runtime
-    (no receive posted ahead) each comes at its ``RECV``, the input held by its segment
-    and the gradient until its backward is done. A sent output (``SEND_F``), and on the
-    single-chunk runtime a sent input gradient (``SEND_B``: ``input_bytes`` of the chunk's
-    first layer), outlive their use until ``SYNC``, where the runtime waits for its sends;
+    ``output_bytes`` of its last layer): under the interleaved runtime each exists one
+    receive of its stream early (posted ahead, :func:`arrivals`), under the single-chunk
+    runtime from its ``RECV``; the input is held by its segment, the gradient until its
+    backward is done. A sent output (``SEND_F``) and a sent input gradient (``SEND_B``:
+    ``input_bytes`` of the chunk's first layer) outlive their use until ``SYNC``, where
+    the runtime waits for its sends (a sent output outlives its micro-batch's ``W`` too);
     every send also holds its header (:data:`SEND_HEADER_BYTES`) until then;
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
@@ -43,6 +43,12 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
   allocator holds them, though: where the profile measured a layer's ``back_work`` by
   the allocator (on a GPU), its ``B`` also sees that, plus the gradient arriving from
   the layer above (a received one is already a buffer).
+* **data** — the step's batch, all step: every micro-batch's inputs on the rank of the
+  model's first stage (``input_bytes`` of its first layer each; a micro-batch's input is a
+  view of them), and every micro-batch's loss targets (``target_bytes`` each) on the rank
+  that computes the loss, with every micro-batch's loss value (its ``output_bytes``, a
+  scalar the runtime keeps for the step's report; counted from the step's start, a few
+  bytes early) (metered: the batch tensors, read before the step's first action).
 * **host** — swap copies held on the host, walked the same way (on a CPU host they live in
   the same RAM; the meter tells them apart by where they were allocated).
 
@@ -105,6 +111,10 @@ class LayerTerms:
     w_keeps_input: bool = False
     """Whether its ``B`` leaves its input alive for ``W`` (a linear on its input stashes it):
     then the layer below keeps its output until ``W``."""
+    target_bytes: int = 0
+    """One micro-batch's loss targets, on the layer that computes the loss (the model's
+    last; 0 elsewhere). The stage holds the step's targets, every micro-batch's, all step:
+    the runtime reads them before the step's first action."""
 
     def forward_work(self, policy: str) -> int:
         """The forward's working set under ``policy`` (recompute runs it without a graph,
@@ -164,11 +174,13 @@ def arrivals(actions: list) -> dict[int, list]:
     """When each receive buffer comes into being on a rank whose receives are posted ahead.
 
     The runtime's point-to-point layer (:mod:`trainwright.dist.comm`, [Note: receives posted
-    ahead]) posts receives ahead of the action that needs them, into buffers shaped like the
-    stream's previous message, and the buffers are released with the step's sends and
-    receives at ``SYNC``. Metered on 2-stage 1F1B and GPipe runs (the live meter's per-op
-    breakdown at the peak), a stream's buffers were all alive early in the step, so the walk
-    takes every buffer of a stream from the stream's first ``RECV`` on.
+    ahead]) posts a stream's next receive when the one before it returns, into buffers
+    shaped like its message: each buffer exists from the previous ``RECV`` of its stream
+    (the first from its own) and, like a received one, lives until what uses it is done
+    (:func:`walk`). Metered (the live meter's allocations at the peak, by action): ZB-V
+    pp 4 x 8, rank 0 held 2 of its last chunk's 8 received inputs and none of its first
+    chunk's gradients it had used; the walk had kept every buffer of a stream from its
+    first ``RECV`` until ``SYNC`` (+59 % on that rank).
 
     Args:
         actions: the rank's actions.
@@ -177,11 +189,13 @@ def arrivals(actions: list) -> dict[int, list]:
         Action position -> the ``RECV_F``/``RECV_B`` actions whose buffer exists from just
         before that position.
     """
-    first: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
     out: dict[int, list] = {}
     for i, a in enumerate(actions):
         if a.kind in ("RECV_F", "RECV_B"):
-            out.setdefault(first.setdefault((a.kind, a.stage), i), []).append(a)
+            stream = (a.kind, a.stage)
+            out.setdefault(last.get(stream, i), []).append(a)
+            last[stream] = i
     return out
 
 
@@ -201,10 +215,10 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         copy_back: swapped tensors are copied back to the device at backward (accelerator);
             False on a CPU, where the host copy is read in place.
         arrive: :func:`arrivals` of the rank (the interleaved runtime, which posts
-            receives ahead): receive buffers that exist before the action that needs them,
-            all held until ``SYNC``. None (the single-chunk runtime, which posts none
-            ahead): each comes at its own ``RECV``; a received input is held by its
-            segment, a received gradient until its backward is done.
+            receives ahead): receive buffers that exist before the action that needs them.
+            None (the single-chunk runtime, which posts none ahead): each comes at its
+            own ``RECV``. Either way a received input is held by its segment, a received
+            gradient until its backward is done.
         send_header: bytes of each send's header, held until ``SYNC`` (0: not walked).
 
     Returns:
@@ -220,10 +234,18 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     host: dict[tuple[int, int], int] = {}
     back: dict[tuple[int, int], int] = {}   # brought back at B, held until W
     grad_buf: dict[tuple[int, int], int] = {}
-    received: set[tuple[int, int]] = set()  # inputs whose buffer is counted in ``bufs``
+    received: set[tuple[int, int]] = set()  # inputs whose buffer exists (held by a segment)
     sent: set[tuple[int, int]] = set()  # outputs sent: alive until SYNC waits for the sends
-    bufs = 0  # receive buffers: alive until the step's SYNC
-    cur = peak = host_cur = host_peak = 0
+    bufs = 0  # pending sends' buffers and headers: alive until the step's SYNC
+    # the step's data: the model's first stage reads every micro-batch's inputs, the loss's
+    # stage every micro-batch's targets, before the step's first action
+    micro_batches = len({a.mb for a in actions if a.kind == "F"})
+    # (and its losses, one scalar a micro-batch kept for the step's report; counted from the
+    # start, a few bytes early)
+    cur = micro_batches * (sum(by_chunk[c][0].input_bytes for c in first)
+                           + sum(x.target_bytes + x.output_bytes for x in layers
+                                 if x.target_bytes))
+    peak = host_cur = host_peak = 0
     moment = ""
 
     def see(extra: int, where: str) -> None:
@@ -286,31 +308,21 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         if not rrows:
             return
         if r.kind == "RECV_F" and rk not in received:
-            received.add(rk)
-            n = rrows[0].input_bytes
-            if not ahead:  # the received input is the segment's: released with it
-                held.setdefault(rk, {})[-1] = n
-                cur += n
-                see(0, f"{r}")
-                return
+            received.add(rk)  # the received input is the segment's: released with it
+            held.setdefault(rk, {})[-1] = n = rrows[0].input_bytes
         elif r.kind == "RECV_B" and rk not in grad_buf:
+            # consumed by the micro-batch's backward (its W when split), then released
             grad_buf[rk] = n = rrows[-1].output_bytes
-            if not ahead:  # consumed by the micro-batch's backward, then released
-                cur += n
-                see(0, f"{r}")
-                return
         else:
             return
-        cur, bufs = cur + n, bufs + n
-        see(0, f"{r} posted")
+        cur += n
+        see(0, f"{r}" + (" posted" if ahead else ""))
 
     def consumed(key: tuple[int, int]) -> None:
         """The backward of ``key`` (its ``W`` under a split backward) is done with its received
-        gradient (not posted ahead: a buffer of its own, released; posted ahead: held in
-        ``bufs`` until SYNC)."""
+        gradient: released."""
         nonlocal cur
-        if not ahead:
-            cur -= grad_buf.pop(key, 0)
+        cur -= grad_buf.pop(key, 0)
 
     ahead = arrive is not None
     early = arrive or {}
@@ -326,9 +338,7 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             see(0, f"{a} header")
         if kind == "SEND_F":
             sent.add(key)
-        elif kind == "SEND_B" and rows and not ahead:  # the pending send keeps the input
-            # gradient (metered on the single-chunk runtime; the interleaved runtime's
-            # measured terms, the buffers posted ahead, already stand for what it holds)
+        elif kind == "SEND_B" and rows:  # the pending send keeps the input gradient
             n = rows[0].input_bytes
             cur, bufs = cur + n, bufs + n
             see(0, f"{a}")
@@ -338,11 +348,8 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             sent.clear()
             grad_buf.clear()
         if kind == "F" and rows:
-            if key not in held:  # the first stage's input (a received one is in ``bufs``)
-                n = 0 if key in received else rows[0].input_bytes
-                held[key] = {-1: n}
-                cur += n
-                see(0, f"{a} input")
+            if key not in held:  # the first stage's input: a view of the step's data
+                held[key] = {-1: 0}
             for x in rows:
                 see(x.forward_work(pol[x.layer]), f"{a} layer {x.layer}")
                 h = x.held(pol[x.layer])
@@ -362,6 +369,14 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             if c in first:
                 backward(a, key, rows, split=False)
             else:
+                if key in sent:  # the pending send keeps the output until
+                    # SYNC (metered on the single-chunk runtime: ZB-H1 pp 4, stage 1 held
+                    # every sent output of the micro-batches whose W was done)
+                    out = held.get(key, {})
+                    kept_out = min(out.get(rows[-1].layer, 0), rows[-1].output_bytes)
+                    if kept_out:
+                        out[rows[-1].layer] -= kept_out
+                        bufs += kept_out
                 release(key)
             consumed(key)  # a split backward's W still reads the received gradient (the
             # last linear's stashed output gradient is that tensor)
