@@ -16,9 +16,10 @@ with ``parallel.threads_per_rank = 1``):
   ``recv`` of one such message (what the simulator's link model already charges);
 * **delivery**: for ``w = 2 .. max_ranks``, ``w`` processes pass messages down a chain as
   a pipeline's forward does (receive, compute a few ms, send on, :data:`CHAIN_MESSAGES` per
-  round); each receiver records how long after the send (or its own receive's start, if
-  later) the receive returned; the mean beyond a plain idle receive and ``recv_s`` is
-  ``delivery_s[w]`` (:func:`~trainwright.plan.calibration.fit_delivery`);
+  round, at least :data:`CHAIN_SAMPLES` messages); each receiver records how long after
+  the send (or its own receive's start, if later) the receive returned; the mean beyond a
+  plain idle receive and ``recv_s`` is ``delivery_s[w]``
+  (:func:`~trainwright.plan.calibration.fit_delivery`);
 * **shared cores**: ``max_ranks`` processes; for ``k = 1 .. max_ranks``, ``k`` of them time
   the same single-thread matrix products at once (the others wait at a barrier, not
   spinning); ``slowdown[k]`` = their median time over one rank's alone.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -191,6 +193,10 @@ def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[in
 
 CHAIN_MESSAGES = 8
 """Messages per round down the delivery chain (a pipeline's micro-batches)."""
+CHAIN_SAMPLES = 320
+"""Delays measured per chain length at least (rounds are added until there are as many):
+their mean is a heavy tail's (a scheduler tick in a few of them); with 80, five
+calibrations of a 2-rank chain read 1.2-2.3 ms."""
 CHAIN_WORK_S = 0.005
 """Seconds of work (alone) a chain rank does per message: a pipeline action of a model
 worth pipelining, longer than a scheduler tick, so the sender is still computing when its
@@ -215,17 +221,18 @@ def _units(seconds: float) -> Callable[[], None]:
     return work
 
 
-def _chain_delays(rank: int, world: int, rounds: int) -> dict[int, list[float]]:
+def _chain_delays(rank: int, world: int) -> dict[int, list[float]]:
     """Per chain length ``w``: this rank's delays of the messages it received (module
-    docstring). The payload carries the send time (float64; ``perf_counter`` is one
-    monotonic clock for every process of the host)."""
+    docstring), :data:`CHAIN_SAMPLES` or more over the chain's ``w - 1`` receivers. The
+    payload carries the send time (float64; ``perf_counter`` is one monotonic clock for
+    every process of the host)."""
     from trainwright.dist.comm import P2P
 
     p2p = P2P(None, rank, 60.0, torch.device("cpu"))
     work = _units(CHAIN_WORK_S)
     out: dict[int, list[float]] = {}
     for w in range(2, world + 1):
-        for _ in range(rounds):
+        for _ in range(math.ceil(CHAIN_SAMPLES / (CHAIN_MESSAGES * (w - 1)))):
             coll.barrier()
             if rank < w:
                 for i in range(CHAIN_MESSAGES):
@@ -247,7 +254,7 @@ def _chain_delays(rank: int, world: int, rounds: int) -> dict[int, list[float]]:
 def _worker(rank: int, world: int, repeats: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     got: dict = {"spin": _spin_times(rank, world, repeats),
-                 "chain": _chain_delays(rank, world, max(2, repeats // 2))}
+                 "chain": _chain_delays(rank, world)}
     pair = dist.new_group([0, 1])  # every rank takes part in creating it
     if rank < 2:
         got["p2p"] = _p2p_times(rank, repeats, pair)
