@@ -143,9 +143,26 @@ def test_a_backward_measured_by_the_allocator_is_walked_with_its_incoming_gradie
     peak, _, moment = walk(got, {}, sched)
     # at layer 0's backward: its input 10 and kept 60 still held (layer 1's released)
     assert peak == 10 + 60 + 500 + 10 and "B0 layer 0" in moment
-    # recomputed: the rebuilt kept bytes are held during the backward as well
+    # recomputed: the rebuilt kept bytes are held during the backward as well (layer 0's
+    # first output went with layer 1's segment, whose input it was)
     peak, _, _ = walk(got, {0: "recompute", 1: "recompute"}, sched)
-    assert peak == 10 + 10 + 60 + 500 + 10
+    assert peak == 10 + 60 + 500 + 10
+
+
+def test_a_recomputed_layers_output_and_the_received_gradient_go_before_its_recompute():
+    """Stage 0 of 2, GPipe, one micro-batch, both layers recomputed. Metered (1F1B pp 4 x 8,
+    a stage of three recomputed layers, the live meter's allocations at the peak by layer):
+    during a layer's recompute its first output (the input of the layer above, released
+    with that layer's segment) and the gradient received for the stage's top layer (freed
+    once that layer's backward is done) were gone; the walk had counted both, 2 x 64 KiB."""
+    sched = build_schedule("gpipe", 2, 1)[0]
+    lay = [LayerTerms(0, work=1000, kept=60, saved=50, output_bytes=10, input_bytes=10,
+                      work_nograd=50),
+           LayerTerms(1, work=300, kept=210, saved=200, output_bytes=10, input_bytes=10,
+                      work_nograd=50)]
+    peak, _, moment = walk(lay, {0: "recompute", 1: "recompute"}, sched, send_header=0)
+    # the step's input (10) and the pending send of layer 1's output (10), and the recompute
+    assert peak == 10 + 10 + 1000 and "B0 layer 0 (recompute)" in moment
 
 
 def test_a_split_backward_keeps_only_what_the_weight_side_needs_until_w():

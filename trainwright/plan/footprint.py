@@ -261,7 +261,20 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     def backward(a, key, rows: list[LayerTerms], split: bool) -> None:
         nonlocal cur, bufs
         down = list(reversed(rows))
+        # the received gradient goes once the top segment's backward is done (a run of
+        # kept layers is one segment; any other layer one of its own)
+        top = 1
+        while pol[down[0].layer] == "keep" and top < len(down) and \
+                pol[down[top].layer] == "keep":
+            top += 1
         for j, x in enumerate(down):
+            if not split and j > 0 and pol[x.layer] == "recompute":
+                # its output was the input of the segment above, released with it: its
+                # recompute makes a new one (in ``work``)
+                gone = min(held.get(key, {}).get(x.layer, 0), x.output_bytes)
+                if gone:
+                    held[key][x.layer] -= gone
+                    cur -= gone
             # on an accelerator the next layer down starts coming back while this one
             # computes (the store's prefetch): its saved bytes are on the device too
             below = down[j + 1] if j + 1 < len(down) else None
@@ -299,6 +312,8 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
                     h -= kept_out
                     bufs += kept_out
                 cur -= h
+                if j == top - 1:
+                    consumed(key)
         if not split:
             release(key)
 
