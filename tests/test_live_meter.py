@@ -90,3 +90,33 @@ def test_meter_tells_host_swap_copies_from_device_bytes_by_allocation_site():
     y.sum().backward()
     del y, cap
     assert m.host_bytes == 0
+
+
+@pytest.mark.timeout(60)
+def test_level_two_detail_names_each_live_storage_by_layer_and_the_action_that_made_it():
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    m = reset_meter()
+    m.detail = 2
+    first, second = Metered(nn.Linear(8, 32), "0:a"), Metered(nn.Linear(32, 8), "1:b")
+    t0 = time.time()
+    y = second(first(torch.randn(4, 8)))
+    t1 = time.time()
+    rows = m.live_at_peak
+    assert sum(r["bytes"] for r in rows) == m.peak_bytes == 4 * (8 + 32 + 8) * 4
+    assert {(r["layer"], r["bytes"]) for r in rows} == {("", 4 * 8 * 4), ("0:a", 4 * 32 * 4),
+                                                        ("1:b", 4 * 8 * 4)}
+    # tools/meter_at_peak.py names the traced action running when each was made
+    spec = importlib.util.spec_from_file_location(
+        "meter_at_peak", Path(__file__).parents[1] / "tools" / "meter_at_peak.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    events = [{"ph": "X", "pid": 1, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "name": "F0",
+               "args": {"step": 2}},
+              {"ph": "X", "pid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "name": "B5"}]
+    got = tool.attribute(rows, events, rank=1)
+    assert sum(got.values()) == m.peak_bytes and {k[0] for k in got} == {"F0@2"}
+    assert tool.action_at(events, 1, t1 * 1e6 + 1e6) == "between actions"
+    del y

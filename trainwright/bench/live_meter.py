@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -84,15 +85,23 @@ class LiveStorageMeter:
     copy (:data:`_HOST_COPY_CODES` on the stack) or anywhere else; the store is never asked.
     The telemetry mailbox's host-side slots (:data:`_TELEMETRY_CODES`) are not counted.
     With ``detail`` (env ``TW_BENCH_METER_DETAIL=1``) :attr:`at_peak` holds, at the device
-    peak, the live bytes per creating op.
+    peak, the live bytes per creating op; at level 2 (``TW_BENCH_METER_DETAIL=2``)
+    :attr:`live_at_peak` also lists every live device storage then: its op, the metered
+    layer it was made in, its bytes and when (``time.time()``, the clock of the run's
+    trace events, so ``tools/meter_at_peak.py`` names the action that made it).
     """
 
-    def __init__(self, detail: bool = False):
+    def __init__(self, detail: int = 0):
         self._live: dict[int, int] = {}
         self._host: set[int] = set()
         self._op: dict[int, str] = {}
-        self.detail = detail or os.environ.get("TW_BENCH_METER_DETAIL") == "1"
+        self._made: dict[int, tuple[str, float]] = {}
+        """Level 2: storage -> (metered layer it was made in, ``time.time()`` then)."""
+        self.detail = int(detail) or int(os.environ.get("TW_BENCH_METER_DETAIL") or 0)
         self.at_peak: dict[str, int] = {}
+        self.live_at_peak: list[dict] = []
+        self.layer = ""
+        """The metered layer running now (:class:`Metered`'s label; "" outside one)."""
         self.bytes = 0
         self.peak_bytes = 0
         self.host_bytes = 0
@@ -134,6 +143,7 @@ class LiveStorageMeter:
     def _release(self, key: int) -> None:
         n = self._live.pop(key, 0)
         self._op.pop(key, None)
+        self._made.pop(key, None)
         if key in self._host:
             self._host.discard(key)
             self.host_bytes -= n
@@ -162,6 +172,8 @@ class LiveStorageMeter:
         self.bytes += nbytes
         if self.detail:
             self._op[key] = op
+        if self.detail >= 2:
+            self._made[key] = (self.layer, time.time())
         if self.bytes > self.peak_bytes:
             self.peak_bytes = self.bytes
             if self.detail:
@@ -169,6 +181,10 @@ class LiveStorageMeter:
                 for k, o in self._op.items():
                     at[o] = at.get(o, 0) + self._live.get(k, 0)
                 self.at_peak = at
+            if self.detail >= 2:
+                self.live_at_peak = [
+                    {"op": self._op[k], "layer": layer, "bytes": self._live[k], "time": t}
+                    for k, (layer, t) in self._made.items() if k in self._live]
 
     def exclude_module(self, module: nn.Module) -> None:
         """Never count ``module``'s parameters and buffers."""
@@ -182,7 +198,9 @@ class LiveStorageMeter:
             self.out_path.write_text(json.dumps({"peak_bytes": self.peak_bytes,
                                                  "host_peak_bytes": self.peak_host_bytes,
                                                  **({"at_peak": self.at_peak}
-                                                    if self.detail else {})}))
+                                                    if self.detail else {}),
+                                                 **({"live_at_peak": self.live_at_peak}
+                                                    if self.detail >= 2 else {})}))
             self._written = now
 
 
@@ -222,9 +240,11 @@ def meter() -> LiveStorageMeter:
 class Metered(nn.Module):
     """A layer whose forward (inputs included) is counted by this process's meter."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, label: str = ""):
         super().__init__()
         self.layer = layer
+        self.label = label or type(layer).__name__
+        """What the meter's level-2 detail names it by (``bench_gpt``: ``"3:Block"``)."""
         meter().exclude_module(layer)
 
     def forward(self, *args):
@@ -234,6 +254,7 @@ class Metered(nn.Module):
         for t in tree_leaves(args):
             m.add(t)
         m.in_layer += 1
+        outer, m.layer = m.layer, self.label
         try:
             if m._whole is not None:
                 out = self.layer(*args)
@@ -242,6 +263,7 @@ class Metered(nn.Module):
                     out = self.layer(*args)
         finally:
             m.in_layer -= 1
+            m.layer = outer
         m.flush()
         return out
 
@@ -323,7 +345,7 @@ def bench_gpt(cfg) -> list[nn.Module]:
     wrapped = []
     for i, layer in enumerate(layers):
         if metered:
-            layer = Metered(layer)
+            layer = Metered(layer, f"{i}:{type(layer).__name__}")
         wrapped.append(wrap(layer) if i in ckpt else layer)
     return wrapped
 
