@@ -152,30 +152,34 @@ against the scheduler's time slices (a few ms), so a batch that shares its core 
 by its share, not timed between preemptions."""
 
 
+def _units(seconds: float) -> Callable[[], None]:
+    """Work of about ``seconds`` alone (fixed work: it stretches when the core is shared),
+    sized on rank 0 and broadcast, so that every rank does the same."""
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    for _ in range(20):
+        torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(a, b)
+    n = torch.tensor([max(1, round(seconds / ((time.perf_counter() - t0) / 50)))])
+    coll.broadcast(n, src=0)
+    count = int(n)
+
+    def work() -> None:
+        for _ in range(count):
+            torch.mm(a, b)
+    return work
+
+
 def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[int, list[float]]:
-    """Per ``k``: this rank's seconds per unit of work while ``k`` ranks work at once, one
-    figure per batch of units (the batch's wall time over its units; each batch about
-    :data:`SPIN_BATCH_S` alone). The counts are swept ``rounds`` times, ascending then
+    """Per ``k``: this rank's seconds per batch of work (about :data:`SPIN_BATCH_S` alone)
+    while ``k`` ranks work at once. The counts are swept ``rounds`` times, ascending then
     descending (a drift of the machine's load hits every count alike).
 
-    Timing each unit alone would miss the sharing: a unit much shorter than a time slice
+    Timing short units alone would miss the sharing: a unit much shorter than a time slice
     mostly runs unpreempted, and the median of such units says ``k`` ranks on fewer cores
     run at full speed (measured here: 0.96 for 4 ranks on 2 cores)."""
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-
-    def unit() -> None:
-        for _ in range(8):
-            torch.mm(a, b)
-
-    for _ in range(20):
-        unit()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        unit()
-    # every rank sizes the batch alike (rank 0's figure), so that k ranks do equal work
-    units = torch.tensor([max(1, round(SPIN_BATCH_S / ((time.perf_counter() - t0) / 20)))])
-    coll.broadcast(units, src=0)
-    n = int(units)
+    batch = _units(SPIN_BATCH_S)
     out: dict[int, list[float]] = {}
     for r in range(rounds):
         counts = range(1, world + 1) if r % 2 == 0 else range(world, 0, -1)
@@ -184,9 +188,8 @@ def _spin_times(rank: int, world: int, repeats: int, rounds: int = 3) -> dict[in
                 coll.barrier()
                 if rank < k:
                     t0 = time.perf_counter()
-                    for _ in range(n):
-                        unit()
-                    out.setdefault(k, []).append((time.perf_counter() - t0) / n)
+                    batch()
+                    out.setdefault(k, []).append(time.perf_counter() - t0)
                 coll.barrier()
     return out
 
@@ -201,24 +204,6 @@ CHAIN_WORK_S = 0.005
 """Seconds of work (alone) a chain rank does per message: a pipeline action of a model
 worth pipelining, longer than a scheduler tick, so the sender is still computing when its
 transport thread needs the core."""
-
-
-def _units(seconds: float) -> Callable[[], None]:
-    """Work of about ``seconds`` alone (fixed work: it stretches when the core is shared),
-    sized on rank 0 and broadcast, so that every rank does the same."""
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-    for _ in range(20):
-        torch.mm(a, b)
-    t0 = time.perf_counter()
-    for _ in range(50):
-        torch.mm(a, b)
-    n = torch.tensor([max(1, round(seconds / ((time.perf_counter() - t0) / 50)))])
-    coll.broadcast(n, src=0)
-
-    def work() -> None:
-        for _ in range(int(n)):
-            torch.mm(a, b)
-    return work
 
 
 def _chain_delays(rank: int, world: int) -> dict[int, list[float]]:
