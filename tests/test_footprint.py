@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from trainwright.errors import PlanError
+from trainwright.plan.fit import fit_plan
 from trainwright.plan.footprint import (
     LayerTerms,
     arrivals,
-    fit_plan,
     stage_footprint,
     static_bytes,
     walk,

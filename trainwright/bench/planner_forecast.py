@@ -27,7 +27,7 @@ overhead, the delivery of messages among ranks sharing the host, and ranks shari
 host's cores. Per-stage peaks come from one call,
 :func:`predicted_peaks`: the footprint model (:mod:`~trainwright.plan.footprint`), device
 and host apart, from the same profile's working-set terms; limits are planned as a run's
-``memory.limit`` plans them (:func:`~trainwright.plan.footprint.fit_plan`).
+``memory.limit`` plans them (:func:`~trainwright.plan.fit.fit_plan`).
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def plan_limit(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule
     of its predicted unconstrained peak (:func:`predicted_peaks`, every layer kept).
 
     With the footprint terms, the plan is the one ``memory.limit`` makes in a run
-    (:func:`~trainwright.plan.footprint.fit_plan` per rank, held to the walk); without
+    (:func:`~trainwright.plan.fit.fit_plan` per rank, held to the walk); without
     them, the peer-swap planner's with host swap and recompute only.
 
     Returns:
@@ -345,7 +345,7 @@ def plan_limit(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule
 def _fit_limits(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
                 limits: list[int]) -> dict:
     """:func:`plan_limit` with the footprint terms: per rank, the plan ``memory.limit``
-    makes (:func:`~trainwright.plan.footprint.fit_plan`). A limit below what any plan can
+    makes (:func:`~trainwright.plan.fit.fit_plan`). A limit below what any plan can
     meet (a run would refuse it, naming the smallest feasible) is raised to the smallest
     feasible, every layer recomputed or swapped, the better: ``requested_limits`` keeps
     what was asked."""
@@ -357,7 +357,8 @@ def _fit_limits(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedul
         rank_terms,
         stage_in_flight,
     )
-    from trainwright.plan.footprint import fit_plan, walk
+    from trainwright.plan.fit import fit_plan
+    from trainwright.plan.footprint import walk
 
     cfg = load_config(None, spec.overrides(pp, mbs, schedule, "keep"))
     table = profile.table

@@ -20,11 +20,11 @@ from trainwright.errors import ConfigError, PlanError
 from trainwright.observe.layer_profile import LayerCost
 from trainwright.pipeline.profile import ProfileTable, profile_model
 from trainwright.pipeline.stage import Stage
+from trainwright.plan.fit import fit_plan
 from trainwright.plan.footprint import (
     Footprint,
     LayerTerms,
     arrivals,
-    fit_plan,
     stage_footprint,
     walk,
 )

@@ -3,6 +3,7 @@
 * :mod:`~trainwright.plan.memory`: per-layer keep / swap / recompute under a stage's limit;
 * :mod:`~trainwright.plan.footprint`: everything a rank holds, walked over its schedule
   (weights, gradients, optimizer state, activations, working sets, buffers, host copies);
+* :mod:`~trainwright.plan.fit`: a stage's memory plan held to that walk;
 * :mod:`~trainwright.plan.partition`: clusters -> k pipeline stages (the adaptive pipeline's
   threshold rule with least communication, and the min-max optimum);
 * :mod:`~trainwright.plan.devices`: device topologies (presets, ``nvidia-smi`` text);

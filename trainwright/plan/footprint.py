@@ -52,7 +52,8 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
 * **host** — swap copies held on the host, walked the same way (on a CPU host they live in
   the same RAM; the meter tells them apart by where they were allocated).
 
-:func:`walk` returns the peaks; :func:`stage_footprint` adds the static terms.
+:func:`walk` returns the peaks; :func:`stage_footprint` adds the static terms; the planners
+are held to the walk by :func:`trainwright.plan.fit.fit_plan`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = ["OPTIMIZER_STATE", "LayerTerms", "Footprint", "static_bytes", "walk",
-           "stage_footprint", "fit_plan", "arrivals"]
+           "stage_footprint", "arrivals"]
 
 SEND_HEADER_BYTES = 520
 """Bytes of the metadata header every point-to-point send carries (65 int64,
@@ -237,11 +238,10 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     received: set[tuple[int, int]] = set()  # inputs whose buffer exists (held by a segment)
     sent: set[tuple[int, int]] = set()  # outputs sent: alive until SYNC waits for the sends
     bufs = 0  # pending sends' buffers and headers: alive until the step's SYNC
-    # the step's data: the model's first stage reads every micro-batch's inputs, the loss's
-    # stage every micro-batch's targets, before the step's first action
+    # the step's data, read before its first action: every micro-batch's inputs on the
+    # model's first stage, its targets on the loss's stage, with its loss (a scalar kept for
+    # the step's report; counted from the start, a few bytes early)
     micro_batches = len({a.mb for a in actions if a.kind == "F"})
-    # (and its losses, one scalar a micro-batch kept for the step's report; counted from the
-    # start, a few bytes early)
     cur = micro_batches * (sum(by_chunk[c][0].input_bytes for c in first)
                            + sum(x.target_bytes + x.output_bytes for x in layers
                                  if x.target_bytes))
@@ -422,77 +422,3 @@ def stage_footprint(layers: list[LayerTerms], policies: dict[int, str], actions:
                                 "output_bytes": x.output_bytes,
                                 "back_work": x.back_work, "policy":
                                 policies.get(x.layer, "keep")} for x in layers})
-
-
-def fit_plan(mems: list, terms: list[LayerTerms], in_flight: int, limit_bytes: int | None,
-             host_bandwidth: float, planner: str = "greedy",
-             current: dict[int, str] | None = None, copy_back: bool = False,
-             arrive: dict[int, list] | None = None, tries: int = 12):
-    """:func:`~trainwright.plan.memory.plan_stage` held to the footprint walk.
-
-    The policy planners price activations with the store's model (held bytes and one
-    transient); the walk (:func:`walk`) also sees forward working sets, recomputes during
-    backward and gradient buffers. A plan is accepted only when the walk's device peak is
-    below ``limit_bytes``; otherwise the planners' bound is lowered by the overshoot and
-    they plan again (no margin is added: the bound moves by what the walk measured).
-
-    Args:
-        mems, in_flight, limit_bytes, host_bandwidth, planner, current: as
-            :func:`~trainwright.plan.memory.plan_stage`; ``in_flight.actions`` must hold
-            the rank's schedule.
-        terms: the rank's :class:`LayerTerms`, in the order of ``mems``.
-        copy_back, arrive: see :func:`walk`.
-
-    Returns:
-        None when ``current`` stays (it fits by the walk and recomputes nothing needlessly),
-        else the plan, its ``required_bytes`` the walk's peak.
-
-    Raises:
-        PlanError: no plan's walk fits under ``limit_bytes``.
-    """
-    from trainwright.errors import PlanError
-    from trainwright.plan.memory import MemoryPlan, greedy_plan, needs_optimising, optimal_plan
-
-    actions, arrive = in_flight.actions, arrive if arrive is not None else in_flight.arrive
-    current = dict(current or {})
-    if limit_bytes is None:
-        return None
-
-    def peak(policies: dict[int, str]) -> int:
-        return walk(terms, policies, actions, copy_back, arrive)[0]
-
-    now = peak(current)
-    if now < limit_bytes and needs_optimising(mems, current, in_flight, None) is None:
-        return None
-    make = greedy_plan if planner == "greedy" else optimal_plan
-    cap, best = limit_bytes, None
-    for _ in range(tries):
-        try:
-            plan = make(mems, in_flight, cap, host_bandwidth,
-                        reason=f"footprint {now} B >= limit {limit_bytes} B" if now >= limit_bytes
-                        else "needless recompute")
-        except PlanError:  # the store's model finds no plan under ``cap``
-            break
-        got = peak(plan.policies)
-        if got < limit_bytes:
-            plan.required_bytes = got
-            return plan
-        best = got if best is None else min(best, got)
-        cap -= got - limit_bytes + 1
-    # the store's model ran out (no plan, or none the walk accepts): the cheaper of every
-    # layer swapped / every layer recomputed that fits by the walk (which may price them
-    # lower than the store's model: a CPU swap brings nothing back)
-    uniform = [{x.layer: p for x in terms} for p in ("swap", "recompute")]
-    peaks = [peak(pol) for pol in uniform]
-    fits = [MemoryPlan.build(mems, pol, in_flight, limit_bytes, host_bandwidth, planner,
-                             "every layer swapped or recomputed")
-            for pol, got in zip(uniform, peaks, strict=True) if got < limit_bytes]
-    if fits:
-        plan = min(fits, key=lambda p: p.added_time_s)
-        plan.required_bytes = peak(plan.policies)
-        return plan
-    need = min(peaks) if best is None else min(best, *peaks)
-    raise PlanError(f"no memory plan fits the limit {limit_bytes} bytes by the footprint "
-                    f"model (forward working sets, recomputes and receive buffers included); "
-                    f"the best plan found peaks at {need} bytes; raise memory.limit to at "
-                    f"least {need + 1} bytes or use more stages")
