@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
@@ -106,7 +107,10 @@ class LiveStorageMeter:
         self.peak_bytes = 0
         self.host_bytes = 0
         self.peak_host_bytes = 0
-        self.exclude: set[int] = set()
+        self.exclude: dict[int, StorageWeakRef] = {}
+        """Parameters' and buffers' storages by address, never counted while they live (a
+        freed one's address is counted again: the memory of the layers a pipeline rank
+        drops goes to its activations)."""
         self.active = True
         """Whether metered forwards count (the bench data switches it off after warm-up)."""
         self.out_path: Path | None = None
@@ -156,7 +160,7 @@ class LiveStorageMeter:
             return
         st = t.untyped_storage()
         key, nbytes = st.data_ptr(), st.nbytes()
-        if nbytes == 0 or key in self.exclude or key in self._live:
+        if nbytes == 0 or key in self._live or self._excluded(key):
             return
         site = _allocation_site()
         if site == "telemetry":
@@ -187,9 +191,19 @@ class LiveStorageMeter:
                     for k, (layer, t) in self._made.items() if k in self._live]
 
     def exclude_module(self, module: nn.Module) -> None:
-        """Never count ``module``'s parameters and buffers."""
-        self.exclude |= {t.untyped_storage().data_ptr()
-                         for t in [*module.parameters(), *module.buffers()]}
+        """Never count ``module``'s parameters and buffers while they live."""
+        for t in [*module.parameters(), *module.buffers()]:
+            st = t.untyped_storage()
+            self.exclude[st.data_ptr()] = StorageWeakRef(st)
+
+    def _excluded(self, key: int) -> bool:
+        """Whether the storage at address ``key`` is a live excluded one (an expired
+        exclusion is dropped: its address now holds something else)."""
+        ref = self.exclude.get(key)
+        if ref is not None and ref.expired():
+            del self.exclude[key]
+            return False
+        return ref is not None
 
     def flush(self) -> None:
         """Write the peak to :attr:`out_path` when it rose since the last write."""
