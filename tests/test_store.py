@@ -79,3 +79,34 @@ def test_capture_leaves_no_cycle_through_autograd():
     del store, y
     gc.collect()
     assert ref() is None
+
+
+class _SavesOneRegionTwice(nn.Module):
+    """As attention does: an op saves its output (``[b, h, t, d]``, laid out as
+    ``[b, t, h, d]``) and the projection saves a ``[b * t, h * d]`` view of the same memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = x.view(3, 2, 2, 4).transpose(1, 2).exp()  # exp saves its output
+        return self.proj(y.transpose(1, 2).reshape(6, 8))  # a view: linear saves it too
+
+
+def test_swap_copies_memory_saved_twice_to_the_host_once():
+    x = torch.randn(6, 8)
+    grads = {}
+    for policy in ("keep", "swap"):
+        torch.manual_seed(1)
+        layers = [nn.Linear(8, 8), _SavesOneRegionTwice()]
+        stage, store = _stage(layers, last=False)
+        store.set_policies({1: policy})
+        stage.forward(0, (x,))
+        if policy == "swap":
+            # exp's output (6 x 8 floats) once, though autograd saved it twice
+            assert store.host_bytes == 6 * 8 * 4
+        stage.backward(0, (torch.ones(6, 8),))
+        grads[policy] = [p.grad for p in stage.parameters()]
+    for a, b in zip(grads["keep"], grads["swap"], strict=True):
+        torch.testing.assert_close(a, b)

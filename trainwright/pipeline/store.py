@@ -60,6 +60,8 @@ class Capture:
     swapped: list = field(default_factory=list)
     """:class:`Swapped` tensors sent to the host."""
     input_keys: set = field(default_factory=set)
+    copies: dict = field(default_factory=dict)
+    """Memory copied to the host in this forward (:meth:`HostSwap.pack`'s table)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -172,7 +174,7 @@ class ActivationStore:
                 if handle is not None:
                     return handle
             if swap and key not in cap.input_keys:
-                s = self.swap.pack(t)
+                s = self.swap.pack(t, cap.copies)
                 cap.swapped.append(s)
                 return s
             cap.saved[key] = t.untyped_storage().nbytes()

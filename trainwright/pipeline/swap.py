@@ -6,6 +6,10 @@ backward needs it. On CUDA the copies go to pinned buffers on a side stream (so 
 overlap compute) and :meth:`HostSwap.prefetch` starts the copy back one layer ahead; on
 CPU the "device" is host memory too, so the copy is a real one into a separate buffer
 that the store counts as host bytes, not device bytes.
+
+One layer's forward often saves the same memory twice (attention saves its output, and the
+projection after it a reshaped view of it): with the layer's ``copies`` table, the second
+is a view of the first one's host copy, so the memory is copied (and held) once.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["Swapped", "HostSwap"]
 
@@ -28,11 +33,14 @@ class Swapped:
     returns_to_device: bool = True
     """False for a tensor that already lived on the host (token ids saved on a CUDA
     stage): backward gets it back as it was, with no copy."""
+    base: Swapped | None = None
+    """The copy of the same memory saved earlier in the layer: ``host`` is a view of its
+    host copy, and backward gets a view of its tensor (no bytes of its own)."""
 
     @property
     def nbytes(self) -> int:
-        """Bytes held on the host."""
-        return self.host.numel() * self.host.element_size()
+        """Bytes held on the host (0 for a view of an earlier copy)."""
+        return 0 if self.base is not None else self.host.numel() * self.host.element_size()
 
 
 class HostSwap:
@@ -47,13 +55,30 @@ class HostSwap:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
 
-    def pack(self, t: torch.Tensor) -> Swapped:
-        """Copy ``t`` to the host; the caller returns the result from the pack hook."""
+    def pack(self, t: torch.Tensor, copies: dict | None = None) -> Swapped:
+        """Copy ``t`` to the host; the caller returns the result from the pack hook.
+
+        ``copies``: the layer's table of memory already copied (one dict per forward); a
+        tensor over exactly the memory of an earlier one becomes a view of its copy."""
+        region = _region(t) if copies is not None else None
+        earlier = copies.get(region) if region is not None else None
+        if earlier is not None and not earlier[0].expired():
+            base = earlier[1]
+            return Swapped(base.host.as_strided(t.shape, t.stride()), base=base,
+                           returns_to_device=base.returns_to_device)
+        s = self._copy(t)
+        if region is not None and s.host.stride() == t.stride():
+            copies[region] = (StorageWeakRef(t.untyped_storage()), s)
+        return s
+
+    def _copy(self, t: torch.Tensor) -> Swapped:
         if not self.cuda:
-            return Swapped(t.detach().clone())
+            return Swapped(t.detach().clone())  # dense tensors keep their strides
         if not t.is_cuda:  # already in host memory: nothing to move (record_stream is CUDA's)
             return Swapped(t.detach(), returns_to_device=False)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
+                if _dense(t) else
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)
@@ -62,6 +87,8 @@ class HostSwap:
 
     def prefetch(self, s: Swapped) -> None:
         """Start copying ``s`` back to the device (no-op on CPU or if already started)."""
+        if s.base is not None:
+            return self.prefetch(s.base)
         if not self.cuda or not s.returns_to_device or s.device_copy is not None:
             return
         with torch.cuda.stream(self.stream):
@@ -73,8 +100,30 @@ class HostSwap:
         """The tensor back on the device, for the backward that needs it."""
         if not self.cuda or not s.returns_to_device:
             return s.host
+        if s.base is not None:  # the earlier copy's tensor, viewed as this one was
+            return self.unpack(s.base).as_strided(s.host.shape, s.host.stride())
         self.prefetch(s)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(s.ready)
         s.device_copy.record_stream(current)
         return s.device_copy
+
+
+def _region(t: torch.Tensor) -> tuple | None:
+    """The memory ``t`` covers, when it covers it exactly (dense, no overlap): two tensors
+    with one region hold the same elements, however they are shaped."""
+    if not _dense(t):
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype, t.device)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one block of memory, each once (a permuted contiguous
+    tensor): ordered by stride, each dimension steps over all the ones before it."""
+    step = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
+                               if sz != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
