@@ -119,6 +119,26 @@ def test_receives_posted_ahead_exist_one_message_early_and_go_with_their_use():
     assert early == 2 * 10 + 2 * 10 + 60 + 300 and "F2" in early_at
 
 
+def test_a_hand_over_between_two_chunks_of_a_rank_is_one_tensor_and_no_message():
+    from trainwright.schedule.base import Action
+
+    # ZB-V's turn: chunk 1's output is chunk 2's input on the same rank, chunk 2's input
+    # gradient chunk 1's received one. The runtime hands each over in memory (no copy, no
+    # header, no pending send); metered: ZB-V pp 2 x 8 rank 1 held 1.8 MB less than the
+    # walk that counted them as messages
+    one = LayerTerms(0, work=100, kept=60, saved=50, output_bytes=10, input_bytes=10, chunk=1)
+    two = LayerTerms(1, work=300, kept=210, saved=200, output_bytes=10, input_bytes=10,
+                     chunk=2)
+    acts = [Action(c, k, 0) for c, k in [  # chunk 1 is the model's first: no input received
+        (1, "F"), (1, "SEND_F"), (2, "RECV_F"), (2, "F"), (2, "SEND_F"), (2, "RECV_B"),
+        (2, "B"), (2, "SEND_B"), (1, "RECV_B"), (1, "B")]]
+    acts.append(Action(1, "SYNC"))
+    peak, _, moment = walk([one, two], {}, acts, send_header=520)
+    # the step's input and chunk 1's kept bytes (its output among them), chunk 2's kept
+    # bytes, the header of chunk 2's send to the next rank, and the gradient from there
+    assert peak == 10 + 60 + 210 + 520 + 10 and "2RECV_B0" in moment
+
+
 def test_every_send_holds_its_header_until_sync():
     from trainwright.dist.comm import HEADER_LEN
     from trainwright.plan.footprint import SEND_HEADER_BYTES

@@ -200,6 +200,10 @@ def arrivals(actions: list) -> dict[int, list]:
     return out
 
 
+_OTHER_END = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
+"""Transfer kind -> the other end's chunk, relative to the action's."""
+
+
 def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
          copy_back: bool = False, arrive: dict[int, list] | None = None,
          send_header: int = SEND_HEADER_BYTES) -> tuple[int, int, str]:
@@ -320,7 +324,8 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     def receive(r) -> None:
         nonlocal cur, bufs
         rk, rrows = (r.stage, r.mb), by_chunk.get(r.stage, [])
-        if not rrows:
+        if not rrows or local(r):  # a hand-over: the sender's tensor, counted there
+            received.add(rk)
             return
         if r.kind == "RECV_F" and rk not in received:
             received.add(rk)  # the received input is the segment's: released with it
@@ -339,6 +344,11 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         nonlocal cur
         cur -= grad_buf.pop(key, 0)
 
+    def local(a) -> bool:
+        """Whether transfer ``a`` is a hand-over between two chunks of this rank (ZB-V's
+        turn): the runtime passes the tensor itself, no message, no header."""
+        return a.stage + _OTHER_END[a.kind] in by_chunk
+
     ahead = arrive is not None
     early = arrive or {}
     for i, a in enumerate(actions):
@@ -348,6 +358,12 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         rows, key = by_chunk.get(c, []), (c, mb)
         if kind in ("RECV_F", "RECV_B"):
             receive(a)
+        elif kind in ("SEND_F", "SEND_B") and local(a):
+            if kind == "SEND_B" and rows:  # the chunk below's received gradient, until used
+                grad_buf[(c - 1, mb)] = n = rows[0].input_bytes
+                cur += n
+                see(0, f"{a} (hand-over)")
+            continue  # the output stays its segment's (and the next chunk's input)
         elif kind in ("SEND_F", "SEND_B") and send_header:  # the header, until SYNC
             cur, bufs = cur + send_header, bufs + send_header
             see(0, f"{a} header")
