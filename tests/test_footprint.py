@@ -208,6 +208,28 @@ def test_a_split_backward_keeps_only_what_the_weight_side_needs_until_w():
                                               first)
 
 
+def test_a_recomputed_layers_output_kept_for_w_is_its_first_forwards():
+    from dataclasses import replace
+
+    from trainwright.schedule.base import Action
+
+    # recomputed under a split backward: what W needs of each layer (w_held) stays from B
+    # until W; layer 1's W needs its input too, layer 0's output, which the recompute
+    # segment holds already (its first forward's, the segment's input): not a second one
+    # (metered: ZB-H2 pp 2 x 4, all recomputed, held one block output less per layer)
+    lay = [replace(_layers(chunk=1)[0], w_held=30),
+           replace(_layers(chunk=1)[1], w_held=20, w_keeps_input=True)]
+    acts = [Action(1, k, mb) for k, mb in [
+        ("RECV_F", 0), ("F", 0), ("B", 0), ("SEND_B", 0), ("RECV_F", 1), ("F", 1), ("W", 0),
+        ("B", 1), ("SEND_B", 1), ("W", 1)]]
+    acts.append(Action(1, "SYNC"))
+    peak, _, moment = walk(lay, {0: "recompute", 1: "recompute"}, acts, send_header=0)
+    # micro-batch 0 after B: input 10, both first-forward outputs 10 + 10, W's 30 + 20 and
+    # the sent input gradient 10; micro-batch 1: input 10, layer 0's output 10, layer 1's
+    # working set 300
+    assert peak == 90 + 20 + 300 and "F1 layer 1" in moment
+
+
 def test_static_terms_by_optimizer_and_shards():
     assert static_bytes(100, "sgd") == (100, 100, 0)
     assert static_bytes(100, "sgd", momentum=0.9) == (100, 100, 100)
@@ -273,6 +295,24 @@ def test_the_profile_measures_what_swap_and_a_split_backward_leave_on_the_device
     assert last.w_keeps_input and last.w_held == 0
     # the loss's targets of one micro-batch (8 samples; the mlp's data: a class id each)
     assert last.target_bytes == 8 * 8 and terms[0].target_bytes == terms[1].target_bytes == 0
+
+
+def test_a_layer_that_normalises_its_input_first_leaves_it_to_no_w():
+    """A GPT block and the head start with a LayerNorm: their linears stash the norm's
+    output, not the layer's input, so a split backward's B leaves the layer below's output
+    to nobody (metered: ZB-H2 pp 4 x 8's stages held one block output per micro-batch
+    less than the walk that took it to be kept; the probe had found its input alive
+    because, as a leaf, autograd's gradient accumulator kept it while any node above lived)."""
+    from trainwright.config import load_config
+    from trainwright.model.build import build_layers
+    from trainwright.pipeline.profile import profile_model
+
+    cfg = load_config(None, ['model.name="gpt"', "model.d_model=32", "model.n_heads=2",
+                             "model.n_blocks=1", "model.context=8", "train.batch_size=2",
+                             "train.micro_batches=1"])
+    terms = profile_model(cfg, build_layers(cfg)).terms
+    assert [terms[i].w_keeps_input for i in (1, 2)] == [False, False]  # block, head
+    assert all(terms[i].w_held > 0 for i in (1, 2))
 
 
 def test_the_profile_times_a_split_backwards_weight_pass_and_stage_costs_carry_it():

@@ -127,8 +127,13 @@ class WorkingSetProbe(TorchDispatchMode):
         ``loss``: the stage's loss on the layer's first output (the model's last layer), or
         None (``B`` starts from a gradient of ones). Call it outside the mode (the forward
         enters it; ``B``'s own tensors are gradients, which the meter does not count)."""
-        xs = tuple(t.detach().clone().requires_grad_(t.is_floating_point())
-                   if isinstance(t, torch.Tensor) else t for t in inp)
+        leaves = tuple(t.detach().clone().requires_grad_(t.is_floating_point())
+                       if isinstance(t, torch.Tensor) else t for t in inp)
+        # the input as a layer inside a stage's segment gets it, a tensor of the graph: a
+        # leaf would be kept by autograd's gradient accumulator for as long as any node
+        # above it lives (a stashed tensor's), whether or not W reads it
+        xs = tuple(t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t
+                   for t in leaves)
         alive = [x.is_floating_point() for x in xs if isinstance(x, torch.Tensor)][:1] or [False]
         if alive[0]:
             weakref.finalize(xs[0].untyped_storage(), alive.__setitem__, 0, False)
@@ -150,7 +155,7 @@ class WorkingSetProbe(TorchDispatchMode):
         for x in xs:
             if isinstance(x, torch.Tensor):
                 x.grad = None
-        del xs, x
+        del xs, x, leaves
         self.split[layer] = (self.bytes - base, alive[0])
         t0 = _now(device)
         backward_weight(work)

@@ -298,15 +298,16 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
             if split:  # brought back, or what the weight side keeps of it: held until W
                 if x.w_held >= 0 and pol[x.layer] != "swap":
                     above = down[j - 1] if j > 0 else None
-                    keeps = x.w_held + (x.output_bytes if (
-                        above.w_keeps_input if above is not None else key in sent) else 0)
+                    out = x.output_bytes if (
+                        above.w_keeps_input if above is not None else key in sent) else 0
+                    keeps = x.w_held + out
+                    h = held.get(key, {}).get(x.layer, 0)
                     if pol[x.layer] == "keep":  # B frees the rest of what the forward kept
-                        h = held.get(key, {}).get(x.layer, 0)
                         if h > keeps:
                             held[key][x.layer] = keeps
                             cur -= h - keeps
-                    else:
-                        extra = min(extra, keeps)
+                    else:  # recomputed: the output W reads is its first forward's, held
+                        extra = min(extra, x.w_held + max(0, out - h))
                 back[key] = back.get(key, 0) + extra
                 cur += extra
             else:  # the segment is released once its backward is done
