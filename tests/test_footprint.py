@@ -136,19 +136,33 @@ def test_a_hand_over_between_two_chunks_of_a_rank_is_one_tensor_and_no_message()
     peak, _, moment = walk([one, two], {}, acts, send_header=520)
     # the step's input and chunk 1's kept bytes (its output among them), chunk 2's kept
     # bytes, the header of chunk 2's send to the next rank, and the gradient from there
-    assert peak == 10 + 60 + 210 + 520 + 10 and "2RECV_B0" in moment
+    # with its header buffer while it arrives
+    assert peak == 10 + 60 + 210 + 520 + 10 + 520 and "2RECV_B0" in moment
 
 
-def test_every_send_holds_its_header_until_sync():
+def test_every_send_holds_its_header_until_sync_and_a_receive_its_own_while_it_lasts():
     from trainwright.dist.comm import HEADER_LEN
     from trainwright.plan.footprint import SEND_HEADER_BYTES
 
     assert SEND_HEADER_BYTES == HEADER_LEN * 8  # the comm layer's int64 header
     # 1F1B's last stage of 2, 4 micro-batches: after B3 its four input gradients (10 B each)
-    # and their four headers wait for SYNC; that outgrows the forward's working set
+    # and their four headers wait for SYNC; that outgrows the forward's working set. RECV_F3
+    # reaches as high first: three sends pending, the input (10) and, while the payload
+    # arrives, the receive's header buffer (520; metered: ZB-H2 pp 4 x 8 rank 0 peaked in
+    # RECV_B2 at the walk's peak + 520 B)
     sched = build_schedule("1f1b", 2, 4)[1]
     peak, _, moment = walk(_layers(chunk=1), {}, sched, send_header=520)
-    assert peak == 4 * (10 + 520) and "SEND_B3" in moment
+    assert peak == 4 * (10 + 520) == 3 * (10 + 520) + 10 + 520 and "RECV_F3" in moment
+    # posted ahead (the interleaved runtime), each header buffer is held from its post until
+    # its receive returns: RECV_F1's, posted when RECV_F0 returns, while F0 runs
+    from dataclasses import replace
+
+    from trainwright.schedule.base import Action
+
+    acts = [Action(1, k, mb) for k, mb in [("RECV_F", 0), ("F", 0), ("RECV_F", 1), ("F", 1)]]
+    big = [_layers(chunk=1)[0], replace(_layers(chunk=1)[1], work=3000)]
+    peak, _, moment = walk(big, {}, acts, arrive=arrivals(acts), send_header=520)
+    assert peak == 10 + 10 + 520 + 60 + 3000 and "F0 layer 1" in moment
 
 
 def test_a_backward_measured_by_the_allocator_is_walked_with_its_incoming_gradient():

@@ -322,7 +322,9 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         if not split:
             release(key)
 
-    def receive(r) -> None:
+    def receive(r, posted: bool = False) -> None:
+        """``r``'s buffer comes into being, with its header's: held from a post ahead
+        until ``r`` returns, or alive while the payload arrives."""
         nonlocal cur, bufs
         rk, rrows = (r.stage, r.mb), by_chunk.get(r.stage, [])
         if not rrows or local(r):  # a hand-over: the sender's tensor, counted there
@@ -337,7 +339,10 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
         else:
             return
         cur += n
-        see(0, f"{r}" + (" posted" if ahead else ""))
+        if posted:
+            headers[(r.kind, rk)] = send_header
+            cur += send_header
+        see(0 if posted else send_header, f"{r}" + (" posted" if ahead else ""))
 
     def consumed(key: tuple[int, int]) -> None:
         """The backward of ``key`` (its ``W`` under a split backward) is done with its received
@@ -352,13 +357,15 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
 
     ahead = arrive is not None
     early = arrive or {}
+    headers: dict[tuple, int] = {}  # receives posted ahead -> their header buffers
     for i, a in enumerate(actions):
         for r in early.get(i, ()):  # receives posted ahead
-            receive(r)
+            receive(r, posted=True)
         kind, c, mb = a.kind, a.stage, a.mb  # ActionKind is a str Enum: == "F" holds
         rows, key = by_chunk.get(c, []), (c, mb)
         if kind in ("RECV_F", "RECV_B"):
             receive(a)
+            cur -= headers.pop((kind, key), 0)  # decoded: the header buffer goes
         elif kind in ("SEND_F", "SEND_B") and local(a):
             if kind == "SEND_B" and rows:  # the chunk below's received gradient, until used
                 grad_buf[(c - 1, mb)] = n = rows[0].input_bytes
