@@ -120,6 +120,27 @@ def test_meter_tells_host_swap_copies_from_device_bytes_by_allocation_site():
 
 
 @pytest.mark.timeout(60)
+def test_the_whole_steps_meter_sees_host_copies_of_what_the_loss_saves():
+    # autograd runs pack hooks with grad mode off: outside a metered layer (the loss on
+    # the last stage) the whole-step meter took their copies for backward work and counted
+    # none (bench planner: every swapped last stage 270 KB per micro-batch under the store)
+    from trainwright.pipeline.store import ActivationStore
+
+    m = reset_meter()
+    layer = Metered(_mlp())
+    store = ActivationStore()
+    x = torch.randn(4, 8, requires_grad=True)
+    m.start_steps()
+    try:
+        with store.capture((x,), swap=True) as cap:
+            loss = torch.nn.functional.cross_entropy(layer(x), torch.tensor([0, 1, 2, 3]))
+    finally:
+        m.stop_steps()
+    assert m.host_bytes == sum(s.nbytes for s in cap.swapped) > 0
+    loss.backward()
+
+
+@pytest.mark.timeout(60)
 def test_level_two_detail_names_each_live_storage_by_layer_and_the_action_that_made_it():
     import importlib.util
     import time

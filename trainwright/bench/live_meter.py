@@ -218,6 +218,14 @@ class LiveStorageMeter:
             self._written = now
 
 
+def _host_copy_outside_layers() -> bool:
+    """Whether the op being dispatched is a host swap's copy made outside backward with grad
+    mode off: autograd runs pack hooks so, and the loss's saved tensors are packed outside
+    any metered layer, where :meth:`LiveStorageMeter.counting` alone would miss them."""
+    return (not torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            and _allocation_site() == "host")
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, m: LiveStorageMeter, whole: bool = False):
         super().__init__()
@@ -225,7 +233,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.whole or self.m.counting():
+        if not self.whole or self.m.counting() or _host_copy_outside_layers():
             for t in tree_leaves(out):
                 self.m.add(t, f"{func}{'/layer' if self.m.in_layer else ''}")
         return out
