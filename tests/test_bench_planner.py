@@ -76,3 +76,20 @@ def test_175b_on_1024_gpus_plans_and_dgx1_table():
     rows = dgx1_table()
     assert [r["peer_swap"] for r in rows] == [False, True]
     assert all(all(r["fits"]) for r in rows)
+
+
+def test_the_forecasts_profile_is_the_median_of_its_takes():
+    from trainwright.bench.planner_forecast import Profile, merged
+    from trainwright.observe.tensor_profile import LayerTensors
+
+    def take(ms: float, table: str) -> Profile:
+        rows = [LayerTensors(i, f"l{i}", ms / 1e3, 2 * ms / 1e3, 8, 8, 8, weight_s=ms / 1e3)
+                for i in range(2)]
+        return Profile(rows, [ms / 1e4] * 2, 1e-4, 1e9, 1e10, 1.0, table)
+
+    # the second take ran in a slow phase: the median ignores it
+    got = merged([take(1.0, "a"), take(1.4, "b"), take(1.1, "c")])
+    assert [r.forward_s for r in got.rows] == [pytest.approx(1.1e-3)] * 2
+    assert [r.backward_s for r in got.rows] == [pytest.approx(2.2e-3)] * 2
+    assert got.opt_step_s == [pytest.approx(1.1e-4)] * 2 and got.table == "c"
+    assert got.takes_ms == [6.0, 8.4, 6.6] and got.wall_s == 3.0

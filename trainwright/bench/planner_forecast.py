@@ -40,14 +40,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from trainwright.bench.paired import host_info, paired, round_order, seconds, verdict
 
-__all__ = ["ForecastSpec", "Profile", "take_profile", "predict", "predicted_peaks",
+__all__ = ["ForecastSpec", "Profile", "take_profile", "merged", "predict", "predicted_peaks",
            "plan_limit", "run_config", "run"]
 
 DEFAULT_CONFIGS = [  # (pp, micro-batches, schedule, policy)
@@ -134,6 +134,8 @@ class Profile:
     (:func:`~trainwright.pipeline.profile.profile_model`'s
     :class:`~trainwright.pipeline.profile.ProfileTable`): what :func:`predicted_peaks` and
     :func:`plan_limit` use; None: the simulator's activation-store peak instead."""
+    takes_ms: list = field(default_factory=list)
+    """Per take of a :func:`merged` profile, its layers' forward + backward, summed (ms)."""
 
     def summary(self) -> dict:
         """JSON view (per-layer times and bytes, links)."""
@@ -144,7 +146,27 @@ class Profile:
                            for r in self.rows],
                 "opt_step_s": self.opt_step_s, "latency_s": self.latency_s,
                 "bandwidth_Bps": self.bandwidth_Bps,
-                "host_bandwidth_Bps": self.host_bandwidth_Bps, "wall_s": self.wall_s}
+                "host_bandwidth_Bps": self.host_bandwidth_Bps, "wall_s": self.wall_s,
+                "takes_ms": self.takes_ms}
+
+
+def merged(takes: list[Profile]) -> Profile:
+    """One profile from several takes of it at different moments: every time the median
+    of the takes' (the footprint terms and the rows' bytes are the last take's; sizes do
+    not drift). This machine's speed wanders by 15-30 % over minutes: a profile taken in
+    two seconds of a slow phase (its layers summed 38 ms against 33-34 ms before and after)
+    moved every prediction of a sweep by as much."""
+    last = takes[-1]
+    med = statistics.median
+    rows = [replace(r, forward_s=med(t.rows[i].forward_s for t in takes),
+                    backward_s=med(t.rows[i].backward_s for t in takes),
+                    weight_s=med(t.rows[i].weight_s for t in takes))
+            for i, r in enumerate(last.rows)]
+    return Profile(rows, [med(t.opt_step_s[i] for t in takes) for i in range(len(last.rows))],
+                   med(t.latency_s for t in takes), med(t.bandwidth_Bps for t in takes),
+                   med(t.host_bandwidth_Bps for t in takes), sum(t.wall_s for t in takes),
+                   last.table, [round(1e3 * sum(r.forward_s + r.backward_s for r in t.rows), 2)
+                                for t in takes])
 
 
 def _layers_and_batch(spec: ForecastSpec, with_config: bool = False):
@@ -423,6 +445,10 @@ def _err(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas if meas else 0.0
 
 
+PROFILE_TAKES = 3
+"""Takes of the profile the forecast's one profile is the median of (:func:`merged`)."""
+
+
 def _calibration(spec: ForecastSpec, max_ranks: int):
     """Measured afresh in this run (the machine's state now is the one the runs see; a
     cache from a loaded hour would skew the sweep), and cached for ``trainwright plan``."""
@@ -433,17 +459,20 @@ def _calibration(spec: ForecastSpec, max_ranks: int):
 
 
 def run(spec: ForecastSpec, progress=None) -> dict:
-    """Calibrate (or read the cache), profile once, plan the limits, predict every
-    configuration, run each in rounds (alternating order), compare; the JSON's fields.
+    """Profile (three takes, before the calibration and after it, merged into one:
+    :func:`merged`), calibrate, plan the limits, predict every configuration, run each in
+    rounds (alternating order), compare; the JSON's fields.
 
     ``progress(description, done, total)`` is told each run as it starts."""
     say = progress or (lambda *_: None)
     keys = [tuple(c) for c in spec.configs]
     total = spec.repeats * len(keys)
+    say("profile (one process, one micro-batch)", 0, total)
+    takes = [take_profile(spec)]  # before the calibration and after it: see merged
     say("calibrate the machine", 0, total)
     cal = _calibration(spec, max(k[0] for k in keys))
-    say("profile (one process, one micro-batch)", 0, total)
-    profile = take_profile(spec)
+    say("profile again", 0, total)
+    profile = merged([*takes, *(take_profile(spec) for _ in range(PROFILE_TAKES - 1))])
     plans = {k: plan_limit(profile, spec, k[0], k[1], k[2], int(k[3][5:]) / 100)
              for k in keys if k[3].startswith("limit")}
     pols = {k: plans[k]["policies"] if k in plans else k[3] for k in keys}
