@@ -168,3 +168,26 @@ def test_level_two_detail_names_each_live_storage_by_layer_and_the_action_that_m
     assert sum(got.values()) == m.peak_bytes and {k[0] for k in got} == {"F0@2"}
     assert tool.action_at(events, 1, t1 * 1e6 + 1e6) == "between actions"
     del y
+
+
+@pytest.mark.timeout(60)
+def test_the_meters_output_folder_is_made_or_refused_in_one_line(tmp_path, monkeypatch):
+    # tools/meter_at_peak.py's recipe names a folder; a missing one killed every rank of
+    # the run with a FileNotFoundError traceback at the first peak
+    from trainwright.bench.live_meter import bench_gpt, meter
+    from trainwright.config import load_config
+    from trainwright.errors import ConfigError
+
+    cfg = load_config(None, ["model.d_model=16", "model.n_heads=2", "model.n_blocks=1",
+                             "model.context=8"])
+    reset_meter()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TW_BENCH_METER_DIR", str(tmp_path / "new" / "meter"))
+    bench_gpt(cfg)
+    meter().flush()
+    assert (tmp_path / "new" / "meter" / "rank0.json").is_file()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TW_BENCH_METER_DIR", str(tmp_path / "file" / "meter"))
+    with pytest.raises(ConfigError, match="TW_BENCH_METER_DIR=.*cannot create it"):
+        bench_gpt(cfg)
+    reset_meter()

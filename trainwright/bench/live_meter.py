@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from trainwright.dist.mailbox import Mailbox
+from trainwright.errors import ConfigError
 from trainwright.pipeline.swap import HostSwap
 
 __all__ = ["LiveStorageMeter", "Metered", "Checkpointed", "DeepSpeedCheckpointed", "meter",
@@ -357,6 +358,12 @@ def bench_gpt(cfg) -> list[nn.Module]:
     metered = os.environ.get("TW_BENCH_METER") == "1" or "TW_BENCH_METER_DIR" in os.environ
     out_dir = os.environ.get("TW_BENCH_METER_DIR")
     if out_dir and "RANK" in os.environ:
+        try:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # one line on every rank, not a traceback from each
+            raise ConfigError(f"TW_BENCH_METER_DIR={out_dir}: cannot create it "
+                              f"({exc.strerror or exc}); set it to a folder you can write") \
+                from None
         meter().out_path = Path(out_dir) / f"rank{os.environ['RANK']}.json"
     if metered and os.environ.get("TW_BENCH_METER_STEPS", "0") not in ("", "0"):
         meter().active = False  # set-up (plan profiling) is not counted; see bench_data
