@@ -98,14 +98,17 @@ def test_checkpoint_candidates_fewest_first_and_distinct():
     assert rules["each stage's first 1 layers"] == [0, 2, 4, 5]
 
 
-@pytest.mark.timeout(60)
-def test_meter_tells_host_swap_copies_from_device_bytes_by_allocation_site():
+def _swapping():
+    """A fresh meter, a metered MLP, a store to swap through and an input."""
     from trainwright.pipeline.store import ActivationStore
 
-    m = reset_meter()
-    layer = Metered(_mlp())
-    store = ActivationStore()
-    x = torch.randn(4, 8, requires_grad=True)
+    return reset_meter(), Metered(_mlp()), ActivationStore(), torch.randn(4, 8,
+                                                                          requires_grad=True)
+
+
+@pytest.mark.timeout(60)
+def test_meter_tells_host_swap_copies_from_device_bytes_by_allocation_site():
+    m, layer, store, x = _swapping()
     with store.capture((x,), swap=True) as cap:
         y = layer(x)
     # every saved activation but the input went through HostSwap.pack: a host copy
@@ -124,12 +127,7 @@ def test_the_whole_steps_meter_sees_host_copies_of_what_the_loss_saves():
     # autograd runs pack hooks with grad mode off: outside a metered layer (the loss on
     # the last stage) the whole-step meter took their copies for backward work and counted
     # none (bench planner: every swapped last stage 270 KB per micro-batch under the store)
-    from trainwright.pipeline.store import ActivationStore
-
-    m = reset_meter()
-    layer = Metered(_mlp())
-    store = ActivationStore()
-    x = torch.randn(4, 8, requires_grad=True)
+    m, layer, store, x = _swapping()
     m.start_steps()
     try:
         with store.capture((x,), swap=True) as cap:
