@@ -27,7 +27,10 @@ Terms, per rank (all measured once by the profile, none a constant tuned to a mo
     backward is done. A sent output (``SEND_F``) and a sent input gradient (``SEND_B``:
     ``input_bytes`` of the chunk's first layer) outlive their use until ``SYNC``, where
     the runtime waits for its sends (a sent output outlives its micro-batch's ``W`` too);
-    every send also holds its header (:data:`SEND_HEADER_BYTES`) until then;
+    every send also holds its header (:data:`SEND_HEADER_BYTES`) until then, and every
+    receive its own while the payload arrives (from its post, when posted ahead); a
+    hand-over between two chunks of the rank (ZB-V's turn) is the tensor itself: no
+    buffer, no header, no pending send;
   - ``B`` of a layer: a recomputed layer runs its forward again (``work`` on top, then its
     ``kept`` under keep stays until the layer's backward is done, or until ``W`` when the
     backward is split); a swapped layer's host copy is read back in place on a CPU (no
