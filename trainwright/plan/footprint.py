@@ -63,6 +63,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainwright.schedule.base import ActionKind
+
 __all__ = ["OPTIMIZER_STATE", "LayerTerms", "Footprint", "static_bytes", "walk",
            "stage_footprint", "arrivals"]
 
@@ -203,7 +205,8 @@ def arrivals(actions: list) -> dict[int, list]:
     return out
 
 
-_OTHER_END = {"SEND_F": 1, "RECV_F": -1, "SEND_B": -1, "RECV_B": 1}
+_OTHER_END = {ActionKind.SEND_F: 1, ActionKind.RECV_F: -1, ActionKind.SEND_B: -1,
+              ActionKind.RECV_B: 1}
 """Transfer kind -> the other end's chunk, relative to the action's."""
 
 
@@ -328,10 +331,9 @@ def walk(layers: list[LayerTerms], policies: dict[int, str], actions: list,
     def receive(r, posted: bool = False) -> None:
         """``r``'s buffer comes into being, with its header's: held from a post ahead
         until ``r`` returns, or alive while the payload arrives."""
-        nonlocal cur, bufs
+        nonlocal cur
         rk, rrows = (r.stage, r.mb), by_chunk.get(r.stage, [])
         if not rrows or local(r):  # a hand-over: the sender's tensor, counted there
-            received.add(rk)
             return
         if r.kind == "RECV_F" and rk not in received:
             received.add(rk)  # the received input is the segment's: released with it
