@@ -14,6 +14,7 @@ from trainwright.plan.calibration import (
     Calibration,
     count_segments,
     fit_delivery,
+    fit_increasing,
     fit_overhead,
     fit_slowdown,
     load,
@@ -29,7 +30,8 @@ from trainwright.plan.candidates import (
     scaled_layers,
 )
 from trainwright.plan.devices import DeviceTopology
-from trainwright.plan.planner import PlanRequest, make_plan, slowdown_of
+from trainwright.plan.planner import PlanRequest, make_plan, sharing_of, slowdown_of
+from trainwright.plan.sharing import Sharing
 from trainwright.plan.simulate import Links, StageCost
 from trainwright.schedule.base import ActionKind
 
@@ -199,3 +201,38 @@ def test_planned_costs_carry_one_fused_segment_per_kept_stage():
     plain = make_plan(replace(req, calibration=None))
     assert all(not c.action_s for c in plain.costs)
     assert plan.sim.step_s > plain.sim.step_s + 2 * 4 * 1e-3
+
+
+def test_sharing_needs_the_transport_measured_and_carries_the_models_inflation():
+    assert Calibration(HOST, 2).sharing() is None
+    cal = Calibration(HOST, 2, transport_s=4e-4, transport_s_per_byte=1e-9)
+    assert cal.sharing(1.2) == Sharing(2, 4e-4, 1e-9, 1.2)
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+
+
+def test_with_the_transport_measured_delivery_is_a_chain_within_the_cores():
+    """The processor-sharing replay models what longer chains add (ranks waiting for a
+    core); the wake-up of a waiting rank stays."""
+    links = Links([0, 1], [[0.0, 1e9], [1e9, 0.0]])
+    chains = {2: 1e-3, 4: 3e-3}
+    assert with_delivery(links, Calibration(HOST, 2, delivery_s=chains), 4).delivery_s == 3e-3
+    cal = Calibration(HOST, 2, delivery_s=chains, transport_s=4e-4)
+    assert with_delivery(links, cal, 4).delivery_s == 1e-3
+
+
+def test_fit_increasing_finds_the_measured_value_and_holds_at_the_bounds():
+    assert fit_increasing(lambda x: 2 * x + 1, 4.0, 0.0, 10.0) == pytest.approx(1.5)
+    assert fit_increasing(lambda x: 2 * x + 1, 0.5, 0.0, 10.0) == 0.0
+    assert fit_increasing(lambda x: 2 * x + 1, 99.0, 0.0, 10.0) == 10.0
+
+
+def test_a_plan_on_shared_cores_takes_its_time_from_the_sharing_replay():
+    rows = _gpt_like_rows()
+    req = PlanRequest(rows, "1f1b", 2, 4, _cpu2(), peer_swap=False)
+    assert sharing_of(req) is None
+    cal = Calibration(HOST, 2, transport_s=1e-3)
+    alone = make_plan(replace(req, calibration=cal)).sim
+    two = make_plan(replace(req, calibration=cal, replicas=2)).sim
+    assert sharing_of(replace(req, calibration=cal, replicas=2)).cores == 1.0
+    # two replicas on the host's two cores: each pipeline has one core for its two ranks
+    assert two.step_s > alone.step_s

@@ -12,10 +12,13 @@ from trainwright.bench.planner_forecast import (
     ForecastSpec,
     Profile,
     _layers_and_batch,
+    contention_configs,
+    fit_inflation,
     plan_limit,
     predict,
     predicted_peaks,
 )
+from trainwright.errors import ConfigError
 from trainwright.plan.calibration import Calibration
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +97,24 @@ def test_a_sweep_deeper_than_the_model_says_how_to_fix_it(profile):
     spec, prof = profile
     with pytest.raises(ValueError, match="raise n_blocks to at least 6"):
         predict(prof, spec, 4, 4, "zb-v", "keep")
+
+
+def test_the_models_inflation_is_fitted_to_its_own_contention_run(profile):
+    """The inflation at which the processor-sharing replay of the contention run takes
+    what it measured; predictions with it are the replay's. Without the transport measured
+    there is none (1.0)."""
+    spec, prof = profile
+    cal = Calibration({}, 2, transport_s=3e-4)
+    config = [4, 3, "1f1b", "keep"]
+    at = {x: predict(prof, spec, 4, 3, "1f1b", "keep", cal, x)["step_s"] for x in (1.0, 1.4)}
+    assert at[1.4] > at[1.0]
+    assert fit_inflation(prof, spec, cal, config, at[1.4]) == pytest.approx(1.4, abs=1e-3)
+    assert fit_inflation(prof, spec, Calibration({}, 2), config, at[1.4]) == 1.0
+
+
+def test_the_contention_run_is_never_one_the_sweep_judges():
+    keys = [(2, 8, "1f1b", "keep"), (4, 4, "gpipe", "keep")]
+    assert contention_configs(ForecastSpec(), keys) == [(2, 3, "1f1b", "keep"),
+                                                        (4, 3, "1f1b", "keep")]
+    with pytest.raises(ConfigError, match="drop it from the sweep"):
+        contention_configs(ForecastSpec(), [*keys, (4, 3, "1f1b", "keep")])

@@ -14,6 +14,11 @@ with ``parallel.threads_per_rank = 1``):
   :meth:`~trainwright.dist.comm.P2P.send` (header and payload posted), the receiver times
   :meth:`~trainwright.dist.comm.P2P.recv` of a message posted beforehand, minus a plain
   ``recv`` of one such message (what the simulator's link model already charges);
+* **transport threads**: the same two ranks pass messages one at a time (the sender
+  computes about 2 ms between them, as a pipeline stage does), at 1 KiB and 256 KiB; the
+  CPU time of each process's threads other than its main one (gloo's transport threads,
+  from ``/proc/self/task/*/schedstat``) per message, over the two sizes, gives
+  ``transport_s + transport_s_per_byte * bytes`` per message end;
 * **delivery**: for ``w = 2 .. max_ranks``, ``w`` processes pass messages down a chain as
   a pipeline's forward does (receive, compute a few ms, send on, :data:`CHAIN_MESSAGES` per
   round, at least :data:`CHAIN_SAMPLES` messages); each receiver records how long after
@@ -36,6 +41,7 @@ import math
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -104,12 +110,18 @@ def _stage_action_times(n_layers: int, repeats: int) -> tuple[list[float], float
     return times, statistics.median(profiled)
 
 
+TRANSPORT_GAP_MM = 200
+"""64 x 64 matrix products the sender computes between two messages of the transport
+timing (about 1-2 ms)."""
+
+
 def _p2p_times(rank: int, repeats: int, group) -> dict:
     """Ranks 0 (sender) and 1 (receiver) of ``group``: see the module docstring."""
     from trainwright.dist.comm import P2P
 
     p2p = P2P(group, rank, 60.0, torch.device("cpu"))
-    out: dict = {"send": [], "recv": {n: [] for n in _SIZES}, "raw": {n: [] for n in _SIZES}}
+    out: dict = {"send": [], "recv": {n: [] for n in _SIZES}, "raw": {n: [] for n in _SIZES},
+                 "transport": {}}
     # the link model's unit first: one plain message, posted before the receive starts
     for i in range(repeats + 2):
         for n in _SIZES:
@@ -125,6 +137,25 @@ def _p2p_times(rank: int, repeats: int, group) -> dict:
             else:
                 w.wait()
             coll.barrier(group)
+    # the transport threads' CPU per message at each end, by size: messages one by one,
+    # the sender computing between them as a pipeline stage does (a stream of messages
+    # costs less per message: one wake-up of the transport thread moves several); no
+    # barrier between them (a barrier's own messages would count)
+    a = torch.randn(64, 64)
+    for n in _SIZES:
+        t = torch.randn(n)
+        coll.barrier(group)
+        cpu0 = _transport_cpu_s()
+        for i in range(4 * repeats):
+            if rank == 0:
+                for _ in range(TRANSPORT_GAP_MM):
+                    torch.mm(a, a)
+                p2p.send(1, "act", i, [t])
+            else:
+                p2p.recv(0, "act", i)
+        p2p.wait_sends()
+        out["transport"][n] = (_transport_cpu_s() - cpu0) / (4 * repeats)
+        coll.barrier(group)
     # the protocol: header + payload; the receive starts after the send is posted
     for i in range(repeats + 2):
         for n in _SIZES:
@@ -224,8 +255,8 @@ def _chain_delays(rank: int, world: int) -> dict[int, list[float]]:
                     if rank > 0:
                         start = time.perf_counter()
                         (msg,) = p2p.recv(rank - 1, "act", i)
-                        out.setdefault(w, []).append(time.perf_counter()
-                                                     - max(float(msg[0]), start))
+                        out.setdefault(w, []).append(
+                            time.perf_counter() - max(float(msg[0]), start))
                     work()
                     if rank < w - 1:
                         msg = torch.zeros(_SIZES[-1] // 2, dtype=torch.float64)
@@ -234,6 +265,25 @@ def _chain_delays(rank: int, world: int) -> dict[int, list[float]]:
                 p2p.wait_sends()
             coll.barrier()
     return out
+
+
+def _transport_cpu_s() -> float:
+    """CPU seconds so far of this process's threads other than the main one (the
+    backend's transport threads), from Linux's ``/proc/self/task/*/schedstat`` (run time
+    in nanoseconds); 0 where there is none."""
+    main, total = threading.main_thread().native_id, 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        if int(tid) == main:
+            continue
+        try:
+            total += int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+    return total * 1e-9
 
 
 def _worker(rank: int, world: int, repeats: int, out_dir: str) -> None:
@@ -277,9 +327,16 @@ def measure(max_ranks: int = 4, repeats: int = 20, max_layers: int = 6) -> Calib
         statistics.median(ranks[1]["p2p"]["recv"][str(n)])
         - statistics.median(ranks[1]["p2p"]["raw"][str(n)]) for n in _SIZES), 0.0)
     plain = statistics.median(ranks[1]["p2p"]["raw"][str(_SIZES[-1])])  # the chain's bytes
+    # per message end: both ranks' transport CPU per message, halved; a + b * bytes
+    cpu = {n: (ranks[0]["p2p"]["transport"][str(n)] + ranks[1]["p2p"]["transport"][str(n)]) / 2
+           for n in _SIZES}
+    small, big = _SIZES
+    per_byte = max(cpu[big] - cpu[small], 0.0) / (4 * (big - small))
+    transport = max(cpu[small] - 4 * small * per_byte, 0.0)
     cal = Calibration(host_info(), os.cpu_count() or 1, action_s=action_s,
                       segment_s=segment_s, send_s=send, recv_s=recv,
-                      slowdown=fit_slowdown(spin), delivery_s=fit_delivery(chain, plain, recv))
+                      slowdown=fit_slowdown(spin), delivery_s=fit_delivery(chain, plain, recv),
+                      transport_s=transport, transport_s_per_byte=per_byte)
     log.info("calibration: %s", cal.to_dict())
     return cal
 

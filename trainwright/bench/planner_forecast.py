@@ -24,7 +24,12 @@ with stage costs from the profile (:func:`~trainwright.plan.planner.stage_costs`
 machine's calibration (:mod:`~trainwright.plan.calibration`, measured once by
 :mod:`~trainwright.bench.calibrate` and cached): per-action, per-segment, send and receive
 overhead, the delivery of messages among ranks sharing the host, and ranks sharing the
-host's cores. Per-stage peaks come from one call,
+host's cores (the processor-sharing replay, :mod:`~trainwright.plan.sharing`, with the
+transport threads' CPU per message). One term is the model's, not the machine's: its
+compute under shared cores runs ``inflation`` times its profile (caches evicted by the
+other ranks), fitted per rank count to a run of the model the sweep does not judge
+(:data:`CONTENTION_RUN`: 1F1B, 3 micro-batches, every layer kept), timed in every round
+with the others (:func:`fit_inflation`). Per-stage peaks come from one call,
 :func:`predicted_peaks`: the footprint model (:mod:`~trainwright.plan.footprint`), device
 and host apart, from the same profile's working-set terms; limits are planned as a run's
 ``memory.limit`` plans them (:func:`~trainwright.plan.fit.fit_plan`).
@@ -46,6 +51,7 @@ from pathlib import Path
 import torch
 
 from trainwright.bench.paired import host_info, paired, round_order, seconds, verdict
+from trainwright.errors import ConfigError
 
 __all__ = ["ForecastSpec", "Profile", "take_profile", "merged", "predict", "predicted_peaks",
            "plan_limit", "run_config", "run"]
@@ -279,11 +285,13 @@ def _policies(spec: ForecastSpec, policy) -> dict[int, str]:
 
 
 def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
-            policy, cal=None) -> dict:
+            policy, cal=None, inflation: float = 1.0) -> dict:
     """Predicted step time and per-stage activation peak of one configuration, from the
     profile (and the machine's calibration ``cal``; None: the profile alone).
 
-    ``policy``: one name for every layer, or one per layer."""
+    ``policy``: one name for every layer, or one per layer. ``inflation``: the model's
+    compute under shared cores over its profile (:func:`fit_inflation`; used when ``cal``
+    measured the processor-sharing replay's terms)."""
     from trainwright.bench.planner_predict import _layer_policy_placement
     from trainwright.plan.calibration import count_segments, with_delivery, with_overheads
     from trainwright.plan.planner import stage_costs
@@ -305,7 +313,8 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
     links = with_delivery(Links(list(range(pp)), bw, host_bandwidth=profile.host_bandwidth_Bps,
                                 latency_s=profile.latency_s), cal, pp)
     lists = simulated_lists(schedule, build_schedule(schedule, pp, mbs, v))
-    sim = simulate(lists, costs, links, slowdown=cal.factor if cal is not None else None)
+    sim = simulate(lists, costs, links, slowdown=cal.factor if cal is not None else None,
+                   sharing=cal.sharing(inflation) if cal is not None else None)
     return {"step_s": sim.step_s, "slowdown": sim.slowdown, "busy_s": list(sim.busy_s),
             "peak_bytes": list(sim.own_peak_bytes)}
 
@@ -476,21 +485,66 @@ def run(spec: ForecastSpec, progress=None) -> dict:
     plans = {k: plan_limit(profile, spec, k[0], k[1], k[2], int(k[3][5:]) / 100)
              for k in keys if k[3].startswith("limit")}
     pols = {k: plans[k]["policies"] if k in plans else k[3] for k in keys}
-    preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal),
-                 "uncalibrated_step_s": predict(profile, spec, *k[:3], pols[k])["step_s"],
-                 "peaks": predicted_peaks(profile, spec, *k[:3], pols[k])} for k in keys}
-    runs: dict = {k: [] for k in keys}
-    done = 0
+    probes = contention_configs(spec, keys)
+    runs: dict = {k: [] for k in [*keys, *probes]}
+    done, total = 0, total + spec.repeats * len(probes)
     with tempfile.TemporaryDirectory(prefix="tw-forecast-") as d:
         for r in range(spec.repeats):
-            for k in round_order(keys, r):
+            for k in round_order([*keys, *probes], r):
                 say(f"round {r + 1}/{spec.repeats}: pp {k[0]}, {k[1]} micro-batches, {k[2]}, "
                     f"{k[3]}", done, total)
                 runs[k].append(run_config(spec, list(k), Path(d), f"r{r}",
                                           plans[k]["policies"] if k in plans else None))
                 done += 1
     say("done", done, total)
-    return _result(spec, profile, cal, keys, preds, plans, runs)
+    # the model's compute under shared cores, fitted to its contention runs alone
+    contention = {k[0]: {"config": list(k), "measured_step_s": statistics.median(
+        x["step_s"] for x in runs.pop(k))} for k in probes}
+    for c in contention.values():
+        c["inflation"] = round(fit_inflation(profile, spec, cal, c["config"],
+                                             c["measured_step_s"]), 4)
+    preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal,
+                           contention.get(k[0], {}).get("inflation", 1.0)),
+                 "uncalibrated_step_s": predict(profile, spec, *k[:3], pols[k])["step_s"],
+                 "peaks": predicted_peaks(profile, spec, *k[:3], pols[k])} for k in keys}
+    out = _result(spec, profile, cal, keys, preds, plans, runs)
+    out["contention"] = {str(pp): c for pp, c in sorted(contention.items())}
+    return out
+
+
+CONTENTION_RUN = (3, "1f1b", "keep")
+"""Micro-batches, schedule and policy of the run per rank count that measures the model's
+compute under shared cores (:func:`fit_inflation`): a configuration the sweep does not
+hold, so that no prediction it judges is fitted to its own run."""
+
+
+def contention_configs(spec: ForecastSpec, keys: list[tuple]) -> list[tuple]:
+    """One :data:`CONTENTION_RUN` per rank count of the sweep, where the calibration
+    measured the processor-sharing replay's terms (ranks share the host's cores).
+
+    Raises:
+        ConfigError: the sweep holds one of them (it would be judged against itself).
+    """
+    probes = [(pp, *CONTENTION_RUN) for pp in sorted({k[0] for k in keys})]
+    clash = [k for k in probes if k in keys]
+    if clash:
+        raise ConfigError(f"bench planner: the sweep holds {clash}, the run that measures the "
+                          f"model's compute under shared cores; drop it from the sweep")
+    return probes
+
+
+def fit_inflation(profile: Profile, spec: ForecastSpec, cal, config: list,
+                  measured_s: float) -> float:
+    """The model's compute time under shared cores over its profile: the inflation at
+    which the processor-sharing replay of ``config`` takes the ``measured_s`` it took
+    (1.0 when ``cal`` did not measure that replay's terms)."""
+    from trainwright.plan.calibration import fit_increasing
+
+    if cal is None or cal.sharing() is None:
+        return 1.0
+    pp, mbs, schedule, policy = config
+    return fit_increasing(lambda x: predict(profile, spec, pp, mbs, schedule, policy, cal,
+                                            x)["step_s"], measured_s, 0.5, 4.0)
 
 
 def _config_row(spec, k, pred, plan, runs) -> dict:

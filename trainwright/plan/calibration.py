@@ -17,7 +17,16 @@ also pays for
 * **shared cores**: ``k`` ranks computing at once on a host with fewer than ``k`` free
   cores each run slower than alone (and even under the core count, memory bandwidth and
   caches are shared). ``slowdown[k]`` is the per-rank time factor of ``k`` concurrent
-  ranks of compute, 1 at ``k = 1``.
+  ranks of compute, 1 at ``k = 1``;
+* **transport threads**: the backend moves each message on threads of its own, whose CPU
+  the ranks' compute shares: ``transport_s + transport_s_per_byte * bytes`` at each end
+  (gloo on the 2-core host: about 0.4 ms for 128 KiB, 0.8 ms for 256 KiB).
+
+With the transport measured, :meth:`Calibration.sharing` gives the processor-sharing
+replay's terms (:mod:`~trainwright.plan.sharing`) and the simulator takes a step's times
+from it, with the delivery of a chain no longer than the host's cores (the wake-up of a
+waiting rank; longer chains' extra is the sharing the replay models); ``slowdown`` and the
+longer chains' ``delivery_s`` remain for what that replay does not model (peer swap).
 
 Every term is measured on the machine (:mod:`trainwright.bench.calibrate` takes the
 timings); this module only fits them (pure functions over lists of seconds, testable with
@@ -31,22 +40,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainwright.errors import PlanError
+from trainwright.plan.sharing import Sharing
 from trainwright.schedule.base import ActionKind
 
 __all__ = ["METHOD", "Calibration", "fit_overhead", "fit_delivery", "fit_slowdown",
-           "count_segments", "with_overheads", "with_delivery", "scaled", "load", "save",
-           "default_path"]
+           "fit_increasing", "count_segments", "with_overheads", "with_delivery", "scaled",
+           "load", "save", "default_path"]
 
 
-METHOD = 3
+METHOD = 4
 """The measuring method's version: a cache measured by an older one is measured again
 (2: the shared-core slowdown from whole batches of work, not single short units; 3: the
-delivery of a message in a chain of ranks)."""
+delivery of a message in a chain of ranks; 4: the per-message CPU of the processor-sharing
+replay)."""
 
 
 @dataclass
@@ -70,8 +81,25 @@ class Calibration:
     """Ranks ``w`` on the host passing messages along a chain -> mean seconds one message
     to a waiting rank takes beyond the link model's ``latency + bytes / bandwidth`` and
     :attr:`recv_s` (empty: not measured, no extra)."""
+    transport_s: float | None = None
+    """CPU seconds of the backend's transport threads per message at each end, beyond
+    :attr:`transport_s_per_byte` (None: not measured; the ``slowdown`` model is used)."""
+    transport_s_per_byte: float = 0.0
     method: int = METHOD
     """The :data:`METHOD` it was measured with."""
+
+    def sharing(self, inflation: float = 1.0) -> Sharing | None:
+        """The processor-sharing replay's terms on this host (None when the transport was
+        not measured).
+
+        Args:
+            inflation: compute's time under sharing over its profile
+                (:attr:`~trainwright.plan.sharing.Sharing.inflation`; a model's, measured
+                by a run of it, not the machine's).
+        """
+        if self.transport_s is None:
+            return None
+        return Sharing(self.cores, self.transport_s, self.transport_s_per_byte, inflation)
 
     def factor(self, k: float) -> float:
         """Time factor of ``k`` (possibly fractional) concurrent ranks: linear between the
@@ -92,8 +120,10 @@ class Calibration:
                                                    self.recv_s))
         slow = ", ".join(f"{k}: {v:.2f}" for k, v in sorted(self.slowdown.items()))
         late = ", ".join(f"{k}: {v * 1e3:.2f}" for k, v in sorted(self.delivery_s.items()))
+        moved = "not measured" if self.transport_s is None else \
+            f"{self.transport_s * 1e6:.0f} us + {self.transport_s_per_byte * 2**30:.2f} s/GiB"
         return (f"action/segment/send/recv {us} us, slowdown by concurrent ranks {{{slow}}}, "
-                f"delivery ms by ranks {{{late}}}")
+                f"delivery ms by ranks {{{late}}}, transport CPU per message end {moved}")
 
     def to_dict(self) -> dict:
         """JSON view (slowdown keys as strings)."""
@@ -186,6 +216,25 @@ def fit_slowdown(times_by_ranks: Mapping[int, Sequence[float]]) -> dict[int, flo
     return {k: statistics.median(v) / alone for k, v in sorted(times_by_ranks.items()) if v}
 
 
+def fit_increasing(predict: Callable[[float], float], measured: float, lo: float,
+                   hi: float, rounds: int = 40) -> float:
+    """The ``x`` in ``[lo, hi]`` at which ``predict(x)``, non-decreasing in ``x``, equals
+    ``measured`` (bisection; ``lo`` or ``hi`` when the measurement lies outside what the
+    range predicts). Fits a replay's term to a timed run of the same work: the
+    per-message CPU of a delivery chain, a model's compute inflation."""
+    if predict(lo) >= measured:
+        return lo
+    if predict(hi) <= measured:
+        return hi
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        if predict(mid) < measured:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 _COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
@@ -230,9 +279,13 @@ def with_overheads(costs: list, segments: Sequence[int], cal: Calibration) -> li
 
 def with_delivery(links, cal: Calibration | None, ranks: int):
     """A copy of simulator ``links`` that delays messages between ranks by the calibrated
-    delivery among ``ranks`` ranks sharing the host (``links`` itself without ``cal``)."""
+    delivery among ``ranks`` ranks sharing the host (``links`` itself without ``cal``); with
+    the transport measured (the processor-sharing replay, which models the sharing), among
+    at most as many ranks as the host has cores."""
     if cal is None:
         return links
+    if cal.transport_s is not None:
+        ranks = min(ranks, cal.cores)
     return dataclasses.replace(links, delivery_s=cal.delivery(ranks))
 
 

@@ -41,6 +41,7 @@ from trainwright.plan.planner import (
     calibrated_links,
     make_plan,
     placement_policies,
+    sharing_of,
     slowdown_of,
 )
 from trainwright.plan.simulate import Links, simulate
@@ -203,7 +204,7 @@ def _step_at(plan: PlanResult, req: PlanRequest, m: int) -> float:
     links = calibrated_links(req, Links(list(range(plan.pp)), plan.stage_bandwidth,
                                         min(req.topology.host_bandwidth), req.latency_s))
     return simulate(with_peer_swap(sched, plan.peers), plan.costs, links,
-                    slowdown=slowdown_of(req)).step_s
+                    slowdown=slowdown_of(req), sharing=sharing_of(req)).step_s
 
 
 def _extrapolated(plan: PlanResult, req: PlanRequest, m: int) -> float:

@@ -44,6 +44,7 @@ output_bytes, param_bytes, tensors``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -68,6 +69,7 @@ from trainwright.plan.placement import (
     place,
     search_mappings,
 )
+from trainwright.plan.sharing import Sharing
 from trainwright.plan.simulate import Links, SimResult, StageCost, liveness, simulate
 from trainwright.schedule.actions import (
     build_schedule,
@@ -299,6 +301,17 @@ def slowdown_of(req: PlanRequest) -> Callable[[float], float] | None:
     return lambda c: cal.factor(c * dp)
 
 
+def sharing_of(req: PlanRequest) -> Sharing | None:
+    """The processor-sharing replay's terms for a request (None without a calibration that
+    measured them): the host's cores shared by the pipeline's ``replicas``, compute at its
+    profiled speed (no model's inflation is known here)."""
+    cal = req.calibration
+    sharing = cal.sharing() if cal is not None else None
+    if sharing is None:
+        return None
+    return dataclasses.replace(sharing, cores=sharing.cores / max(req.replicas, 1))
+
+
 def calibrated_links(req: PlanRequest, links: Links) -> Links:
     """``links`` with the request's calibrated delivery of a message among the job's
     ``pp * replicas`` ranks sharing the host (unchanged without a calibration)."""
@@ -419,7 +432,8 @@ def _evaluate(req, parts, mems, mapping, steps, syncs, sched, scale: float = 1.0
     links = calibrated_links(req, Links(local, xfer, min(req.topology.host_bandwidth),
                                         req.latency_s))
     sched = simulated_lists(req.schedule, sched, req.carry_weight_grads)
-    sim = simulate(with_peer_swap(sched, peers), costs, links, slowdown=slowdown_of(req))
+    sim = simulate(with_peer_swap(sched, peers), costs, links, slowdown=slowdown_of(req),
+                   sharing=sharing_of(req))
     return placement, costs, peers, sim, xfer
 
 
@@ -451,7 +465,8 @@ def make_plan(req: PlanRequest) -> PlanResult:
     xfer0, _ = _links(req, ident)
     keep_links = calibrated_links(req, Links(ident, xfer0, min(req.topology.host_bandwidth),
                                              req.latency_s))
-    keep_sim = simulate(sched, keep_costs, keep_links, slowdown=slowdown_of(req))
+    keep_sim = simulate(sched, keep_costs, keep_links, slowdown=slowdown_of(req),
+                        sharing=sharing_of(req))
     intervals = liveness(keep_sim, keep_costs, parts)
     mems = stage_mems(req.layers, parts, in_flight, req.micro_batches, budgets, intervals, ranks)
     rounds: list[dict] = []

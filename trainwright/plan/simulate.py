@@ -34,11 +34,15 @@ compute action and each transfer takes its own stage's row, ``SYNC`` / ``STEP`` 
 of the rank's chunks', and a rank's memory and busy time add up its chunks'. A message
 between two stages of one rank (ZB-V's turn) is handed over in memory: no link, no time.
 
-Ranks sharing cores (``slowdown``, :mod:`~trainwright.plan.calibration`): ``k`` ranks
-computing at once each run ``slowdown(k)`` times slower than alone. The replay is repeated
-with every rank's CPU work scaled by ``f`` until ``f = slowdown(c)``, where ``c`` is the
-concurrency a computing rank experiences in the replay (:func:`experienced_concurrency`;
-a fixed point, damped; a few replays).
+Ranks sharing cores: with ``sharing`` (the calibration measured its terms) the step's times
+come from the processor-sharing replay of :mod:`~trainwright.plan.sharing` (every CPU job,
+compute, posting, the transport threads' work, shares the cores), its memory from this
+replay. Otherwise, and for peer swap, which that replay does not model (``slowdown``,
+:mod:`~trainwright.plan.calibration`): ``k`` ranks computing at once each run
+``slowdown(k)`` times slower than alone. The replay is repeated with every rank's CPU work
+scaled by ``f`` until ``f = slowdown(c)``, where ``c`` is the concurrency a computing rank
+experiences in the replay (:func:`experienced_concurrency`; a fixed point, damped; a few
+replays).
 
 Memory per device (bytes the activation store counts, plus chunks held for peers):
 ``+held + peer_out`` at the end of ``F(m)``, ``-peer_out`` when ``PEER_SEND(m)`` ends,
@@ -54,7 +58,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trainwright.errors import PlanError
+from trainwright.plan import sharing as shared
 from trainwright.plan.calibration import scaled
+from trainwright.plan.sharing import Sharing
 from trainwright.schedule.base import COMM, COMPUTE, PEER_KINDS, ActionKind
 
 __all__ = ["StageCost", "Links", "SimResult", "Deadlock", "simulate", "liveness",
@@ -166,7 +172,8 @@ def _peak(events: list[tuple[float, int]]) -> tuple[int, list[tuple[float, int]]
 
 
 def simulate(schedule: list[list], costs: list[StageCost], links: Links,
-             slowdown: Callable[[float], float] | None = None) -> SimResult:
+             slowdown: Callable[[float], float] | None = None,
+             sharing: Sharing | None = None) -> SimResult:
     """Replay ``schedule`` (one action list per stage, one step) under ``costs``.
 
     Args:
@@ -174,6 +181,11 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links,
             host's cores, e.g. :meth:`~trainwright.plan.calibration.Calibration.factor`);
             None: every rank has a core of its own. The result's ``slowdown`` is the
             factor the replay settled on.
+        sharing: the host's cores and CPU terms: the step's times come from the
+            processor-sharing replay (:mod:`~trainwright.plan.sharing`), its memory from
+            this one; ``slowdown`` is then used only where that replay does not model the
+            schedule (peer swap). The result's ``slowdown`` is the step's ratio to the
+            unshared replay.
 
     Raises:
         Deadlock: naming every stuck stage's next action and what it waits for.
@@ -187,6 +199,8 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links,
     replay = _Replay(schedule, costs, links)
     replay.run()
     res = replay.result()
+    if sharing is not None and shared.supported(schedule):
+        return _shared(res, shared.replay(schedule, costs, links, sharing))
     if slowdown is None:
         return res
     f = 1.0
@@ -200,6 +214,15 @@ def simulate(schedule: list[list], costs: list[StageCost], links: Links,
         replay.run()
         res = replay.result()
     res.slowdown = f
+    return res
+
+
+def _shared(res: SimResult, step: shared.SharedStep) -> SimResult:
+    """``res`` (memory, order) with the times of the processor-sharing replay."""
+    unshared = res.step_s
+    res.step_s, res.busy_s, res.timeline = step.step_s, step.busy_s, step.timeline
+    res.bubble = [1 - b / step.step_s if step.step_s else 0.0 for b in step.busy_s]
+    res.slowdown = step.step_s / unshared if unshared else 1.0
     return res
 
 
