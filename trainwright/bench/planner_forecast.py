@@ -209,6 +209,7 @@ def _measure_links() -> tuple[float, float]:
 
 
 def _host_bandwidth() -> float:
+    """Bytes/s of a plain host copy into memory already touched."""
     src = torch.randn(2**20)
     dst = torch.empty_like(src)
     times = []
@@ -217,6 +218,53 @@ def _host_bandwidth() -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return src.numel() * src.element_size() / statistics.median(times)
+
+
+SWAP_TIMED_MBS = 24
+"""Micro-batch pairs (kept, swapped) timed by :func:`_swap_bandwidth`, after 4 untimed."""
+
+
+def _swap_bandwidth(layers, x, y) -> float:
+    """Bytes/s of host swap as the runtime does it: the model's layers in a
+    :class:`~trainwright.pipeline.stage.Stage`, each its own segment, forward and backward
+    of one micro-batch with every layer kept, then with every layer swapped, alternating;
+    twice the bytes the swap held on the host (out in forward, back in backward) over the
+    median of the pairs' differences. On the CPU a copy is a fresh allocation per saved
+    tensor and a pack hook each, not a memcpy into memory already touched
+    (:func:`_host_bandwidth`: 40-47 GB/s here, where the swap's runs at 12-13); that plain
+    copy's rate where the difference is lost in noise."""
+    from trainwright.model.build import cross_entropy
+    from trainwright.observe.layer_profile import LayerProfiler
+    from trainwright.pipeline.stage import LayerSlot, Stage, StepMode
+    from trainwright.pipeline.store import ActivationStore
+
+    def stage(policy: str) -> Stage:
+        store = ActivationStore()
+        store.exclude_params([m for _, m in layers])  # as the runtime: weights stay put
+        st = Stage([LayerSlot(i, name, m) for i, (name, m) in enumerate(layers)], store,
+                   LayerProfiler(), is_first=True, loss_fn=cross_entropy)
+        store.set_policies(dict.fromkeys(range(len(layers)), policy))
+        st.options.mode = StepMode(fast=False)  # every layer its own segment, both ways
+        return st
+
+    def once(st: Stage, mb: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        st.forward(mb, (x,), y)
+        host = st.store.host_bytes
+        st.backward(mb)
+        took = time.perf_counter() - t0
+        st.profiler.end_step()
+        return took, host
+
+    kept, swapped = stage("keep"), stage("swap")
+    diffs, host = [], 0
+    for mb in range(SWAP_TIMED_MBS + 4):
+        k, _ = once(kept, mb)
+        s, host = once(swapped, mb)
+        if mb >= 4:
+            diffs.append(s - k)
+    extra = statistics.median(diffs)
+    return 2 * host / extra if extra > 0 and host else _host_bandwidth()
 
 
 def _opt_step_times(layers) -> list[float]:
@@ -254,7 +302,7 @@ def take_profile(spec: ForecastSpec) -> Profile:
             r.forward_s = statistics.median(run[i].forward_s for run in runs)
             r.backward_s = statistics.median(run[i].backward_s for run in runs)
         opt = _opt_step_times(layers)
-        host = _host_bandwidth()
+        host = _swap_bandwidth(layers, x, y)
         table = profile_model(cfg, layers)  # the footprint terms, same micro-batch size
         for r, c in zip(rows, table, strict=True):  # W's measured share of each backward
             r.weight_s = r.backward_s * c.weight_s / c.backward_s if c.backward_s else 0.0
