@@ -17,6 +17,7 @@ from trainwright.plan.calibration import (
     fit_increasing,
     fit_overhead,
     fit_slowdown,
+    fit_transport,
     load,
     save,
     scaled,
@@ -236,3 +237,12 @@ def test_a_plan_on_shared_cores_takes_its_time_from_the_sharing_replay():
     assert sharing_of(replace(req, calibration=cal, replicas=2)).cores == 1.0
     # two replicas on the host's two cores: each pipeline has one core for its two ranks
     assert two.step_s > alone.step_s
+
+
+def test_fit_transport_is_a_line_through_the_two_sizes_never_below_zero():
+    a, b = fit_transport({1024: 7e-4, 263168: 8e-4})
+    assert b == pytest.approx(1e-4 / (263168 - 1024))
+    assert a + 1024 * b == pytest.approx(7e-4)
+    assert fit_transport({1024: 8e-4, 262144: 7e-4}) == (8e-4, 0.0)  # noise: not cheaper
+    with pytest.raises(PlanError, match="two message sizes"):
+        fit_transport({1024: 8e-4})

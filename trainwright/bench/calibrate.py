@@ -57,6 +57,7 @@ from trainwright.plan.calibration import (
     fit_delivery,
     fit_overhead,
     fit_slowdown,
+    fit_transport,
     load,
     save,
 )
@@ -327,12 +328,10 @@ def measure(max_ranks: int = 4, repeats: int = 20, max_layers: int = 6) -> Calib
         statistics.median(ranks[1]["p2p"]["recv"][str(n)])
         - statistics.median(ranks[1]["p2p"]["raw"][str(n)]) for n in _SIZES), 0.0)
     plain = statistics.median(ranks[1]["p2p"]["raw"][str(_SIZES[-1])])  # the chain's bytes
-    # per message end: both ranks' transport CPU per message, halved; a + b * bytes
-    cpu = {n: (ranks[0]["p2p"]["transport"][str(n)] + ranks[1]["p2p"]["transport"][str(n)]) / 2
-           for n in _SIZES}
-    small, big = _SIZES
-    per_byte = max(cpu[big] - cpu[small], 0.0) / (4 * (big - small))
-    transport = max(cpu[small] - 4 * small * per_byte, 0.0)
+    # per message end: the two ends' mean, by the message's bytes (fp32 payloads)
+    transport, per_byte = fit_transport(
+        {4 * n: statistics.fmean(r["p2p"]["transport"][str(n)] for r in ranks[:2])
+         for n in _SIZES})
     cal = Calibration(host_info(), os.cpu_count() or 1, action_s=action_s,
                       segment_s=segment_s, send_s=send, recv_s=recv,
                       slowdown=fit_slowdown(spin), delivery_s=fit_delivery(chain, plain, recv),

@@ -10,7 +10,8 @@ which ``trainwright run --plan`` (OUT or the TOML) trains with exactly.
 
 On ``--topology cpu`` (a topology of kind ``cpu``: ranks on this host's cores, one node)
 the prediction includes this host's calibrated per-action, per-segment, send and receive
-overheads and shared-core slowdown (:func:`trainwright.bench.calibrate.calibrate`: cached
+overheads and the transport threads' CPU, ranks sharing its cores
+(:mod:`trainwright.plan.sharing`; :func:`trainwright.bench.calibrate.calibrate`: cached
 per host, measured the first time); the JSON's ``calibration`` names the terms used (None
 for GPUs or ``--no-calibration``).
 """

@@ -20,7 +20,8 @@ also pays for
   ranks of compute, 1 at ``k = 1``;
 * **transport threads**: the backend moves each message on threads of its own, whose CPU
   the ranks' compute shares: ``transport_s + transport_s_per_byte * bytes`` at each end
-  (gloo on the 2-core host: about 0.4 ms for 128 KiB, 0.8 ms for 256 KiB).
+  (gloo on the 2-core host, messages one at a time: 0.6-0.9 ms, nearly flat in the bytes:
+  a wake-up more than a copy).
 
 With the transport measured, :meth:`Calibration.sharing` gives the processor-sharing
 replay's terms (:mod:`~trainwright.plan.sharing`) and the simulator takes a step's times
@@ -49,15 +50,15 @@ from trainwright.plan.sharing import Sharing
 from trainwright.schedule.base import ActionKind
 
 __all__ = ["METHOD", "Calibration", "fit_overhead", "fit_delivery", "fit_slowdown",
-           "fit_increasing", "count_segments", "with_overheads", "with_delivery", "scaled",
-           "load", "save", "default_path"]
+           "fit_increasing", "fit_transport", "count_segments", "with_overheads",
+           "with_delivery", "scaled", "load", "save", "default_path"]
 
 
 METHOD = 4
 """The measuring method's version: a cache measured by an older one is measured again
 (2: the shared-core slowdown from whole batches of work, not single short units; 3: the
-delivery of a message in a chain of ranks; 4: the per-message CPU of the processor-sharing
-replay)."""
+delivery of a message in a chain of ranks; 4: the transport threads' CPU per message, for
+the processor-sharing replay)."""
 
 
 @dataclass
@@ -216,12 +217,28 @@ def fit_slowdown(times_by_ranks: Mapping[int, Sequence[float]]) -> dict[int, flo
     return {k: statistics.median(v) / alone for k, v in sorted(times_by_ranks.items()) if v}
 
 
+def fit_transport(cpu_s_by_bytes: Mapping[int, float]) -> tuple[float, float]:
+    """``(transport_s, transport_s_per_byte)``: the line through the transport's CPU
+    seconds per message end at the smallest and the largest message, the slope and the
+    intercept each at least 0 (a message costs no less for being larger).
+
+    Raises:
+        PlanError: fewer than two message sizes.
+    """
+    if len(cpu_s_by_bytes) < 2:
+        raise PlanError(f"fitting the transport's CPU per message needs two message sizes or "
+                        f"more; got {sorted(cpu_s_by_bytes)}")
+    small, big = min(cpu_s_by_bytes), max(cpu_s_by_bytes)
+    per_byte = max(cpu_s_by_bytes[big] - cpu_s_by_bytes[small], 0.0) / (big - small)
+    return max(cpu_s_by_bytes[small] - small * per_byte, 0.0), per_byte
+
+
 def fit_increasing(predict: Callable[[float], float], measured: float, lo: float,
                    hi: float, rounds: int = 40) -> float:
     """The ``x`` in ``[lo, hi]`` at which ``predict(x)``, non-decreasing in ``x``, equals
     ``measured`` (bisection; ``lo`` or ``hi`` when the measurement lies outside what the
-    range predicts). Fits a replay's term to a timed run of the same work: the
-    per-message CPU of a delivery chain, a model's compute inflation."""
+    range predicts). Fits a replay's term to a timed run of the same work (a model's
+    compute inflation under shared cores)."""
     if predict(lo) >= measured:
         return lo
     if predict(hi) <= measured:

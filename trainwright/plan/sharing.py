@@ -46,7 +46,9 @@ __all__ = ["Sharing", "SharedStep", "supported", "replay"]
 
 @dataclass(frozen=True)
 class Sharing:
-    """The host the ranks share (every term measured: :mod:`trainwright.plan.calibration`)."""
+    """The host the ranks share: the cores and the transport from the machine's calibration
+    (:meth:`trainwright.plan.calibration.Calibration.sharing`), the inflation from a run of
+    the model (1.0 without one)."""
 
     cores: float
     """Cores this pipeline's ranks have (a share of the host's when data-parallel
@@ -56,7 +58,8 @@ class Sharing:
     :attr:`transport_s_per_byte` times its bytes."""
     transport_s_per_byte: float = 0.0
     inflation: float = 1.0
-    """Compute's CPU time in a pipeline of ranks sharing the host over its profiled time."""
+    """A rank's compute time in a pipeline of ranks sharing the host, as the processor
+    sharing sees it, over its profiled time (caches evicted by the other ranks)."""
 
 
 @dataclass
@@ -91,10 +94,10 @@ def replay(schedule: list[list], costs: list, links, sharing: Sharing) -> Shared
         raise PlanError("the shared-core replay does not model peer swap; use simulate()")
     if sharing.cores <= 0:
         raise PlanError(f"the ranks need a share of the host's cores; got cores={sharing.cores}")
-    return _Fluid(schedule, costs, links, sharing).run()
+    return _SharedReplay(schedule, costs, links, sharing).run()
 
 
-class _Fluid:
+class _SharedReplay:
     """The state of one :func:`replay`: per list, its position and the job it waits on."""
 
     def __init__(self, schedule, costs, links, sharing: Sharing) -> None:
