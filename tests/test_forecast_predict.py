@@ -105,16 +105,19 @@ def test_the_models_inflation_is_fitted_to_its_own_contention_run(profile):
     there is none (1.0)."""
     spec, prof = profile
     cal = Calibration({}, 2, transport_s=3e-4)
-    config = [4, 3, "1f1b", "keep"]
-    at = {x: predict(prof, spec, 4, 3, "1f1b", "keep", cal, x)["step_s"] for x in (1.0, 1.4)}
-    assert at[1.4] > at[1.0]
-    assert fit_inflation(prof, spec, cal, config, at[1.4]) == pytest.approx(1.4, abs=1e-3)
-    assert fit_inflation(prof, spec, Calibration({}, 2), config, at[1.4]) == 1.0
+    configs = [[4, 3, "1f1b", "keep"], [4, 3, "gpipe", "keep"]]
+    at = {x: [predict(prof, spec, *c, cal, x)["step_s"] for c in configs] for x in (1.0, 1.4)}
+    assert at[1.4][0] > at[1.0][0] and at[1.4][1] > at[1.0][1]
+    assert fit_inflation(prof, spec, cal, configs, at[1.4]) == pytest.approx(1.4, abs=1e-3)
+    assert fit_inflation(prof, spec, cal, configs[:1], at[1.4][:1]) == \
+        pytest.approx(1.4, abs=1e-3)
+    assert fit_inflation(prof, spec, Calibration({}, 2), configs, at[1.4]) == 1.0
 
 
-def test_the_contention_run_is_never_one_the_sweep_judges():
+def test_the_contention_runs_are_never_ones_the_sweep_judges():
     keys = [(2, 8, "1f1b", "keep"), (4, 4, "gpipe", "keep")]
-    assert contention_configs(ForecastSpec(), keys) == [(2, 3, "1f1b", "keep"),
-                                                        (4, 3, "1f1b", "keep")]
+    assert contention_configs(ForecastSpec(), keys) == [
+        (2, 3, "1f1b", "keep"), (2, 3, "gpipe", "keep"),
+        (4, 3, "1f1b", "keep"), (4, 3, "gpipe", "keep")]
     with pytest.raises(ConfigError, match="drop it from the sweep"):
-        contention_configs(ForecastSpec(), [*keys, (4, 3, "1f1b", "keep")])
+        contention_configs(ForecastSpec(), [*keys, (4, 3, "gpipe", "keep")])

@@ -28,7 +28,7 @@ host's cores (the processor-sharing replay, :mod:`~trainwright.plan.sharing`, wi
 transport threads' CPU per message). One term is the model's, not the machine's: its
 compute under shared cores runs ``inflation`` times its profile (caches evicted by the
 other ranks), fitted per rank count to a run of the model the sweep does not judge
-(:data:`CONTENTION_RUN`: 1F1B, 3 micro-batches, every layer kept), timed in every round
+(:data:`CONTENTION_RUNS`: 1F1B and GPipe, 3 micro-batches, every layer kept), timed in every round
 with the others (:func:`fit_inflation`). Per-stage peaks come from one call,
 :func:`predicted_peaks`: the footprint model (:mod:`~trainwright.plan.footprint`), device
 and host apart, from the same profile's working-set terms; limits are planned as a run's
@@ -546,10 +546,13 @@ def run(spec: ForecastSpec, progress=None) -> dict:
                 done += 1
     say("done", done, total)
     # the model's compute under shared cores, fitted to its contention runs alone
-    contention = {k[0]: {"config": list(k), "measured_step_s": statistics.median(
-        x["step_s"] for x in runs.pop(k))} for k in probes}
+    contention: dict[int, dict] = {}
+    for k in probes:
+        c = contention.setdefault(k[0], {"configs": [], "measured_step_s": []})
+        c["configs"].append(list(k))
+        c["measured_step_s"].append(statistics.median(x["step_s"] for x in runs.pop(k)))
     for c in contention.values():
-        c["inflation"] = round(fit_inflation(profile, spec, cal, c["config"],
+        c["inflation"] = round(fit_inflation(profile, spec, cal, c["configs"],
                                              c["measured_step_s"]), 4)
     preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal,
                            contention.get(k[0], {}).get("inflation", 1.0)),
@@ -560,39 +563,42 @@ def run(spec: ForecastSpec, progress=None) -> dict:
     return out
 
 
-CONTENTION_RUN = (3, "1f1b", "keep")
-"""Micro-batches, schedule and policy of the run per rank count that measures the model's
-compute under shared cores (:func:`fit_inflation`): a configuration the sweep does not
-hold, so that no prediction it judges is fitted to its own run."""
+CONTENTION_RUNS = ((3, "1f1b", "keep"), (3, "gpipe", "keep"))
+"""Micro-batches, schedule and policy of the runs per rank count that measure the model's
+compute under shared cores (:func:`fit_inflation`): configurations the sweep does not
+hold, so that no prediction it judges is fitted to its own run; two, so that one run's
+noise moves the fit half as much."""
 
 
 def contention_configs(spec: ForecastSpec, keys: list[tuple]) -> list[tuple]:
-    """One :data:`CONTENTION_RUN` per rank count of the sweep, where the calibration
-    measured the processor-sharing replay's terms (ranks share the host's cores).
+    """The :data:`CONTENTION_RUNS` of each rank count of the sweep.
 
     Raises:
         ConfigError: the sweep holds one of them (it would be judged against itself).
     """
-    probes = [(pp, *CONTENTION_RUN) for pp in sorted({k[0] for k in keys})]
+    probes = [(pp, *run) for pp in sorted({k[0] for k in keys}) for run in CONTENTION_RUNS]
     clash = [k for k in probes if k in keys]
     if clash:
-        raise ConfigError(f"bench planner: the sweep holds {clash}, the run that measures the "
+        raise ConfigError(f"bench planner: the sweep holds {clash}, a run that measures the "
                           f"model's compute under shared cores; drop it from the sweep")
     return probes
 
 
-def fit_inflation(profile: Profile, spec: ForecastSpec, cal, config: list,
-                  measured_s: float) -> float:
+def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list],
+                  measured_s: list[float]) -> float:
     """The model's compute time under shared cores over its profile: the inflation at
-    which the processor-sharing replay of ``config`` takes the ``measured_s`` it took
-    (1.0 when ``cal`` did not measure that replay's terms)."""
+    which the processor-sharing replay of ``configs`` takes what they took (their
+    geometric means equal); 1.0 when ``cal`` did not measure that replay's terms."""
     from trainwright.plan.calibration import fit_increasing
 
     if cal is None or cal.sharing() is None:
         return 1.0
-    pp, mbs, schedule, policy = config
-    return fit_increasing(lambda x: predict(profile, spec, pp, mbs, schedule, policy, cal,
-                                            x)["step_s"], measured_s, 0.5, 4.0)
+
+    def predicted(x: float) -> float:
+        return statistics.geometric_mean(
+            predict(profile, spec, pp, mbs, schedule, policy, cal, x)["step_s"]
+            for pp, mbs, schedule, policy in configs)
+    return fit_increasing(predicted, statistics.geometric_mean(measured_s), 0.5, 4.0)
 
 
 def _config_row(spec, k, pred, plan, runs) -> dict:
