@@ -337,7 +337,7 @@ def test_the_profile_times_a_split_backwards_weight_pass_and_stage_costs_carry_i
     from trainwright.model.build import build_layers
     from trainwright.observe.tensor_profile import LayerTensors
     from trainwright.pipeline.profile import profile_model
-    from trainwright.plan.planner import stage_costs
+    from trainwright.plan.stage_inputs import stage_costs
 
     cfg = load_config(None, ['model.name="mlp"', "model.d_in=64", "model.d_model=256",
                              "model.n_blocks=2", "train.batch_size=64",

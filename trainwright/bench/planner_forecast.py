@@ -20,7 +20,7 @@ with host swap and recompute, plans from the profile; the run executes the plan'
 per-layer policies).
 
 Prediction: :func:`~trainwright.plan.simulate.simulate` over the schedule's action lists,
-with stage costs from the profile (:func:`~trainwright.plan.planner.stage_costs`) and the
+with stage costs from the profile (:func:`~trainwright.plan.stage_inputs.stage_costs`) and the
 machine's calibration (:mod:`~trainwright.plan.calibration`, measured once by
 :mod:`~trainwright.bench.calibrate` and cached): per-action, per-segment, send and receive
 overhead, the delivery of messages among ranks sharing the host, and ranks sharing the
@@ -342,8 +342,8 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
     measured the processor-sharing replay's terms)."""
     from trainwright.bench.planner_predict import _layer_policy_placement
     from trainwright.plan.calibration import count_segments, with_delivery, with_overheads
-    from trainwright.plan.planner import stage_costs
     from trainwright.plan.simulate import Links, simulate
+    from trainwright.plan.stage_inputs import stage_costs
     from trainwright.schedule.actions import build_schedule
     from trainwright.schedule.carry import simulated_lists
 

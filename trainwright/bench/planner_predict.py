@@ -122,8 +122,8 @@ def predict(tensor_rows: list, results: list[dict], spec, schedule: str,
     the tensor profile. Links: the ping-pong's bandwidth and the step's loaded message
     latency (:func:`loaded_latency`; the ping-pong's latency if it has no messages).
     """
-    from trainwright.plan.planner import stage_costs
     from trainwright.plan.simulate import Links, simulate
+    from trainwright.plan.stage_inputs import stage_costs
     from trainwright.schedule.actions import build_schedule
     from trainwright.schedule.peer import with_peer_swap
 

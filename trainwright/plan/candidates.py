@@ -40,11 +40,10 @@ from trainwright.plan.planner import (
     PlanResult,
     calibrated_links,
     make_plan,
-    placement_policies,
-    sharing_of,
-    slowdown_of,
+    simulated,
 )
-from trainwright.plan.simulate import Links, simulate
+from trainwright.plan.simulate import Links
+from trainwright.plan.stage_inputs import placement_policies
 from trainwright.schedule.actions import build_schedule
 from trainwright.schedule.carry import simulated_lists
 from trainwright.schedule.peer import with_peer_swap
@@ -203,8 +202,7 @@ def _step_at(plan: PlanResult, req: PlanRequest, m: int) -> float:
     sched = simulated_lists(plan.schedule, sched, req.carry_weight_grads)
     links = calibrated_links(req, Links(list(range(plan.pp)), plan.stage_bandwidth,
                                         min(req.topology.host_bandwidth), req.latency_s))
-    return simulate(with_peer_swap(sched, plan.peers), plan.costs, links,
-                    slowdown=slowdown_of(req), sharing=sharing_of(req)).step_s
+    return simulated(req, with_peer_swap(sched, plan.peers), plan.costs, links).step_s
 
 
 def _extrapolated(plan: PlanResult, req: PlanRequest, m: int) -> float:
