@@ -10,8 +10,13 @@
 * :mod:`~trainwright.plan.placement`, :mod:`~trainwright.plan.planner`,
   :mod:`~trainwright.plan.simulate`: the peer-swap planner: device mapping,
   planner and event simulator;
+* :mod:`~trainwright.plan.stage_inputs`: what each stage puts into the placement search and
+  the simulator (memory per layer and tensor, compute times, bytes held and sent);
+* :mod:`~trainwright.plan.sharing`: a step replayed as processor sharing of CPU work, for
+  ranks that share the host's cores;
 * :mod:`~trainwright.plan.calibration`: the step-time terms a profile does not see
-  (per-action overhead, ranks sharing cores), fitted from a machine's timings and cached;
+  (per-action overhead, transport threads, ranks sharing cores), fitted from a machine's
+  timings and cached;
 * :mod:`~trainwright.plan.choose`: ``trainwright plan --schedule auto``'s candidate
   schedules (several chunks per rank included) and the best of their plans;
 * :mod:`~trainwright.plan.candidates`: ``trainwright plan --model SPEC``'s ranked answer
