@@ -191,3 +191,23 @@ def test_latest_pointed_back_caps_the_resume(tmp_path):
     checkpoint.mark_latest(tmp_path, 1)
     assert manifest.resume_step(tmp_path) == 1 == manifest.choose_resume(tmp_path)
     assert manifest.final_dir(tmp_path, 2).is_dir()  # intact: not set aside
+
+
+def test_a_manifest_written_with_sha256_before_format_2_still_verifies(tmp_path):
+    import hashlib
+    import json
+
+    _save_tiny(tmp_path, 1)
+    d = manifest.final_dir(tmp_path, 1)
+    m = json.loads((d / manifest.MANIFEST).read_text())
+    assert m["format"] == 2 and all("crc32" in f for f in m["files"].values())
+    for name, f in m["files"].items():  # what format 1 recorded
+        del f["crc32"]
+        f["sha256"] = hashlib.sha256((d / name).read_bytes()).hexdigest()
+    (d / manifest.MANIFEST).write_text(json.dumps({**m, "format": 1}))
+    assert manifest.verify(d) is None
+    f = sorted(d.glob("*.distcp"))[-1]
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit's worth: same size, other bytes
+    f.write_bytes(bytes(data))
+    assert "does not match its checksum" in manifest.verify(d)

@@ -45,9 +45,9 @@ import torch.distributed.checkpoint as dcp
 from trainwright.pipeline.stage import LayerSlot
 from trainwright.run.manifest import committed_steps, set_aside, temp_dir, write_manifest
 
-__all__ = ["layer_state", "rng_state", "extra_state", "rank_state", "checkpoint_meta",
-           "write_files", "commit", "save", "write_meta", "read_meta", "mark_latest",
-           "latest_step", "load_layers", "load_state", "prune"]
+__all__ = ["layer_state", "rng_state", "extra_state", "rank_state",
+           "checkpoint_meta", "write_files", "commit", "save", "write_meta", "read_meta",
+           "mark_latest", "latest_step", "load_layers", "load_state", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -106,24 +106,16 @@ def _extra_key(name: str, per_rank: bool, rank: int) -> str:
     return f"extra.{name}.rank{rank}" if per_rank else f"extra.{name}"
 
 
-def write_files(run_dir: Path, step: int, state: dict, *, group=None,
-                asynchronous: bool = False):
-    """Write this rank's ``state`` into the temporary folder of the checkpoint of ``step``;
-    collective over ``group`` (default: the default group) when there is one. Blocking, or
-    with ``asynchronous`` staged in memory now and written by DCP's background thread.
-
-    Returns:
-        None, or the future of the background write.
-    """
+def write_files(run_dir: Path, step: int, state: dict, *, group=None) -> Path:
+    """Write this rank's ``state`` into the temporary folder of the checkpoint of ``step``
+    (returned); collective over ``group`` (default: the default group) when there is one.
+    Saving in the background is :class:`~trainwright.run.ckpt_writer.CheckpointWriter`'s."""
     d = temp_dir(run_dir, step)
     d.mkdir(parents=True, exist_ok=True)
-    no_dist = not dist.is_initialized()
-    if asynchronous:  # DCP copies the state now (tensors and objects); the step may go on
-        return dcp.async_save(state, checkpoint_id=d, process_group=group, no_dist=no_dist)
     with warnings.catch_warnings():  # one process: DCP warns that it assumes so
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.save(state, checkpoint_id=d, process_group=group, no_dist=no_dist)
-    return None
+        dcp.save(state, checkpoint_id=d, process_group=group, no_dist=not dist.is_initialized())
+    return d
 
 
 def commit(run_dir: Path, step: int, meta: dict) -> Path:
