@@ -208,6 +208,7 @@ def test_sharing_needs_the_transport_measured_and_carries_the_models_inflation()
     assert Calibration(HOST, 2).sharing() is None
     cal = Calibration(HOST, 2, transport_s=4e-4, transport_s_per_byte=1e-9)
     assert cal.sharing(1.2) == Sharing(2, 4e-4, 1e-9, 1.2)
+    assert cal.sharing(1.2, 1.7) == Sharing(2, 4e-4, 1e-9, 1.2, copy_inflation=1.7)
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
 
 

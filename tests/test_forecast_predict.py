@@ -100,24 +100,31 @@ def test_a_sweep_deeper_than_the_model_says_how_to_fix_it(profile):
 
 
 def test_the_models_inflation_is_fitted_to_its_own_contention_run(profile):
-    """The inflation at which the processor-sharing replay of the contention run takes
-    what it measured; predictions with it are the replay's. Without the transport measured
-    there is none (1.0)."""
+    """The inflation at which the processor-sharing replay of the runs that keep every
+    layer takes what they measured, then the copies' at which the run that swaps every
+    layer does; predictions with them are the replay's. Without the transport measured
+    there are none (1.0)."""
     spec, prof = profile
     cal = Calibration({}, 2, transport_s=3e-4)
-    configs = [[4, 3, "1f1b", "keep"], [4, 3, "gpipe", "keep"]]
-    at = {x: [predict(prof, spec, *c, cal, x)["step_s"] for c in configs] for x in (1.0, 1.4)}
-    assert at[1.4][0] > at[1.0][0] and at[1.4][1] > at[1.0][1]
-    assert fit_inflation(prof, spec, cal, configs, at[1.4]) == pytest.approx(1.4, abs=1e-3)
-    assert fit_inflation(prof, spec, cal, configs[:1], at[1.4][:1]) == \
-        pytest.approx(1.4, abs=1e-3)
-    assert fit_inflation(prof, spec, Calibration({}, 2), configs, at[1.4]) == 1.0
+    configs = [[4, 3, "1f1b", "keep"], [4, 3, "gpipe", "keep"], [4, 3, "1f1b", "swap"]]
+    at = {x: [predict(prof, spec, *c, cal, *x)["step_s"] for c in configs]
+          for x in ((1.0, 1.0), (1.4, 1.0), (1.4, 2.5))}
+    assert at[1.4, 1.0][0] > at[1.0, 1.0][0] and at[1.4, 1.0][1] > at[1.0, 1.0][1]
+    # the copies cost only where layers are swapped, and more with their inflation
+    assert at[1.4, 2.5][:2] == at[1.4, 1.0][:2] and at[1.4, 2.5][2] > at[1.4, 1.0][2]
+    fit = fit_inflation(prof, spec, cal, configs, at[1.4, 2.5])
+    assert fit["inflation"] == pytest.approx(1.4, abs=1e-3)
+    assert fit["copy_inflation"] == pytest.approx(2.5, abs=1e-3)
+    one = fit_inflation(prof, spec, cal, configs[:1], at[1.4, 2.5][:1])
+    assert one == {"inflation": pytest.approx(1.4, abs=1e-3), "copy_inflation": 1.0}
+    assert fit_inflation(prof, spec, Calibration({}, 2), configs, at[1.4, 2.5]) == \
+        {"inflation": 1.0, "copy_inflation": 1.0}
 
 
 def test_the_contention_runs_are_never_ones_the_sweep_judges():
     keys = [(2, 8, "1f1b", "keep"), (4, 4, "gpipe", "keep")]
     assert contention_configs(ForecastSpec(), keys) == [
-        (2, 3, "1f1b", "keep"), (2, 3, "gpipe", "keep"),
-        (4, 3, "1f1b", "keep"), (4, 3, "gpipe", "keep")]
+        (2, 3, "1f1b", "keep"), (2, 3, "gpipe", "keep"), (2, 3, "1f1b", "swap"),
+        (4, 3, "1f1b", "keep"), (4, 3, "gpipe", "keep"), (4, 3, "1f1b", "swap")]
     with pytest.raises(ConfigError, match="drop it from the sweep"):
         contention_configs(ForecastSpec(), [*keys, (4, 3, "gpipe", "keep")])

@@ -65,6 +65,14 @@ def test_host_copies_are_cpu_work_of_the_rank():
     assert replay(lists, costs, links, Sharing(cores=1)).step_s == pytest.approx(3.0 + 1.0)
 
 
+def test_copy_inflation_scales_the_host_copies_alone():
+    lists = [[Action(0, F, 0), Action(0, B, 0)]]
+    costs = [StageCost(forward_s=1.0, backward_s=2.0, host_bytes=100)]
+    links = Links([0], [[math.inf]], host_bandwidth=200.0)
+    got = replay(lists, costs, links, Sharing(cores=1, inflation=1.5, copy_inflation=3.0))
+    assert got.step_s == pytest.approx(1.5 * 3.0 + 3.0 * 1.0)
+
+
 @pytest.mark.parametrize("schedule,pp,v", [("gpipe", 2, 1), ("1f1b", 4, 1), ("zb-h1", 3, 1),
                                            ("interleaved-1f1b", 2, 2), ("zb-v", 2, 2)])
 def test_with_cores_to_spare_it_is_the_plain_replay(schedule, pp, v):

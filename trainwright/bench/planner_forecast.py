@@ -27,9 +27,11 @@ overhead, the delivery of messages among ranks sharing the host, and ranks shari
 host's cores (the processor-sharing replay, :mod:`~trainwright.plan.sharing`, with the
 transport threads' CPU per message). One term is the model's, not the machine's: its
 compute under shared cores runs ``inflation`` times its profile (caches evicted by the
-other ranks), fitted per rank count to a run of the model the sweep does not judge
-(:data:`CONTENTION_RUNS`: 1F1B and GPipe, 3 micro-batches, every layer kept), timed in every round
-with the others (:func:`fit_inflation`). Per-stage peaks come from one call,
+other ranks), and its host-swap copies ``copy_inflation`` times their single-process time
+(the memory shared with the other ranks' work), fitted per rank count to runs of the model
+the sweep does not judge (:data:`CONTENTION_RUNS`: 1F1B and GPipe with 3 micro-batches and
+every layer kept for the compute; 1F1B swapping every layer for the copies), timed in
+every round with the others (:func:`fit_inflation`). Per-stage peaks come from one call,
 :func:`predicted_peaks`: the footprint model (:mod:`~trainwright.plan.footprint`), device
 and host apart, from the same profile's working-set terms; limits are planned as a run's
 ``memory.limit`` plans them (:func:`~trainwright.plan.fit.fit_plan`).
@@ -333,13 +335,14 @@ def _policies(spec: ForecastSpec, policy) -> dict[int, str]:
 
 
 def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: str,
-            policy, cal=None, inflation: float = 1.0) -> dict:
+            policy, cal=None, inflation: float = 1.0, copy_inflation: float = 1.0) -> dict:
     """Predicted step time and per-stage activation peak of one configuration, from the
     profile (and the machine's calibration ``cal``; None: the profile alone).
 
-    ``policy``: one name for every layer, or one per layer. ``inflation``: the model's
-    compute under shared cores over its profile (:func:`fit_inflation`; used when ``cal``
-    measured the processor-sharing replay's terms)."""
+    ``policy``: one name for every layer, or one per layer. ``inflation`` and
+    ``copy_inflation``: the model's compute and its host-swap copies under shared cores
+    over their profiled times (:func:`fit_inflation`; used when ``cal`` measured the
+    processor-sharing replay's terms)."""
     from trainwright.bench.planner_predict import _layer_policy_placement
     from trainwright.plan.calibration import count_segments, with_delivery, with_overheads
     from trainwright.plan.simulate import Links, simulate
@@ -362,7 +365,7 @@ def predict(profile: Profile, spec: ForecastSpec, pp: int, mbs: int, schedule: s
                                 latency_s=profile.latency_s), cal, pp)
     lists = simulated_lists(schedule, build_schedule(schedule, pp, mbs, v))
     sim = simulate(lists, costs, links, slowdown=cal.factor if cal is not None else None,
-                   sharing=cal.sharing(inflation) if cal is not None else None)
+                   sharing=cal.sharing(inflation, copy_inflation) if cal is not None else None)
     return {"step_s": sim.step_s, "slowdown": sim.slowdown, "busy_s": list(sim.busy_s),
             "peak_bytes": list(sim.own_peak_bytes)}
 
@@ -545,17 +548,16 @@ def run(spec: ForecastSpec, progress=None) -> dict:
                                           plans[k]["policies"] if k in plans else None))
                 done += 1
     say("done", done, total)
-    # the model's compute under shared cores, fitted to its contention runs alone
+    # the model's compute and copies under shared cores, fitted to its contention runs alone
     contention: dict[int, dict] = {}
     for k in probes:
         c = contention.setdefault(k[0], {"configs": [], "measured_step_s": []})
         c["configs"].append(list(k))
         c["measured_step_s"].append(statistics.median(x["step_s"] for x in runs.pop(k)))
     for c in contention.values():
-        c["inflation"] = round(fit_inflation(profile, spec, cal, c["configs"],
-                                             c["measured_step_s"]), 4)
+        c.update(fit_inflation(profile, spec, cal, c["configs"], c["measured_step_s"]))
     preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal,
-                           contention.get(k[0], {}).get("inflation", 1.0)),
+                           *_inflations(contention.get(k[0]))),
                  "uncalibrated_step_s": predict(profile, spec, *k[:3], pols[k])["step_s"],
                  "peaks": predicted_peaks(profile, spec, *k[:3], pols[k])} for k in keys}
     out = _result(spec, profile, cal, keys, preds, plans, runs)
@@ -563,11 +565,12 @@ def run(spec: ForecastSpec, progress=None) -> dict:
     return out
 
 
-CONTENTION_RUNS = ((3, "1f1b", "keep"), (3, "gpipe", "keep"))
+CONTENTION_RUNS = ((3, "1f1b", "keep"), (3, "gpipe", "keep"), (3, "1f1b", "swap"))
 """Micro-batches, schedule and policy of the runs per rank count that measure the model's
-compute under shared cores (:func:`fit_inflation`): configurations the sweep does not
-hold, so that no prediction it judges is fitted to its own run; two, so that one run's
-noise moves the fit half as much."""
+compute and host-swap copies under shared cores (:func:`fit_inflation`): configurations the
+sweep does not hold, so that no prediction it judges is fitted to its own run; two that
+keep every layer, so that one run's noise moves the compute's fit half as much, and one
+that swaps every layer to the host for the copies'."""
 
 
 def contention_configs(spec: ForecastSpec, keys: list[tuple]) -> list[tuple]:
@@ -585,20 +588,37 @@ def contention_configs(spec: ForecastSpec, keys: list[tuple]) -> list[tuple]:
 
 
 def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list],
-                  measured_s: list[float]) -> float:
-    """The model's compute time under shared cores over its profile: the inflation at
-    which the processor-sharing replay of ``configs`` takes what they took (their
-    geometric means equal); 1.0 when ``cal`` did not measure that replay's terms."""
+                  measured_s: list[float]) -> dict:
+    """The model's terms under shared cores, fitted to its contention runs ``configs``
+    (which took ``measured_s``): ``inflation``, its compute time over its profile, at which
+    the processor-sharing replay of the runs that keep every layer takes what they took
+    (their geometric means equal); then, with that, ``copy_inflation``, its host-swap
+    copies' time over the single-process swap rate, from the runs that swap every layer
+    (1.0 without one). Both 1.0 when ``cal`` did not measure the replay's terms."""
     from trainwright.plan.calibration import fit_increasing
 
     if cal is None or cal.sharing() is None:
-        return 1.0
+        return {"inflation": 1.0, "copy_inflation": 1.0}
 
-    def predicted(x: float) -> float:
-        return statistics.geometric_mean(
-            predict(profile, spec, pp, mbs, schedule, policy, cal, x)["step_s"]
-            for pp, mbs, schedule, policy in configs)
-    return fit_increasing(predicted, statistics.geometric_mean(measured_s), 0.5, 4.0)
+    def fitted(policy: str, at) -> float | None:
+        runs = [(c, m) for c, m in zip(configs, measured_s, strict=True) if c[3] == policy]
+        if not runs:
+            return None
+
+        def predicted(x: float) -> float:
+            return statistics.geometric_mean(
+                predict(profile, spec, *c, cal, *at(x))["step_s"] for c, _ in runs)
+        return fit_increasing(predicted, statistics.geometric_mean(m for _, m in runs),
+                              0.5, 8.0)
+    inflation = fitted("keep", lambda x: (x, 1.0)) or 1.0
+    copies = fitted("swap", lambda x: (inflation, x)) or 1.0
+    return {"inflation": round(inflation, 4), "copy_inflation": round(copies, 4)}
+
+
+def _inflations(contention: dict | None) -> tuple[float, float]:
+    """``(inflation, copy_inflation)`` fitted for a rank count (1.0 where none was)."""
+    c = contention or {}
+    return c.get("inflation", 1.0), c.get("copy_inflation", 1.0)
 
 
 def _config_row(spec, k, pred, plan, runs) -> dict:

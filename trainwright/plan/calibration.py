@@ -89,7 +89,7 @@ class Calibration:
     method: int = METHOD
     """The :data:`METHOD` it was measured with."""
 
-    def sharing(self, inflation: float = 1.0) -> Sharing | None:
+    def sharing(self, inflation: float = 1.0, copy_inflation: float = 1.0) -> Sharing | None:
         """The processor-sharing replay's terms on this host (None when the transport was
         not measured).
 
@@ -97,10 +97,14 @@ class Calibration:
             inflation: compute's time under sharing over its profile
                 (:attr:`~trainwright.plan.sharing.Sharing.inflation`; a model's, measured
                 by a run of it, not the machine's).
+            copy_inflation: a host-swapped stage's copies under sharing over their
+                single-process time (:attr:`~trainwright.plan.sharing.Sharing.copy_inflation`;
+                likewise a model's).
         """
         if self.transport_s is None:
             return None
-        return Sharing(self.cores, self.transport_s, self.transport_s_per_byte, inflation)
+        return Sharing(self.cores, self.transport_s, self.transport_s_per_byte, inflation,
+                       copy_inflation)
 
     def factor(self, k: float) -> float:
         """Time factor of ``k`` (possibly fractional) concurrent ranks: linear between the

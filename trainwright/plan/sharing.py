@@ -15,8 +15,9 @@ limit of the scheduler's time slices). The jobs:
 * a compute action (``F``/``B``/``W``; ``STEP``): its profiled seconds times the
   calibrated ``inflation`` (compute runs slower than alone while other ranks evict its
   caches), plus its per-action overhead; on a host-swapped stage ``F`` also copies its
-  activations out and ``B`` copies them back (``host_bytes / host_bandwidth``; on the CPU
-  the rank's own thread copies);
+  activations out and ``B`` copies them back (``host_bytes / host_bandwidth`` times the
+  calibrated ``copy_inflation``: copies share the memory with the other ranks' work; on the
+  CPU the rank's own thread copies);
 * a send or receive: the rank's own posting and decoding (``action_s``); a send's message
   leaves when its posting ends (the plain replay sends it when the posting starts);
 * a message: the transport's CPU on the sender's side (``transport_s +
@@ -47,8 +48,8 @@ __all__ = ["Sharing", "SharedStep", "supported", "replay"]
 @dataclass(frozen=True)
 class Sharing:
     """The host the ranks share: the cores and the transport from the machine's calibration
-    (:meth:`trainwright.plan.calibration.Calibration.sharing`), the inflation from a run of
-    the model (1.0 without one)."""
+    (:meth:`trainwright.plan.calibration.Calibration.sharing`), the inflations from runs of
+    the model (1.0 without them)."""
 
     cores: float
     """Cores this pipeline's ranks have (a share of the host's when data-parallel
@@ -60,6 +61,9 @@ class Sharing:
     inflation: float = 1.0
     """A rank's compute time in a pipeline of ranks sharing the host, as the processor
     sharing sees it, over its profiled time (caches evicted by the other ranks)."""
+    copy_inflation: float = 1.0
+    """A host-swapped stage's copies in such a pipeline over their time at the swap's
+    single-process rate (the memory's bandwidth shared with the other ranks' work)."""
 
 
 @dataclass
@@ -226,7 +230,9 @@ class _SharedReplay:
         its whole backward)."""
         whole_in_w = a.stage == 0 and self.split[s]
         copies = {ActionKind.F: True, ActionKind.B: not whole_in_w, ActionKind.W: whole_in_w}
-        return c.host_bytes / self.links.host_bandwidth if copies[a.kind] else 0.0
+        if not copies[a.kind]:
+            return 0.0
+        return self.sharing.copy_inflation * c.host_bytes / self.links.host_bandwidth
 
     def _key(self, a) -> tuple:
         v = a.stage
