@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
+from trainwright.bench.forecast_model import ForecastSpec
 from trainwright.bench.planner import PlannerBenchSpec, dgx1_table, plan_175b, run
-from trainwright.bench.planner_forecast import ForecastSpec
 
 
 @pytest.mark.slow  # calibration, 6 `trainwright run` subprocesses + the families: ~3 min idle
@@ -79,7 +79,7 @@ def test_175b_on_1024_gpus_plans_and_dgx1_table():
 
 
 def test_the_forecasts_profile_is_the_median_of_its_takes():
-    from trainwright.bench.planner_forecast import Profile, merged
+    from trainwright.bench.forecast_model import Profile, merged
     from trainwright.observe.tensor_profile import LayerTensors
 
     def take(ms: float, table: str) -> Profile:

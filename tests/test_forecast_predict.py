@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from trainwright.bench.planner_forecast import (
+from trainwright.bench.forecast_model import (
     ForecastSpec,
     Profile,
-    _layers_and_batch,
     contention_configs,
     fit_inflation,
     plan_limit,
     predict,
     predicted_peaks,
 )
+from trainwright.bench.planner_forecast import _layers_and_batch
 from trainwright.errors import ConfigError
 from trainwright.plan.calibration import Calibration
 

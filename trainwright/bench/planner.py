@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
+from trainwright.bench.forecast_model import ForecastSpec
 from trainwright.bench.paired import paired, round_order
-from trainwright.bench.planner_forecast import ForecastSpec
 from trainwright.bench.planner_forecast import run as run_forecast
 from trainwright.bench.planner_predict import measured
 
@@ -272,7 +272,7 @@ def _family_budgets(spec: PlannerBenchSpec, tensor_rows: list, forecast: Forecas
     """Budgets of question 2 from the forecast's predicted all-keep peaks (4 stages, 1F1B)."""
     import copy
 
-    from trainwright.bench.planner_forecast import Profile, predict
+    from trainwright.bench.forecast_model import Profile, predict
 
     rows = copy.deepcopy(tensor_rows)
     prof = Profile(rows, [0.0] * len(rows), profile["latency_s"], profile["bandwidth_Bps"],
