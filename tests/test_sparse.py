@@ -631,7 +631,7 @@ def test_learned_factors_follow_the_slowest_rank_and_bad_input_is_named():
     with pytest.raises(ValueError, match="sparse path 'ring'"):
         SparseGradSync(None, 2, path="ring")
     with pytest.raises(TypeError, match="floating-point"):
-        from trainwright.sync.sparse import _pack
+        from trainwright.sync.rowsparse import _pack
 
         _pack(RowSparse(torch.tensor([0]), 2, torch.tensor([[1]])), 1)
     with pytest.raises(TypeError, match="one sparse dimension"):
