@@ -213,6 +213,59 @@ def test_sparse_sync_equals_dense_all_reduce(world):
     run_workers(_exchange_worker, world, timeout_s=220)
 
 
+def _carried_rows_worker(rank: int, world: int) -> None:
+    """From the second step on, the rows of an ``allgather`` parameter travel with the
+    counts: one all-gather a step instead of two, the same sums; a rank with more rows than
+    the capacity (last step's largest count plus headroom), or a rank where the parameter
+    is not row-sparse, makes it exchanged again after the counts, still exactly."""
+    from trainwright.sync import sparse_exchange
+
+    calls = []
+    plain = sparse_exchange.all_gather_into
+
+    def spy(out, inp, group=None):
+        calls.append(inp.numel())
+        return plain(out, inp, group=group)
+
+    sparse_exchange.all_gather_into = spy
+    # rank 0's rows: 9 (one_rank), 13 (overlap: fits 9 + 16), 40 (all_rows: more than
+    # 13 + 16), 13, then a dense gradient on rank 1 (the table is not watched: row-sparse
+    # on rank 0 only, sent dense), then 5 (equal)
+    steps = [("one_rank", "coo", 2), ("overlap", "coo", 1), ("all_rows", "coo", 2),
+             ("overlap", "coo", 1), ("overlap", "dense_on_rank_1", 1), ("equal", "coo", 1)]
+    taken = {}
+    try:
+        for path in ("allgather", "auto"):
+            sync = SparseGradSync(None, world, path=path, link=LINK)
+            emb, lin = nn.Embedding(HEIGHT, DIM, sparse=True), nn.Linear(5, 4)
+            for step, (case, kind, collectives) in enumerate(steps):
+                coo = _case_grad(case, rank, world, torch.int64)[0]
+                want = _dense_oracle(coo.to_dense(), world)
+                emb.weight.grad = coo.to_dense() if kind == "dense_on_rank_1" and rank == 1 \
+                    else coo
+                lin.weight.grad = torch.ones(4, 5)
+                calls.clear()
+                sync.sync([emb.weight, lin.weight])
+                label = f"{path} step {step} {case} {kind} rank {rank}: {sync.last}"
+                got = emb.weight.grad
+                torch.testing.assert_close(got.to_dense() if got.is_sparse else got, want,
+                                           msg=lambda m, la=label: f"{la}: {m}")
+                if path == "allgather":
+                    assert len(calls) == collectives, (label, calls)
+                else:
+                    taken[step] = (sync.last[0].path if sync.last else "dense", len(calls))
+    finally:
+        sparse_exchange.all_gather_into = plain
+    # auto (exploring the other paths on the way): every step exact, never more than the
+    # two collectives of before, and once it holds allgather the rows come with the counts
+    assert ("allgather", 1) in taken.values() and max(n for _, n in taken.values()) <= 2, taken
+
+
+@pytest.mark.timeout(120)
+def test_rows_travel_with_the_counts_once_the_path_is_known():
+    run_workers(_carried_rows_worker, 2, timeout_s=100)
+
+
 # --------------------------------------------------------------------- training parity
 
 

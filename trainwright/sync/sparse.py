@@ -60,8 +60,10 @@ from trainwright.sync.sparse_cost import (
 )
 from trainwright.sync.sparse_exchange import (
     EXCHANGE_PATHS,
+    carried_sum,
     exchange,
     gather_counts,
+    gather_counts_with_rows,
     global_rank,
 )
 
@@ -72,6 +74,10 @@ log = logging.getLogger(__name__)
 
 PATHS = ("auto", *EXCHANGE_PATHS)
 """Values of ``sync.sparse_path``: ``auto`` lets the cost model choose, the others force."""
+
+CAPACITY_HEADROOM = 0.1
+"""Rows sent with the counts: last step's largest count plus this share (at least 16
+rows); a rank with more makes that parameter's exchange run again, after the counts."""
 
 # --------------------------------------------------------------------------- strategy
 
@@ -120,6 +126,9 @@ class SparseGradSync(GradSync):
         self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
+        self._seen: dict[int, tuple] = {}
+        """Per row-sparse parameter, from last step's gathered counts (the same on every
+        rank): ``(counts, any_sparse, row_bytes, height, row_shape, dtype)``."""
 
     def watch(self, modules) -> None:
         """Register the embedding tables inside ``modules`` as row-sparse parameters."""
@@ -216,7 +225,17 @@ class SparseGradSync(GradSync):
         kinds = [int(p.grad is not None and p.grad.is_sparse) for p in params]
         keys = sorted(self._observed)
         slow = [round(self._observed[k] * 1000) for k in keys]
-        counts = gather_counts(local + kinds + slow, self.group, params[0].device)
+        ahead, carried = self._ahead(params), None
+        fused_started = time.perf_counter()
+        if ahead is None:
+            counts = gather_counts(local + kinds + slow, self.group, params[0].device)
+        else:  # one parameter's rows travel with the counts
+            i, cap, shape, dtype = ahead
+            mine = triples.get(i)
+            fits = mine is not None and (mine.row_shape, mine.dtype) == (shape, dtype)
+            counts, carried = gather_counts_with_rows(
+                local + kinds + slow, mine.triple() if fits else None, cap, row_shape=shape,
+                dtype=dtype, group=self.group, device=params[0].device)
         n = len(params)
         self._learn(keys, counts[:, 2 * n:])
         dense_params, seen = [], {}
@@ -233,6 +252,8 @@ class SparseGradSync(GradSync):
             any_sparse = bool(counts[:, n + i].max())
             t = triples[i]
             row_bytes = math.prod(t.row_shape) * torch.empty(0, dtype=t.dtype).element_size()
+            self._seen[id(p)] = (tuple(col), any_sparse, row_bytes, t.height, t.row_shape,
+                                 t.dtype)
             if link is not None:
                 choice = self._choose(p, link, col, t.height, row_bytes, any_sparse)
             else:
@@ -247,6 +268,10 @@ class SparseGradSync(GradSync):
                 continue
             if choice.path == "none":
                 summed = t.triple()
+            elif ahead is not None and ahead[0] == i and choice.path == "allgather" \
+                    and max(col) <= ahead[1] and ahead[2:] == (t.row_shape, t.dtype):
+                started = fused_started  # the rows came with the counts
+                summed = carried_sum(carried, ahead[1], col, t.height, t.row_shape)
             elif choice.path == "dense":
                 summed = exchange(t, col, "dense", self.group, self._free_buffer(p))
             else:
@@ -269,6 +294,30 @@ class SparseGradSync(GradSync):
                                f"{list(c.counts)}" for c in self.last))
         return self.last
 
+
+    def _ahead(self, params: list) -> tuple | None:
+        """The parameter whose rows travel with this step's counts, how many rows and their
+        layout: ``(index, capacity, row_shape, dtype)``, or None. Decided from gathered
+        state only, so every rank decides the same: the first parameter that was row-sparse
+        last step, when its path is ``allgather`` whatever this step's counts turn out to
+        be (forced, or ``auto``'s held path, kept at last step's counts: neither left nor
+        set aside to measure another). Should the counts say otherwise after all, that
+        parameter is exchanged again along the chosen path."""
+        i = next((i for i, p in enumerate(params) if id(p) in self._seen), None)
+        if i is None or self.path not in ("auto", "allgather"):
+            return None
+        col, any_sparse, row_bytes, height, shape, dtype = self._seen[id(params[i])]
+        if self.path == "auto":
+            held = self._sticky.get(id(params[i]))
+            if held is None or held[0] != "allgather" or self.link is None:
+                return None
+            choice = self.link.choose(list(col), height, row_bytes, self.world, any_sparse,
+                                      history=self.history, explore=self.explore,
+                                      current="allgather")
+            if choice.path != "allgather" or choice.explored:
+                return None
+        top = max(col)
+        return i, top + max(16, math.ceil(CAPACITY_HEADROOM * top)), shape, dtype
 
     @staticmethod
     def _observe(choice: PathChoice, started: float, seen: dict) -> None:
