@@ -7,6 +7,7 @@ definition, but the oracle is the real thing: ``dist.all_reduce`` of the dense g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -235,8 +236,11 @@ def _carried_rows_worker(rank: int, world: int) -> None:
              ("overlap", "coo", 1), ("overlap", "dense_on_rank_1", 1), ("equal", "coo", 1)]
     taken = {}
     try:
+        # auto on links where latency is all: one all-gather beats two broadcasts or two
+        # all-reduces at any count, and nothing else is measured (explore 0), so it holds
+        slow = dataclasses.replace(LINK, latency_s=1e-2)
         for path in ("allgather", "auto"):
-            sync = SparseGradSync(None, world, path=path, link=LINK)
+            sync = SparseGradSync(None, world, path=path, link=slow, explore=0)
             emb, lin = nn.Embedding(HEIGHT, DIM, sparse=True), nn.Linear(5, 4)
             for step, (case, kind, collectives) in enumerate(steps):
                 coo = _case_grad(case, rank, world, torch.int64)[0]
@@ -250,15 +254,11 @@ def _carried_rows_worker(rank: int, world: int) -> None:
                 got = emb.weight.grad
                 torch.testing.assert_close(got.to_dense() if got.is_sparse else got, want,
                                            msg=lambda m, la=label: f"{la}: {m}")
-                if path == "allgather":
-                    assert len(calls) == collectives, (label, calls)
-                else:
-                    taken[step] = (sync.last[0].path if sync.last else "dense", len(calls))
+                assert len(calls) == collectives, (label, calls)
+                taken[path, step] = sync.last[0].path if sync.last else "sent dense"
     finally:
         sparse_exchange.all_gather_into = plain
-    # auto (exploring the other paths on the way): every step exact, never more than the
-    # two collectives of before, and once it holds allgather the rows come with the counts
-    assert ("allgather", 1) in taken.values() and max(n for _, n in taken.values()) <= 2, taken
+    assert all(p in ("allgather", "sent dense") for p in taken.values()), taken
 
 
 @pytest.mark.timeout(120)
