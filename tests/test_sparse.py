@@ -256,6 +256,11 @@ def _carried_rows_worker(rank: int, world: int) -> None:
                                            msg=lambda m, la=label: f"{la}: {m}")
                 assert len(calls) == collectives, (label, calls)
                 taken[path, step] = sync.last[0].path if sync.last else "sent dense"
+            # the separate count all-gathers' time, the allgather path's credit: the same
+            # on every rank (gathered with the counts), so every rank chooses alike
+            every = [None] * world
+            dist.all_gather_object(every, sync.counts_s)
+            assert sync.counts_s > 0 and every == [sync.counts_s] * world, every
     finally:
         sparse_exchange.all_gather_into = plain
     assert all(p in ("allgather", "sent dense") for p in taken.values()), taken
@@ -426,6 +431,12 @@ def test_cost_model_picks_the_cheapest_path_at_each_density():
     # one rank holds all rows: a tree broadcast from it beats padding everyone to its size
     skewed = LINK.choose([20_000, 0, 0, 0], height, row_bytes, world, sparse_input=True)
     assert skewed.path == "broadcast"
+    # unless the count all-gather it would spare costs more than the broadcast's lead
+    lead = skewed.estimates_s["allgather"] - skewed.estimates_s["broadcast"]
+    for credit, path in ((0.5 * lead, "broadcast"), (1.5 * lead, "allgather")):
+        got = LINK.choose([20_000, 0, 0, 0], height, row_bytes, world, True,
+                          allgather_credit_s=credit)
+        assert got.path == path, (credit, got)
     assert LINK.choose([0, 0, 0, 0], height, row_bytes, world, True).path == "none"
     forced = LINK.choose([10] * 4, height, row_bytes, world, True, force="dense")
     assert forced.path == "dense" and forced.forced

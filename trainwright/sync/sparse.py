@@ -35,10 +35,12 @@ plain data parallel. Both send every other parameter through
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import math
+import statistics
 import time
 import weakref
 
@@ -126,6 +128,12 @@ class SparseGradSync(GradSync):
         self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
+        self.counts_s = 0.0
+        """The separate count all-gather's own time (the rank that arrived last, which
+        waited least; the median of the last measurements): what the ``allgather`` path
+        saves when the counts ride with it."""
+        self._counts_s: collections.deque = collections.deque(maxlen=5)
+        self._counts_took = 0.0
         self._seen: dict[int, tuple] = {}
         """Per row-sparse parameter, from last step's gathered counts (the same on every
         rank): ``(counts, any_sparse, row_bytes, height, row_shape, dtype)``."""
@@ -181,7 +189,8 @@ class SparseGradSync(GradSync):
             held = None
         choice = link.choose(col, height, row_bytes, self.world, any_sparse,
                              history=self.history, explore=self.explore,
-                             current=held[0] if held else None)
+                             current=held[0] if held else None,
+                             allgather_credit_s=self.counts_s)
         if not choice.explored and choice.path != "none":
             kept = held is not None and held[0] == choice.path
             self._sticky[id(p)] = (choice.path, held[1] if kept else total)
@@ -225,19 +234,27 @@ class SparseGradSync(GradSync):
         kinds = [int(p.grad is not None and p.grad.is_sparse) for p in params]
         keys = sorted(self._observed)
         slow = [round(self._observed[k] * 1000) for k in keys]
+        # with them, how long this rank's last separate count all-gather took (us; 0: none)
+        meta = local + kinds + slow + [round(self._counts_took * 1e6)]
         ahead, carried = self._ahead(params), None
-        fused_started = time.perf_counter()
         if ahead is None:
-            counts = gather_counts(local + kinds + slow, self.group, params[0].device)
+            started = time.perf_counter()
+            counts = gather_counts(meta, self.group, params[0].device)
+            self._counts_took = time.perf_counter() - started
         else:  # one parameter's rows travel with the counts
             i, cap, shape, dtype = ahead
             mine = triples.get(i)
             fits = mine is not None and (mine.row_shape, mine.dtype) == (shape, dtype)
             counts, carried = gather_counts_with_rows(
-                local + kinds + slow, mine.triple() if fits else None, cap, row_shape=shape,
-                dtype=dtype, group=self.group, device=params[0].device)
+                meta, mine.triple() if fits else None, cap, row_shape=shape, dtype=dtype,
+                group=self.group, device=params[0].device)
+            self._counts_took = 0.0
         n = len(params)
-        self._learn(keys, counts[:, 2 * n:])
+        self._learn(keys, counts[:, 2 * n: 2 * n + len(keys)])
+        took = counts[:, -1][counts[:, -1] > 0]
+        if took.numel():  # the last rank to arrive waited least: the collective's own time
+            self._counts_s.append(int(took.min()) / 1e6)
+            self.counts_s = statistics.median(self._counts_s)
         dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
         for i, p in enumerate(params):
@@ -270,7 +287,9 @@ class SparseGradSync(GradSync):
                 summed = t.triple()
             elif ahead is not None and ahead[0] == i and choice.path == "allgather" \
                     and max(col) <= ahead[1] and ahead[2:] == (t.row_shape, t.dtype):
-                started = fused_started  # the rows came with the counts
+                # the rows came with the counts; not timed: the collective also waited for
+                # the last rank to arrive, which the count all-gather used to absorb
+                started = None
                 summed = carried_sum(carried, ahead[1], col, t.height, t.row_shape)
             elif choice.path == "dense":
                 summed = exchange(t, col, "dense", self.group, self._free_buffer(p))
@@ -279,7 +298,8 @@ class SparseGradSync(GradSync):
                 summed = exchange(t, col, choice.path, self.group)
             summed.values.div_(self.world)
             _write_grad(p, summed, local_sparse)
-            self._observe(choice, started, seen)
+            if started is not None:
+                self._observe(choice, started, seen)
             if choice.path == "dense":
                 buf = summed.values._base if summed.values._base is not None else summed.values
                 self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
@@ -313,7 +333,7 @@ class SparseGradSync(GradSync):
                 return None
             choice = self.link.choose(list(col), height, row_bytes, self.world, any_sparse,
                                       history=self.history, explore=self.explore,
-                                      current="allgather")
+                                      current="allgather", allgather_credit_s=self.counts_s)
             if choice.path != "allgather" or choice.explored:
                 return None
         top = max(col)
