@@ -134,6 +134,9 @@ class SparseGradSync(GradSync):
         saves when the counts ride with it."""
         self._counts_s: collections.deque = collections.deque(maxlen=5)
         self._counts_took = 0.0
+        self._carried: tuple | None = None
+        """Last step's carried rows: ``((path, band), this rank's measured / predicted)``,
+        learned once gathered (the smallest: the rank that arrived last waited least)."""
         self._seen: dict[int, tuple] = {}
         """Per row-sparse parameter, from last step's gathered counts (the same on every
         rank): ``(counts, any_sparse, row_bytes, height, row_shape, dtype)``."""
@@ -235,12 +238,14 @@ class SparseGradSync(GradSync):
         keys = sorted(self._observed)
         slow = [round(self._observed[k] * 1000) for k in keys]
         # with them, how long this rank's last separate count all-gather took (us; 0: none)
-        meta = local + kinds + slow + [round(self._counts_took * 1e6)]
+        # and how the carried rows ran against their prediction (x 1000; 0: none)
+        carried_ratio = round(self._carried[1] * 1000) if self._carried else 0
+        meta = local + kinds + slow + [round(self._counts_took * 1e6), carried_ratio]
         ahead, carried = self._ahead(params), None
+        fused_started = time.perf_counter()
         if ahead is None:
-            started = time.perf_counter()
             counts = gather_counts(meta, self.group, params[0].device)
-            self._counts_took = time.perf_counter() - started
+            self._counts_took = time.perf_counter() - fused_started
         else:  # one parameter's rows travel with the counts
             i, cap, shape, dtype = ahead
             mine = triples.get(i)
@@ -251,10 +256,14 @@ class SparseGradSync(GradSync):
             self._counts_took = 0.0
         n = len(params)
         self._learn(keys, counts[:, 2 * n: 2 * n + len(keys)])
-        took = counts[:, -1][counts[:, -1] > 0]
-        if took.numel():  # the last rank to arrive waited least: the collective's own time
+        # the last rank to arrive waited least: its times are the collectives' own
+        took, ratio = counts[:, -2][counts[:, -2] > 0], counts[:, -1][counts[:, -1] > 0]
+        if took.numel():
             self._counts_s.append(int(took.min()) / 1e6)
             self.counts_s = statistics.median(self._counts_s)
+        if self._carried is not None and ratio.numel():
+            self.history.add(self._carried[0], int(ratio.min()) / 1000)
+        self._carried = None
         dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
         for i, p in enumerate(params):
@@ -287,8 +296,8 @@ class SparseGradSync(GradSync):
                 summed = t.triple()
             elif ahead is not None and ahead[0] == i and choice.path == "allgather" \
                     and max(col) <= ahead[1] and ahead[2:] == (t.row_shape, t.dtype):
-                # the rows came with the counts; not timed: the collective also waited for
-                # the last rank to arrive, which the count all-gather used to absorb
+                # the rows came with the counts: timed from the collective's start, which
+                # also waited for the last rank to arrive (learned at the next gather)
                 started = None
                 summed = carried_sum(carried, ahead[1], col, t.height, t.row_shape)
             elif choice.path == "dense":
@@ -300,6 +309,10 @@ class SparseGradSync(GradSync):
             _write_grad(p, summed, local_sparse)
             if started is not None:
                 self._observe(choice, started, seen)
+            elif choice.estimates_s:
+                took = (time.perf_counter() - fused_started) / choice.estimates_s["allgather"]
+                self._carried = (("allgather", choice.band),
+                                 took * choice.factors["allgather"])
             if choice.path == "dense":
                 buf = summed.values._base if summed.values._base is not None else summed.values
                 self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
