@@ -122,11 +122,18 @@ class CostHistory:
     def factor(self, path: str, band: int) -> float:
         """The band's own correction, else one learned at a neighbouring band of the same
         path (4x smaller or larger), else 1. Farther bands say nothing: a latency-bound
-        small transfer's correction would mislead at hundreds of MB."""
-        if (path, band) in self.ratios:
-            return statistics.median(self.ratios[path, band])
-        near = [(abs(b - band), b) for p, b in self.ratios if p == path and abs(b - band) <= 1]
-        return statistics.median(self.ratios[path, min(near)[1]]) if near else 1.0
+        small transfer's correction would mislead at hundreds of MB. Until the band has
+        :data:`MIN_SAMPLES` fresh ratios its own correction counts only where it is the
+        lower: a path's first transfer at a new size is cold (fresh buffers fault their
+        pages in: 4.9 x its later ratio here), and one such sample must not keep it from
+        ever being taken again."""
+        near = [(abs(b - band), b) for p, b in self.ratios
+                if p == path and b != band and abs(b - band) <= 1]
+        other = statistics.median(self.ratios[path, min(near)[1]]) if near else 1.0
+        if (path, band) not in self.ratios:
+            return other
+        own = statistics.median(self.ratios[path, band])
+        return own if self.measured(path, band) else min(own, other)
 
 
 def sticky_path(est: dict[str, float], noise: dict[str, float], current: str | None) -> str:
