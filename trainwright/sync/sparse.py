@@ -129,14 +129,14 @@ class SparseGradSync(GradSync):
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
         self.counts_s = 0.0
-        """The separate count all-gather's time (the slowest rank's, waiting for the last to
-        arrive included; the median of the last measurements): what the ``allgather``
-        path saves when the counts ride with it."""
+        """The separate count all-gather's own time (the rank that arrived last, which
+        waited least; the median of the last measurements): what the ``allgather`` path
+        saves when the counts ride with it."""
         self._counts_s: collections.deque = collections.deque(maxlen=5)
         self._counts_took = 0.0
         self._carried: tuple | None = None
         """Last step's carried rows: ``((path, band), this rank's measured / predicted)``,
-        learned once gathered (the slowest rank's)."""
+        learned once gathered (the smallest: the rank that arrived last waited least)."""
         self._seen: dict[int, tuple] = {}
         """Per row-sparse parameter, from last step's gathered counts (the same on every
         rank): ``(counts, any_sparse, row_bytes, height, row_shape, dtype)``."""
@@ -256,14 +256,13 @@ class SparseGradSync(GradSync):
             self._counts_took = 0.0
         n = len(params)
         self._learn(keys, counts[:, 2 * n: 2 * n + len(keys)])
-        # the slowest rank's, as every path's: the carried rows' collective waited for the
-        # last rank to arrive as the count all-gather it replaces did, so both carry that
-        took, ratio = counts[:, -2], counts[:, -1]
-        if int(took.max()) > 0:
-            self._counts_s.append(int(took.max()) / 1e6)
+        # the last rank to arrive waited least: its times are the collectives' own
+        took, ratio = counts[:, -2][counts[:, -2] > 0], counts[:, -1][counts[:, -1] > 0]
+        if took.numel():
+            self._counts_s.append(int(took.min()) / 1e6)
             self.counts_s = statistics.median(self._counts_s)
-        if self._carried is not None and int(ratio.max()) > 0:
-            self.history.add(self._carried[0], int(ratio.max()) / 1000)
+        if self._carried is not None and ratio.numel():
+            self.history.add(self._carried[0], int(ratio.min()) / 1000)
         self._carried = None
         dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
@@ -297,8 +296,8 @@ class SparseGradSync(GradSync):
                 summed = t.triple()
             elif ahead is not None and ahead[0] == i and choice.path == "allgather" \
                     and max(col) <= ahead[1] and ahead[2:] == (t.row_shape, t.dtype):
-                # the rows came with the counts: timed from the collective's start, so the
-                # wait for the last rank is in it (learned at the next gather)
+                # the rows came with the counts: timed from the collective's start, which
+                # also waited for the last rank to arrive (learned at the next gather)
                 started = None
                 summed = carried_sum(carried, ahead[1], col, t.height, t.row_shape)
             elif choice.path == "dense":
