@@ -12,6 +12,7 @@ import logging
 import math
 import re
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -437,6 +438,19 @@ def test_cost_model_picks_the_cheapest_path_at_each_density():
         got = LINK.choose([20_000, 0, 0, 0], height, row_bytes, world, True,
                           allgather_credit_s=credit)
         assert got.path == path, (credit, got)
+        assert got.credit_s == {"allgather": pytest.approx(credit)}
+        assert got.estimates_s["allgather"] == pytest.approx(
+            skewed.estimates_s["allgather"] - credit)
+    # a time is learned against the estimate before the credit: 4 s against 1 + 1 s
+    # predicted at a factor of 2 is a ratio of 4 (measured / the uncorrected model)
+    from trainwright.sync.sparse import SparseGradSync as Sync
+    from trainwright.sync.sparse_cost import PathChoice
+
+    credited = PathChoice("allgather", (1, 1), {"allgather": 1.0}, 10.0,
+                          factors={"allgather": 2.0}, credit_s={"allgather": 1.0})
+    seen: dict = {}
+    Sync._observe(credited, time.perf_counter() - 4.0, seen)
+    assert seen[("allgather", credited.band)] == pytest.approx(4.0, rel=1e-2)
     assert LINK.choose([0, 0, 0, 0], height, row_bytes, world, True).path == "none"
     forced = LINK.choose([10] * 4, height, row_bytes, world, True, force="dense")
     assert forced.path == "dense" and forced.forced

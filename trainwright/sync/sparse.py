@@ -310,7 +310,7 @@ class SparseGradSync(GradSync):
             if started is not None:
                 self._observe(choice, started, seen)
             elif choice.estimates_s:
-                took = (time.perf_counter() - fused_started) / choice.estimates_s["allgather"]
+                took = (time.perf_counter() - fused_started) / _model_s(choice, "allgather")
                 self._carried = (("allgather", choice.band),
                                  took * choice.factors["allgather"])
             if choice.path == "dense":
@@ -357,9 +357,14 @@ class SparseGradSync(GradSync):
         """Note measured / predicted time of ``choice`` (gathered and learned next step)."""
         if choice.path in EXCHANGE_PATHS and choice.estimates_s:
             # measured / the model's own (uncorrected) estimate
-            took = (time.perf_counter() - started) / choice.estimates_s[choice.path]
+            took = (time.perf_counter() - started) / _model_s(choice, choice.path)
             key = (choice.path, choice.band)
             seen[key] = max(seen.get(key, 0.0), took * choice.factors[choice.path])
+
+
+def _model_s(choice: PathChoice, path: str) -> float:
+    """``path``'s corrected estimate before any credit (what its time is compared with)."""
+    return choice.estimates_s[path] + choice.credit_s.get(path, 0.0)
 
 
 def _write_grad(p: torch.Tensor, t: RowSparse, sparse: bool) -> None:

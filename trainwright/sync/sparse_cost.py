@@ -51,6 +51,10 @@ class PathChoice:
     """Per candidate path: the learned correction its estimate was multiplied by."""
     noise: dict = field(default_factory=dict)
     """Per candidate path: its measurement noise (see :meth:`CostHistory.noise`)."""
+    credit_s: dict = field(default_factory=dict)
+    """Per candidate path: seconds taken off its estimate for what it spares the others
+    (``allgather``: the count all-gather); a measurement is compared with the estimate
+    before it."""
 
     @property
     def band(self) -> int:
@@ -240,8 +244,10 @@ class LinkModel:
         band = {k: size_band(v[1]) for k, v in raw.items()}
         fac = {k: history.factor(k, band[k]) for k in raw}
         est = {k: v[0] * fac[k] for k, v in raw.items()}
+        credit = {}
         if allgather_credit_s > 0:
-            est["allgather"] = max(est["allgather"] - allgather_credit_s, 0.1 * est["allgather"])
+            credit["allgather"] = min(allgather_credit_s, 0.9 * est["allgather"])
+            est["allgather"] -= credit["allgather"]
         noise = {k: history.noise(k, band[k]) for k in raw}
         explored = False
         if force != "auto":
@@ -253,7 +259,7 @@ class LinkModel:
             if explore > 0 and history.measured(path, band[path]) and unmeasured:
                 path, explored = min(unmeasured, key=est.get), True
         return PathChoice(path, tuple(counts), est, raw[path][1], forced=force != "auto",
-                          explored=explored, factors=fac, noise=noise)
+                          explored=explored, factors=fac, noise=noise, credit_s=credit)
 
 
 def _median_time(fn, repeats: int) -> float:
