@@ -115,7 +115,7 @@ def run(system: str, spec: CheckpointSpec) -> dict:
 
 def main(args) -> dict:
     """``trainwright bench checkpoint``: the two systems side by side, paired per round."""
-    from trainwright.bench.paired import host_info, judged, round_order
+    from trainwright.bench.paired import host_info, judged, paired, round_order
 
     spec = CheckpointSpec()
     for item in getattr(args, "spec", None) or []:
@@ -133,14 +133,17 @@ def main(args) -> dict:
         for system in round_order(SYSTEMS, r):
             per_round[system].append(run(system, spec))
 
+    def _figures(num: str, den: str, system: str, ref: str) -> tuple[list, list]:
+        return [x[num] for x in per_round[system]], [x[den] for x in per_round[ref]]
+
     def ratios(num: str, den: str, system: str = "async", ref: str = "async") -> list[float]:
-        return [x[num] / q[den] for x, q in zip(per_round[system], per_round[ref], strict=True)]
+        return [a / b for a, b in zip(*_figures(num, den, system, ref), strict=True)]
 
     rows = [{"system": s,
              **{k: round(statistics.median(x[k] for x in per_round[s]), 5)
                 for k in ("quiet_step_s", "save_step_s", "mean_step_s")},
              "save_over_quiet": judged(ratios("save_step_s", "quiet_step_s", s, s), TARGET),
-             "mean_over_quiet": _spread(ratios("mean_step_s", "quiet_step_s", s, s)),
+             "mean_over_quiet": paired(*_figures("mean_step_s", "quiet_step_s", s, s)),
              "saves_that_waited": sum(x["saves_that_waited"] for x in per_round[s])}
             for s in SYSTEMS]
     blocking_extra = statistics.median(
@@ -155,14 +158,8 @@ def main(args) -> dict:
                 ratios("save_step_s", "quiet_step_s", ref="blocking"), TARGET),
             "async_mean_step_over_quiet_step": rows[0]["mean_over_quiet"],
             "blocking_mean_step_over_quiet_step": rows[1]["mean_over_quiet"],
-            "async_mean_step_over_blocking_mean_step": _spread(
-                ratios("mean_step_s", "mean_step_s", ref="blocking")),
+            "async_mean_step_over_blocking_mean_step": paired(
+                *_figures("mean_step_s", "mean_step_s", "async", "blocking")),
             "async_verdict": headline["verdict"],
             "blocking_save_longer_than_a_step": blocking_extra > quiet}
 
-
-def _spread(values: list[float]) -> dict:
-    """Median and 90 % interval of per-round ratios that carry no target."""
-    from trainwright.bench.paired import interval
-
-    return {"median": round(statistics.median(values), 4), "interval": list(interval(values))}

@@ -128,10 +128,6 @@ class SparseGradSync(GradSync):
         self._device = None
         self._buffers: dict[int, tuple[torch.Tensor, weakref.ref | None]] = {}
         """Per parameter: the dense path's table buffer and the gradient made from it."""
-        self.counts_s = 0.0
-        """The separate count all-gather's own time (the rank that arrived last, which
-        waited least; the median of the last measurements): what the ``allgather`` path
-        saves when the counts ride with it."""
         self._counts_s: collections.deque = collections.deque(maxlen=5)
         self._counts_took = 0.0
         self._carried: tuple | None = None
@@ -153,6 +149,13 @@ class SparseGradSync(GradSync):
         row-sparse (see :meth:`watch`); tables of layers that left are forgotten."""
         self._watched.clear()
         self.watch(modules)
+
+    @property
+    def counts_s(self) -> float:
+        """The separate count all-gather's own time (the rank that arrived last, which
+        waited least; the median of the last 5 measurements, 0 before one): what the
+        ``allgather`` path saves when the counts ride with it."""
+        return statistics.median(self._counts_s) if self._counts_s else 0.0
 
     def is_row_sparse(self, p: torch.Tensor) -> bool:
         """Whether this rank sees ``p`` as row-sparse (sparse grad or watched embedding)."""
@@ -260,7 +263,6 @@ class SparseGradSync(GradSync):
         took, ratio = counts[:, -2][counts[:, -2] > 0], counts[:, -1][counts[:, -1] > 0]
         if took.numel():
             self._counts_s.append(int(took.min()) / 1e6)
-            self.counts_s = statistics.median(self._counts_s)
         if self._carried is not None and ratio.numel():
             self.history.add(self._carried[0], int(ratio.min()) / 1000)
         self._carried = None
