@@ -28,13 +28,13 @@ def main() -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for col, (name, m) in enumerate(MODELS.items()):
         rows = table(m)
-        print(f"\n{name}\n| nodes | straggler | header B | " + " | ".join(
+        print(f"\n{name}\n| nodes | straggler | token B | notice B | " + " | ".join(
             f"{s} step s" for s in SYSTEMS) + " | DDP busiest/G | ring busiest/G |")
-        print("|" + "---|" * (5 + len(SYSTEMS)))
+        print("|" + "---|" * (6 + len(SYSTEMS)))
         for r in rows:
             print(f"| {r['nodes']} | {'one 3x' if r['straggler'] else 'none'} | "
-                  f"{r['header_bytes']} | " + " | ".join(f"{r[s + '_step_s']:.3f}"
-                                                       for s in SYSTEMS)
+                  f"{r['token_bytes']} | {r['notice_bytes']} | "
+                  + " | ".join(f"{r[s + '_step_s']:.3f}" for s in SYSTEMS)
                   + f" | {r['torch_ddp_busiest_bytes_over_grad']:.2f} | "
                     f"{r['tokenring_busiest_bytes_over_grad']:.2f} |")
         for straggler, style in ((False, "-"), (True, "--")):

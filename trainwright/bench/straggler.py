@@ -427,4 +427,18 @@ def main(args) -> dict:
                    else None)
         out[nodes] = run(spec, repeats=args.repeats or 5, partial=partial)
     return {**out[4], "nodes_8": {k: v for k, v in out[8].items() if k != "host"},
-            "host": host_info()}
+            "scale_model_256": scale_model_256(), "host": host_info()}
+
+
+def scale_model_256() -> dict:
+    """The model of scale (:mod:`~trainwright.tokenring.scale`) at 256 nodes for the 4-node
+    row's MLP: the busiest node's bytes per step over the gradient, with and without a
+    straggler (the larger is judged: at most 2.5, as measured at 4 and 8 nodes)."""
+    from trainwright.tokenring.scale import ScaleModel, simulate
+
+    m = ScaleModel()
+    busiest = max(simulate(m, 256, straggler)["tokenring"]["busiest_bytes_over_grad"]
+                  for straggler in (False, True))
+    target = TARGETS["busiest_node_bytes_per_step_over_grad"]
+    return {"nodes": 256, "grad_bytes": m.grad_bytes, "busiest_bytes_over_grad": round(busiest, 3),
+            "target": target, "verdict": "met" if busiest <= target else "missed"}

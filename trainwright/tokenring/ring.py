@@ -15,7 +15,7 @@ The closer then sends the closed sum around the ring in pipelined chunks
 sends about two gradients per step (the sum once with the token, once in the pass), not
 ``n - 1`` copies of its own as the original design's broadcast did.
 
-``close(step, contributors)`` travels inside every later token message (a window of recent
+``close(step, contributors)`` travels inside the later token messages (a window of recent
 closes), so a node that misses one message still learns every close. Every node applies the
 same closed sum, ``w <- w - lr * sum / n``: replicas stay bit-identical. A background
 thread (:class:`TokenRing`) does all of this while the trainer computes; the trainer only
@@ -27,8 +27,11 @@ not arrived is fetched from any member that has it; if nobody has it (its closer
 before its pass), it is rebuilt from the contributions, which every contributor keeps, in
 the close's order (:func:`~trainwright.tokenring.sumpass.fold`: bit for bit the token's sum).
 A running sum lost with a dead holder is dropped and its contributors add again when the
-token reaches them: their offers stand until the step closes. Token headers go to every
-member, so everyone knows the holder and when the ring went quiet.
+token reaches them: their offers stand until the step closes. Every hop also sends the
+other members a notice of the token (:func:`~trainwright.tokenring.token.token_header`),
+so everyone knows the holder and when the ring went quiet; the notice stays small as the
+ring grows (the last closes only, the membership only while an epoch is new), so a node's
+bytes per step stay about two gradients at any ring size (:mod:`~trainwright.tokenring.scale`).
 """
 
 from __future__ import annotations
@@ -55,12 +58,14 @@ from trainwright.tokenring.sumpass import (
     layout_of,
 )
 from trainwright.tokenring.token import (
+    CLOSE_WINDOW,
     RingFailed,
     RingLeft,
     RingTimes,
     Token,
     contributors_needed,
     sum_canonical,
+    token_header,
 )
 from trainwright.tokenring.wire import unpack
 
@@ -68,8 +73,6 @@ __all__ = ["RingTimes", "TokenRing", "Token", "contributors_needed", "sum_canoni
            "RingLeft", "RingFailed", "CLOSE_WINDOW"]
 
 log = logging.getLogger(__name__)
-CLOSE_WINDOW = 32
-"""Closes carried in every token message (a node can miss this many before it must leave)."""
 RETAIN_STEPS = 64
 """Closed steps whose gradients a node keeps to answer fetches (late joiners, lost frames)."""
 
@@ -157,7 +160,8 @@ class TokenRing:
         self._alive_sent = float("-inf")
         """Readiness times per step and the grace they imply (:mod:`.grace`)."""
         self._early = list(early or [])
-        self._ever = set(epoch.members)
+        self._ever = dict(epoch.members)
+        """Every node of every epoch seen here, and its address."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tokenring-{index}", daemon=True)
 
@@ -317,23 +321,20 @@ class TokenRing:
     def _broadcast(self, header: dict, tensors: list[torch.Tensor] = ()) -> None:
         self.links.broadcast(self.epoch.members, header, tensors)
 
-    def _tok_header(self, retx: bool = False) -> dict:
-        t = self.tok
-        window = {str(s): c for s, c in self.closes.items() if s > t.step - CLOSE_WINDOW}
-        return {"t": "tok", "ep": self.epoch.to_json(), "step": t.step, "contribs": t.contribs,
-                "holder": t.holder, "hop": t.hop, "idle": t.idle, "closes": window,
-                "retx": retx}
-
     def _send_token(self) -> None:
-        """The token header to every member; the running sum only to the next holder."""
-        header = self._tok_header()
+        """The whole token and the running sum to the next holder; the token's notice to
+        every other member."""
         t, acc = self.tok, self._acc
+        whole = token_header(t, self.epoch, self.closes, to_holder=True)
+        notice = token_header(t, self.epoch, self.closes, to_holder=False)
         carry = (acc[2] if t.contribs and acc is not None
                  and acc[:2] == (t.step, tuple(t.contribs)) else [])
         for i, addr in self.epoch.members.items():
-            if i != self.index:
-                self._send(i, addr, header, carry if i == t.holder else ())
-        self._last_tok = header
+            if i == t.holder and i != self.index:
+                self._send(i, addr, whole, carry)
+            elif i != self.index:
+                self._send(i, addr, notice)
+        self._last_tok = notice
         self._retx_done = False
         self._last_heard = self.clock()
 
@@ -488,14 +489,21 @@ class TokenRing:
             del self._asm[step]
 
     def _on_tok(self, h: dict, tensors: list[torch.Tensor] = ()) -> None:
-        ep = Epoch.from_json(h["ep"])
-        if ep.key < self.epoch.key:
-            if h["src"] not in self.epoch.members:  # a dropped node still talking: tell it
-                self._send(h["src"], ep.members[h["src"]],
-                           {"t": "left", "ep": self.epoch.to_json()})
+        key, src = tuple(h["ep"]["key"]), h["src"]
+        if key < self.epoch.key:
+            addr = h["ep"].get("members", {}).get(str(src), self._ever.get(src))
+            if src not in self.epoch.members and addr is not None:
+                # a dropped node still talking: tell it
+                self._send(src, addr, {"t": "left", "ep": self.epoch.to_json()})
             return
         tok = Token(h["step"], list(h["contribs"]), h["holder"], h["hop"], h["idle"])
-        if ep.key > self.epoch.key:
+        if key > self.epoch.key:
+            if "members" not in h["ep"]:
+                self._set_status("left", f"epoch {key} (from node {src}) formed while this "
+                                 f"node was out of reach and its membership never came here; "
+                                 f"it rejoins with fresh weights")
+                return
+            ep = Epoch.from_json(h["ep"])
             if self.index not in ep.members:
                 self._set_status("left", f"epoch {ep.key} (from node {h['src']}) has members "
                                  f"{ep.order} without this node")
@@ -508,7 +516,7 @@ class TokenRing:
             self.stats.events.append({"event": "epoch", "key": list(ep.key),
                                       "members": ep.order, "t": time.time()})
             self.epoch, self.tok = ep, tok
-            self._ever |= set(ep.members)
+            self._ever.update(ep.members)
             self.links.keep_only(self.epoch.members)
             self._last_heard = self.clock()
             self._merge_closes(h["closes"])
@@ -662,7 +670,7 @@ class TokenRing:
         if not new:
             return
         self.epoch = self.epoch.with_nodes(new, self.index)
-        self._ever |= set(new)
+        self._ever.update(new)
         self.tok.hop = 0
         self.stats.events.append({"event": "admit", "nodes": sorted(new), "at_step": step,
                                   "key": list(self.epoch.key), "t": time.time()})
@@ -705,7 +713,9 @@ class TokenRing:
                 and self._last_tok["ep"]["key"] == list(self.epoch.key)):
             self._retx_done = True
             self.stats.retransmissions += 1
-            self._broadcast({**self._last_tok, "retx": True})
+            last = self._last_tok  # whole: the membership, and the closes known here
+            self._broadcast({**last, "ep": self.epoch.to_json(), "retx": True, "closes": {
+                str(s): c for s, c in self.closes.items() if s > last["step"] - CLOSE_WINDOW}})
         holder = self.tok.holder
         if holder == self.index or holder not in self.epoch.members:
             return
@@ -720,7 +730,7 @@ class TokenRing:
         log.warning("token ring node %d: node %d silent for %.2f s; dropping it (members %s)",
                     self.index, lost, quiet, new.order)
         if len(new.members) < self.min_nodes:
-            lost_all = sorted(self._ever - set(new.members))
+            lost_all = sorted(self._ever.keys() - set(new.members))
             reason = (f"token ring failed after step {self.tok.step - 1}: node(s) {lost_all} "
                       f"lost or absent, {len(new.members)} left (node(s) {new.order}) < "
                       f"tokenring.min_nodes = {self.min_nodes}")

@@ -23,7 +23,7 @@ def pack(header: dict, tensors: list[torch.Tensor]) -> list:
     header = {**header, "shapes": [list(t.shape) for t in tensors],
               "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors]}
     # bytes view of each tensor (any dtype, bfloat16 included), shared with the tensor
-    return [json.dumps(header).encode()] + [
+    return [json.dumps(header, separators=(",", ":")).encode()] + [
         memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         for t in tensors]
 
