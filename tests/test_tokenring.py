@@ -578,6 +578,50 @@ def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
 
 
 @pytest.mark.timeout(30)
+def test_a_node_far_behind_in_step_after_step_costs_no_grace():
+    """Node 3 misses three closes by more than the cap (ready 0.5 s after the close, or never
+    ready): the next step closes at the quorum. Ready within the cap after one close, and
+    the grace waits for it again; a missing node not known late is always waited for."""
+    from trainwright.tokenring.grace import LATE_STEPS, AdaptiveGrace
+    from trainwright.tokenring.ring import Token
+
+    g = AdaptiveGrace(cap_s=0.1)
+    for step in range(1, LATE_STEPS + 1):
+        g.closed(step, 10.0 * step, missing={3})
+        if step != 2:  # in step 2 node 3 never said it was ready
+            g.ready(step, 3, 10.0 * step + 0.5)
+    assert not g.known_late(3, 10.0 * LATE_STEPS + 0.05)  # the last close's verdict not in
+    assert g.known_late(3, 10.0 * LATE_STEPS + 0.1)
+    assert not g.known_late(2, 100.0)  # it made every close
+    g.closed(LATE_STEPS + 1, 50.0, missing={3})
+    g.ready(LATE_STEPS + 1, 3, 50.09)  # a little late only: within the cap
+    assert not g.known_late(3, 60.0)
+
+    ctx, pull, clock, ring = _four_node_ring(close_grace_s=1.0)
+    try:
+        for step in range(1, LATE_STEPS + 1):  # 0-2 ready 4 ms apart, 3 two seconds late
+            for node in range(3):
+                ring.grace.ready(step, node, clock.now + node * 0.004)
+            t = Token(step, [0, 1], 0, 1)
+            assert not ring._may_close(t)  # 3 not known late yet: the grace runs
+            t.contribs.append(2)
+            clock.advance(0.01)  # past the 8 ms grace
+            assert ring._may_close(t)
+            ring.grace.closed(step, clock.now, missing={3})
+            clock.advance(2.0)
+            ring.grace.ready(step, 3, clock.now)
+        quorum = Token(LATE_STEPS + 1, [0, 1, 2], 0, 1)
+        for node in range(3):
+            ring.grace.ready(LATE_STEPS + 1, node, clock.now)
+        assert ring._may_close(quorum)  # only node 3 missing, known late: no grace
+        quorum = Token(LATE_STEPS + 1, [0, 1, 3], 0, 1)
+        assert not ring._may_close(quorum)  # node 2 missing: it gets its grace
+    finally:
+        pull.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
 def test_work_queue_trains_every_unit_once_whatever_the_closes():
     import random
 

@@ -138,15 +138,18 @@ class RingExchange(GradSync):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
         for p in params:
             p.grad = None  # the ring keeps the offered tensors; the next backward starts anew
+        emulating = False  # the step closed while this node emulated a slower device
         if self._slow and len(self._computes) == 1:  # no estimate before the first step
-            ring.wait_closed(step, (r.slow_factor - 1) * compute)
+            emulating = ring.wait_closed(step, (r.slow_factor - 1) * compute)
         if r.pace_s:  # pad forward+backward to the target time, as on a dedicated device
             target = r.pace_s * (r.slow_factor if is_slow(r, self.index, step) else 1.0)
-            ring.wait_closed(step, target - compute)
+            emulating = emulating or ring.wait_closed(step, target - compute)
         if self.fault is not None:
             self.fault.check(step)
         if not ring.closed(step):
             ring.offer(step, grads)
+        elif not emulating:  # ready now, after the close: the ring learns how late
+            ring.late(step)
         ring.wait_close(step)
 
     def weight_update(self, stage) -> WeightUpdate:

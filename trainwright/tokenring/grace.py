@@ -17,6 +17,15 @@ never cut off: the close rule waits for it whatever the grace
 ready inside the spread, the last contribution closes the step at once, and the grace adds
 nothing.
 
+The grace is for nodes a little late; a node that is far behind in step after step (a
+slower machine) would otherwise cost every step the whole grace for nothing. So a member
+that missed each of the last ``LATE_STEPS`` closes by more than ``cap_s`` (it said it was
+ready later than that after the close, or never: a node that finds its step closed before
+its gradient is ready still says so, :meth:`~trainwright.tokenring.ring.TokenRing.late`)
+is *known late* (:meth:`AdaptiveGrace.known_late`), and a step whose missing members are all
+known late closes at the quorum. One step in which it is ready before the close, or
+within ``cap_s`` after it, and the grace waits for it again.
+
 Pure bookkeeping on an injected clock's readings: no sockets, no threads.
 """
 
@@ -25,12 +34,14 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-__all__ = ["AdaptiveGrace", "GRACE_FACTOR", "GRACE_WINDOW"]
+__all__ = ["AdaptiveGrace", "GRACE_FACTOR", "GRACE_WINDOW", "LATE_STEPS"]
 
 GRACE_FACTOR = 2.0
 """Grace = this many times the on-time nodes' arrival spread."""
 GRACE_WINDOW = 8
 """Steps whose spreads the median is taken over."""
+LATE_STEPS = 3
+"""Closes in a row a member must miss by more than the cap to count as known late."""
 
 
 class AdaptiveGrace:
@@ -50,6 +61,8 @@ class AdaptiveGrace:
         self.spreads: deque[float] = deque(maxlen=window)
         self._ready: dict[int, dict[int, float]] = {}
         self._measured: set[int] = set()
+        self._closed: dict[int, tuple[float, frozenset[int]]] = {}
+        """Per closed step: when it closed here, and the members missing from it."""
 
     def ready(self, step: int, node: int, at: float) -> None:
         """Node ``node`` said (or showed, by contributing) its gradient of ``step`` is ready
@@ -80,8 +93,29 @@ class AdaptiveGrace:
             return self.cap_s
         return min(self.cap_s, self.factor * statistics.median(self.spreads))
 
+    def closed(self, step: int, at: float, missing) -> None:
+        """``step`` closed at ``at`` without the members ``missing`` (once per step)."""
+        self._closed.setdefault(step, (at, frozenset(missing)))
+
+    def known_late(self, node: int, now: float) -> bool:
+        """Whether ``node`` missed each of the last :data:`LATE_STEPS` closes whose verdict is
+        in (closed at least ``cap_s`` before ``now``) by more than ``cap_s``: absent from
+        the close, and ready only later than ``cap_s`` after it, or never."""
+        final = sorted((s for s, (at, _) in self._closed.items() if now - at >= self.cap_s),
+                       reverse=True)[:LATE_STEPS]
+        if len(final) < LATE_STEPS:
+            return False
+        for s in final:
+            at, missing = self._closed[s]
+            ready = self._ready.get(s, {}).get(node)
+            if node not in missing or (ready is not None and ready - at <= self.cap_s):
+                return False
+        return True
+
     def forget(self, before: int) -> None:
         """Drop what was recorded for steps before ``before``."""
         for s in [s for s in self._ready if s < before]:
             del self._ready[s]
+        for s in [s for s in self._closed if s < before]:
+            del self._closed[s]
         self._measured = {s for s in self._measured if s >= before}

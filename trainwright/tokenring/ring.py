@@ -140,6 +140,8 @@ class TokenRing:
         self._fetch: list[tuple[int, int]] = []
         self._done: set[int] = set()
         self._wanted_sent = 0
+        self._late_want: int | None = None
+        """A closed step this node's gradient became ready for (:meth:`late`), to announce."""
         self._finishing = self._done_sent = False
         self.close_time: dict[int, float] = {}
         self._quorum_at: dict[int, float] = {}
@@ -176,6 +178,14 @@ class TokenRing:
             self._offer = (step, grads)
             self.grad_bytes = sum(g.nelement() * g.element_size() for g in grads)
             self.grace.ready(step, self.index, self.clock())
+
+    def late(self, step: int) -> None:
+        """This node's gradient of ``step`` is ready but the step closed before it was: tell
+        the ring when (a ``want`` after the close), so the grace knows how far behind this
+        node runs (:meth:`~trainwright.tokenring.grace.AdaptiveGrace.known_late`)."""
+        with self.cv:
+            self.grace.ready(step, self.index, self.clock())
+            self._late_want = step
 
     def closed(self, step: int) -> bool:
         """Whether ``step`` has closed."""
@@ -389,6 +399,9 @@ class TokenRing:
             # closes the step without it, and every member measures the arrival spread
             self._wanted_sent = offer[0]
             self._broadcast({"t": "want", "step": offer[0]})
+        if self._late_want is not None:
+            self._broadcast({"t": "want", "step": self._late_want})
+            self._late_want = None
         if t is not None and t.holder == self.index:
             self._act()
         self._check_silence()
@@ -461,6 +474,7 @@ class TokenRing:
             if s not in self.closes:
                 self.closes[s] = list(c)
                 self.close_time[s] = time.time()
+                self.grace.closed(s, self.clock(), set(self.epoch.members) - set(c))
         return True
 
     def _pass_sum(self, step: int, tensors: list[torch.Tensor], to: tuple[int, str],
@@ -630,6 +644,7 @@ class TokenRing:
         total = self._acc[2]
         self.closes[t.step] = list(t.contribs)
         self.close_time[t.step] = time.time()
+        self.grace.closed(t.step, self.clock(), set(self.epoch.members) - set(t.contribs))
         self.sums[t.step] = total
         nxt = self.epoch.successor(self.index)
         if nxt != self.index:
@@ -643,7 +658,9 @@ class TokenRing:
         rule (the floor), no member that said its gradient is ready is still missing, and
         the adaptive grace (:mod:`~trainwright.tokenring.grace`: twice the on-time nodes'
         arrival spread, at most ``close_grace_s``) has passed since the quorum, so that a
-        node only a little later than the others is not thrown away. The grace runs on
+        node only a little later than the others is not thrown away; no grace when every
+        missing member is known to run far behind (it missed the last closes by more than
+        ``close_grace_s``). The grace runs on
         each node's own clock from when it first saw the quorum (no clock agreement
         between hosts needed)."""
         members = len(self.epoch.members)
@@ -661,6 +678,9 @@ class TokenRing:
         for old in [k for k in self._quorum_at if k < t.step - CLOSE_WINDOW]:
             del self._quorum_at[old]
         self.grace.forget(t.step - CLOSE_WINDOW)
+        missing = [m for m in self.epoch.members if m not in t.contribs]
+        if all(self.grace.known_late(m, now) for m in missing):
+            return True  # only nodes far behind are missing: the grace would wait for nothing
         return now - since >= self.grace.grace_s()
 
     def _admit_standby(self) -> None:

@@ -23,9 +23,9 @@ CLOSE_WINDOW = 32
 TICK_CLOSES = 2
 """Closes carried in the token's notice to the other members: those of the steps after
 ``step - TICK_CLOSES`` (``step`` the open one), i.e. the last close, so every member learns
-each close from the hops of the step after it. Messages between live nodes are never lost (ZeroMQ queues them; per-link sequence
-numbers say so), so a short window suffices; it bounds the notice's size as the ring
-grows (each close lists up to every member)."""
+each close from the hops of the step after it. Messages between live nodes are never lost
+(ZeroMQ queues them; per-link sequence numbers say so), so a short window suffices; it
+bounds the notice's size as the ring grows (each close lists up to every member)."""
 
 
 class RingLeft(CommError):
