@@ -36,7 +36,9 @@ bytes per step stay about two gradients at any ring size (:mod:`~trainwright.tok
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -165,6 +167,9 @@ class TokenRing:
         self._ever = dict(epoch.members)
         """Every node of every epoch seen here, and its address."""
         self._stop = threading.Event()
+        self._wake_rx, self._wake = socket.socketpair()  # an offer wakes the thread's poll
+        self._wake_rx.setblocking(False)
+        self._wake.setblocking(False)
         self._thread = threading.Thread(target=self._run, name=f"tokenring-{index}", daemon=True)
 
     # ---------------------------------------------------------------- trainer side
@@ -178,6 +183,7 @@ class TokenRing:
             self._offer = (step, grads)
             self.grad_bytes = sum(g.nelement() * g.element_size() for g in grads)
             self.grace.ready(step, self.index, self.clock())
+        self._wake_poll()  # announce it now, not at the next poll
 
     def late(self, step: int) -> None:
         """This node's gradient of ``step`` is ready but the step closed before it was: tell
@@ -186,6 +192,7 @@ class TokenRing:
         with self.cv:
             self.grace.ready(step, self.index, self.clock())
             self._late_want = step
+        self._wake_poll()
 
     def closed(self, step: int) -> bool:
         """Whether ``step`` has closed."""
@@ -311,6 +318,13 @@ class TokenRing:
             self._thread.join(5)
         self.links.close()
         self.pull.close(0)
+        self._wake_rx.close()
+        self._wake.close()
+
+    def _wake_poll(self) -> None:
+        """End the receiver thread's current poll (a byte on its wake-up socket)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake.send(b"\0")
 
     def send_welcome(self, idx: int, addr: str, applied: int, weights: list[torch.Tensor],
                      extra: dict | None = None) -> None:
@@ -352,6 +366,7 @@ class TokenRing:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.pull, zmq.POLLIN)
+        poller.register(self._wake_rx.fileno(), zmq.POLLIN)  # ready as its descriptor
         if self.rdzv is not None:
             poller.register(self.rdzv.sock, zmq.POLLIN)
         for frames in self._early:
@@ -360,6 +375,10 @@ class TokenRing:
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(2))
+                if self._wake_rx.fileno() in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        while self._wake_rx.recv(4096):
+                            pass
                 if self.pull in ready:
                     for _ in range(64):
                         try:
