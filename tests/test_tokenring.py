@@ -72,10 +72,38 @@ def test_ring_arithmetic():
     ep = Epoch((0, 0), {0: "a", 1: "b", 3: "d"})
     assert ep.successor(0) == 1 and ep.successor(1) == 3 and ep.successor(3) == 0
     assert ep.successor(2) == 3  # a lost node's successor
+    assert ep.predecessor(0) == 3 and ep.predecessor(3) == 1 and ep.predecessor(2) == 1
     assert ring_distance(ep.order, 1, 3) == 1 and ring_distance(ep.order, 1, 0) == 2
     assert ring_distance(ep.order, 2, 0) == 2  # from a dropped node
     assert ep.without(1, 3).key == (1, 3) and ep.without(1, 3).order == [0, 3]
     assert announce_delay(1, 0.5, 0.3) < announce_delay(2, 0.5, 0.3)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n,chunks", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2), (5, 2),
+                                      (8, 3), (8, 4)])
+def test_the_sums_routes_reach_every_other_member_once(n, chunks):
+    """Walked as ``_on_chunk`` forwards: each route from its first member the way it goes,
+    until its last member; both ways round (half the hops) for a sum of at most
+    floor((n - 1) / 2) chunks."""
+    from trainwright.tokenring.sumpass import pass_routes
+
+    ep = Epoch((0, 0), {i: str(i) for i in range(0, 2 * n, 2)})  # indices 0, 2, 4, ...
+    both = chunks <= (n - 1) // 2
+    for closer in ep.order:
+        reached = []
+        routes = pass_routes(ep.order, closer, chunks)
+        assert len(routes) == (2 if both and n > 2 else min(1, n - 1))
+        for first, way, last in routes:
+            node, hops = first, 1
+            while True:
+                reached.append(node)
+                if node == last:
+                    break
+                node = ep.successor(node) if way > 0 else ep.predecessor(node)
+                hops += 1
+            assert hops <= (-(-(n - 1) // 2) if both else n - 1)  # ceil((n - 1) / 2)
+        assert sorted(reached) == [m for m in ep.order if m != closer]
 
 
 @pytest.mark.timeout(30)

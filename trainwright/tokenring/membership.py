@@ -50,6 +50,12 @@ class Epoch:
         later = [i for i in order if i > index]
         return later[0] if later else order[0]
 
+    def predecessor(self, index: int) -> int:
+        """The member before ``index`` in the ring (``index`` need not be a member)."""
+        order = self.order
+        earlier = [i for i in order if i < index]
+        return earlier[-1] if earlier else order[-1]
+
     def first(self) -> int:
         """The first node: the lowest member index (it saves, admits and reports)."""
         return self.order[0]

@@ -10,8 +10,9 @@ to a ready node, so the sum only travels to nodes that add to it. When every mem
 contributed, the holder closes the step at once; when the contributions cover
 ``close_fraction`` of the members, it closes it once the adaptive grace
 (:mod:`~trainwright.tokenring.grace`) has passed with no ready node still missing.
-The closer then sends the closed sum around the ring in pipelined chunks
-(:mod:`~trainwright.tokenring.sumpass`): each member forwards each chunk once. A node thus
+The closer then sends the closed sum around the ring in pipelined chunks (both ways
+round for a sum of few chunks, :mod:`~trainwright.tokenring.sumpass`): each member
+forwards each chunk at most once. A node thus
 sends about two gradients per step (the sum once with the token, once in the pass), not
 ``n - 1`` copies of its own as the original design's broadcast did.
 
@@ -58,6 +59,7 @@ from trainwright.tokenring.sumpass import (
     chunk_tensor,
     fold,
     layout_of,
+    pass_routes,
 )
 from trainwright.tokenring.token import (
     CLOSE_WINDOW,
@@ -446,7 +448,7 @@ class TokenRing:
                 have = self.sums.get(header["step"])
                 addr = self.epoch.members.get(src)
                 if have is not None and addr is not None:
-                    self._pass_sum(header["step"], have, to=(src, addr), origin=-1)
+                    self._pass_sum(header["step"], have, [(src, 0, src)], origin=-1)
             elif kind == "fetch":
                 have = self.grads.get((header["step"], header["node"]))
                 addr = self.epoch.members.get(src)
@@ -496,26 +498,32 @@ class TokenRing:
                 self.grace.closed(s, self.clock(), set(self.epoch.members) - set(c))
         return True
 
-    def _pass_sum(self, step: int, tensors: list[torch.Tensor], to: tuple[int, str],
-                  origin: int) -> None:
-        """Send ``step``'s sum to ``to`` in chunks; ``origin`` (the closer) ends the pass
-        (-1: a fetch's answer, not forwarded)."""
+    def _pass_sum(self, step: int, tensors: list[torch.Tensor],
+                  routes: list[tuple[int, int, int]], origin: int) -> None:
+        """Send ``step``'s sum in chunks along ``routes`` (``(first member, direction, last
+        member)``, :func:`~trainwright.tokenring.sumpass.pass_routes`), a chunk to each
+        route in turn; ``origin`` is the closer (-1: a fetch's answer, not forwarded)."""
         layout = layout_of(tensors)
         for k, piece in enumerate(chunk_plan(layout, CHUNK_BYTES)):
-            self._send(*to, {"t": "sum", "step": step, "k": k, "origin": origin,
-                             "layout": layout}, [chunk_tensor(tensors, piece)])
+            chunk = [chunk_tensor(tensors, piece)]
+            for first, way, last in routes:
+                self._send(first, self.epoch.members[first],
+                           {"t": "sum", "step": step, "k": k, "origin": origin,
+                            "way": way, "last": last, "layout": layout}, chunk)
 
     def _on_chunk(self, h: dict, tensors: list[torch.Tensor]) -> None:
-        """A chunk of a closed sum: store it, forward it to the successor (unless the pass
-        ends there), and publish the sum once complete."""
+        """A chunk of a closed sum: store it, forward it the way it came (unless its route
+        ends here), and publish the sum once complete."""
         step, k, origin = h["step"], h["k"], h["origin"]
         if step in self.sums or step <= self.applied:
             return
         asm = self._asm.setdefault(step, SumAssembly(h["layout"], CHUNK_BYTES))
         if not asm.add(k, tensors[0]):
             return
-        nxt = self.epoch.successor(self.index)
-        if origin >= 0 and nxt != origin and nxt != self.index and nxt in self.epoch.members:
+        nxt = (self.epoch.successor(self.index) if h["way"] > 0
+               else self.epoch.predecessor(self.index))
+        if (origin >= 0 and self.index != h["last"] and nxt not in (origin, self.index)
+                and nxt in self.epoch.members):
             self._send(nxt, self.epoch.members[nxt], h, tensors)
         if asm.complete:
             self.sums[step] = asm.tensors
@@ -665,9 +673,9 @@ class TokenRing:
         self.close_time[t.step] = time.time()
         self.grace.closed(t.step, self.clock(), set(self.epoch.members) - set(t.contribs))
         self.sums[t.step] = total
-        nxt = self.epoch.successor(self.index)
-        if nxt != self.index:
-            self._pass_sum(t.step, total, to=(nxt, self.epoch.members[nxt]), origin=self.index)
+        chunks = len(chunk_plan(layout_of(total), CHUNK_BYTES))
+        self._pass_sum(t.step, total, pass_routes(self.epoch.order, self.index, chunks),
+                       origin=self.index)
         t.step, t.contribs, t.idle = t.step + 1, [], 0
         self._acc = None
         self.cv.notify_all()

@@ -12,7 +12,10 @@ exchange starts when gradients are ready (no overlap with backward, for both sys
   to the next holder, the token's notice to every other member; a ready node is never cut off, the
   adaptive grace after the on-time nodes is about their spread (0 here), so with one
   straggler the step closes after the ``n - 1`` others; then the closed sum's pass,
-  pipelined in ``chunk_bytes`` chunks: ``G / beta + (n - 1)(alpha + chunk / beta)``.
+  pipelined in ``chunk_bytes`` chunks: ``G / beta + (n - 1)(alpha + chunk / beta)``, or,
+  for a sum of at most ``floor((n - 1) / 2)`` chunks, both ways round (the ring's
+  :func:`~trainwright.tokenring.sumpass.pass_routes`): ``2 G / beta + ceil((n - 1) / 2)
+  (alpha + chunk / beta)``.
   Busiest node: the sum once, the pass once, plus its headers: each holder sends the
   whole token to the next holder and the notice to ``n - 2`` members, and each node
   receives one message per hop (:func:`message_bytes`: the ring's own headers, as
@@ -31,9 +34,11 @@ Pure arithmetic: numbers in, numbers out (:func:`simulate`, :func:`table`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trainwright.tokenring.membership import Epoch
+from trainwright.tokenring.sumpass import pass_routes
 from trainwright.tokenring.token import CLOSE_WINDOW, Token, token_header
 from trainwright.tokenring.wire import pack
 
@@ -100,7 +105,9 @@ def simulate(m: ScaleModel, n: int, straggler: bool) -> dict[str, dict]:
     headers = whole + (n - 2) * notice  # one hop's: the token to the next, notices to the rest
     hop = m.send(G + headers)  # ... and the sum to the next holder
     chain = m.send(m.chunk_bytes)
-    pass_s = m.send(headers) + G / m.beta + (n - 1) * chain
+    routes = len(pass_routes(list(range(n)), 0, math.ceil(G / m.chunk_bytes)))
+    hops = math.ceil((n - 1) / 2) if routes == 2 else n - 1
+    pass_s = m.send(headers) + routes * G / m.beta + hops * chain
     built = m.compute_s + (adders - 1) * hop + pass_s
     piped = m.compute_s + G / m.beta + (adders - 1) * (chain + m.send(headers)) + pass_s
     sent = 2 * G + headers + (n - 1) * m.want_bytes

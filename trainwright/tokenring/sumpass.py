@@ -3,10 +3,13 @@
 The node that closes a step holds the step's sum (it travelled with the token, each
 contributor adding its gradient, :func:`fold`). It cuts the sum into chunks of at most
 ``CHUNK_BYTES`` (:func:`chunk_plan`) and sends them to its successor; every member stores
-each chunk (:class:`SumAssembly`) and forwards it at once to its own successor, until the
-chunk is back at the closer's predecessor. Chunks pipeline: the first reaches the far end
-while the closer still sends the last, so the pass takes about one sum's transfer time plus
-one chunk's per hop, and each member sends the sum once, whatever the ring's size.
+each chunk (:class:`SumAssembly`) and forwards it at once the way it came, until the chunk
+reaches the route's last member, the closer's predecessor. Chunks pipeline: the first
+reaches the far end while the closer still sends the last, so the pass takes about one
+sum's transfer time plus one chunk's per hop, and each member sends the sum once, whatever
+the ring's size. A sum of few chunks on a long ring goes both ways round instead, to the
+successor and to the predecessor, each route half-way (:func:`pass_routes`): half the hops,
+the closer sending the sum twice (it sent no running sum).
 
 Pure tensor bookkeeping: no sockets (the ring sends), no threads.
 """
@@ -17,7 +20,7 @@ import math
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "chunk_plan", "fold", "SumAssembly", "layout_of"]
+__all__ = ["CHUNK_BYTES", "chunk_plan", "fold", "SumAssembly", "layout_of", "pass_routes"]
 
 CHUNK_BYTES = 256 * 1024
 """Largest chunk of the sum's pass (small enough to pipeline, large enough that a chunk's
@@ -32,6 +35,28 @@ def fold(grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     for g in grads[1:]:
         acc = [a + b for a, b in zip(acc, g, strict=True)]
     return acc
+
+
+def pass_routes(order: list[int], closer: int, chunks: int) -> list[tuple[int, int, int]]:
+    """The closed sum's routes from ``closer`` round a ring of members ``order``:
+    ``(first member, direction, last member)``, direction 1 along the successors, -1 along
+    the predecessors; together they reach every other member once.
+
+    Both ways round (the longer route ``ceil((n - 1) / 2)`` hops) when the sum has at most
+    ``floor((n - 1) / 2)`` chunks, else one way (``n - 1`` hops). The closer's link carries
+    each chunk once per route: two routes save ``floor((n - 1) / 2)`` hops' latency and
+    cost ``chunks`` more chunk sends, so with at most that many chunks they are never
+    slower (a hop costs at least a send), and a large sum keeps the one-way pass its link
+    bandwidth is best spent on. None for a ring of one.
+    """
+    n = len(order)
+    i = order.index(closer)
+    ahead = math.ceil((n - 1) / 2) if chunks <= (n - 1) // 2 else n - 1
+    behind = n - 1 - ahead
+    routes = [(order[(i + 1) % n], 1, order[(i + ahead) % n])] if ahead else []
+    if behind:
+        routes.append((order[(i - 1) % n], -1, order[(i - behind) % n]))
+    return routes
 
 
 def layout_of(tensors: list[torch.Tensor]) -> list[list]:
