@@ -163,9 +163,17 @@ def test_tokenring_config_errors(tmp_path):
         ring_cfg(tmp_path, **{"tokenring.slow_probability": 1.5})
 
 
+def _stop_rings(ctx, *rings) -> None:
+    """Close what in-process rings (threads never started) opened, then the context."""
+    for ring in rings:
+        ring.stop()
+    ctx.term()
+
+
 def _four_node_ring(close_grace_s: float):
     """Node 0 of a 4-node ring that never connects (its peers' addresses are unused), on a
-    fake clock: ``(ctx, pull socket, clock, ring)``; the caller closes them."""
+    fake clock: ``(ctx, pull socket, clock, ring)``; the caller stops them
+    (:func:`_stop_rings`)."""
     import zmq
 
     from trainwright.tokenring.ring import RingTimes, TokenRing
@@ -198,8 +206,7 @@ def test_close_rule_waits_a_grace_after_the_fraction_and_not_when_all_are_in():
         clock.advance(0.125)
         assert ring._may_close(half)  # ... and closes the step without the late nodes
     finally:
-        pull.close(0)
-        ctx.term()
+        _stop_rings(ctx, ring)
 
 
 @pytest.mark.timeout(30)
@@ -227,9 +234,7 @@ def test_a_closed_sum_lost_with_its_dead_contributors_fails_the_ring(members):
         assert (type(got.value) is RingFailed) == lost, got.value
         assert ("was lost with node(s) [3, 2]" if lost else "never arrived") in str(got.value)
     finally:
-        ring.links.close()
-        pull.close(0)
-        ctx.term()
+        _stop_rings(ctx, ring)
 
 
 @pytest.mark.timeout(30)
@@ -277,11 +282,7 @@ def test_a_token_the_dead_holder_sent_to_some_members_only_is_relayed_to_its_suc
         assert rings[3].epoch.key == (1, 2) and rings[3].tok.holder == 3
         assert rings[3].tok.step == 3 and rings[3].closes == {1: [0, 1, 2, 3], 2: [0, 2, 3]}
     finally:
-        for r in rings.values():
-            r.links.close()
-        for s in pulls.values():
-            s.close(0)
-        ctx.term()
+        _stop_rings(ctx, *rings.values())
 
 
 @pytest.mark.timeout(30)
@@ -312,11 +313,7 @@ def test_a_new_epochs_membership_comes_with_its_first_hops_and_a_node_that_misse
         assert rings[1].epoch == old and rings[1].status == "left"
         assert "formed while this node was out of reach" in rings[1].reason
     finally:
-        for r in rings.values():
-            r.links.close()
-        for sock in pulls.values():
-            sock.close(0)
-        ctx.term()
+        _stop_rings(ctx, *rings.values())
 
 
 @pytest.mark.timeout(30)
@@ -601,8 +598,7 @@ def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
         late.contribs.append(3)
         assert ring._may_close(late)  # 3 of 4, node 2 not ready, the grace long gone
     finally:
-        pull.close(0)
-        ctx.term()
+        _stop_rings(ctx, ring)
 
 
 @pytest.mark.timeout(30)
@@ -645,8 +641,7 @@ def test_a_node_far_behind_in_step_after_step_costs_no_grace():
         quorum = Token(LATE_STEPS + 1, [0, 1, 3], 0, 1)
         assert not ring._may_close(quorum)  # node 2 missing: it gets its grace
     finally:
-        pull.close(0)
-        ctx.term()
+        _stop_rings(ctx, ring)
 
 
 @pytest.mark.timeout(30)
