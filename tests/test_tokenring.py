@@ -8,6 +8,7 @@ parameter hash at every step, and the no-fault run against single-process SGD.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -314,6 +315,32 @@ def test_a_new_epochs_membership_comes_with_its_first_hops_and_a_node_that_misse
         assert "formed while this node was out of reach" in rings[1].reason
     finally:
         _stop_rings(ctx, *rings.values())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pace_s,tells", [(0.0, True), (0.03, True), (5.0, False)])
+def test_a_node_ready_after_its_step_closed_tells_the_ring_unless_far_behind(tmp_path, pace_s,
+                                                                              tells):
+    """Step 1 closed without node 0. Its gradient is ready now (no pacing), or its emulated
+    device would be ready within the grace's cap (30 ms of pacing left, cap 50 ms): it says
+    so, and the grace counts it as a little late. Five seconds of pacing left: far behind,
+    it says nothing (the ring counts it as never ready)."""
+    from trainwright.tokenring.exchange import RingExchange
+
+    cfg = ring_cfg(tmp_path, **{"tokenring.pace_s": pace_s, "tokenring.close_grace_s": 0.05})
+    ctx, pull, clock, ring = _four_node_ring(close_grace_s=0.05)
+    try:
+        ex = RingExchange(cfg.tokenring, 0)
+        ex.use(ring, applied=0)
+        ring.closes[1] = [1, 2, 3]
+        ex._step, ex._t0 = 1, time.perf_counter()
+        weight = torch.zeros(3, requires_grad=True)
+        weight.grad = torch.ones(3)
+        ex.sync([weight])
+        assert ring.grace.is_ready(1, 0) == tells
+        assert (ring._late_want == 1) == tells
+    finally:
+        _stop_rings(ctx, ring)
 
 
 @pytest.mark.timeout(30)

@@ -138,17 +138,19 @@ class RingExchange(GradSync):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
         for p in params:
             p.grad = None  # the ring keeps the offered tensors; the next backward starts anew
-        emulating = False  # the step closed while this node emulated a slower device
+        far_behind = False  # the step closed while this node emulated a slower device
         if self._slow and len(self._computes) == 1:  # no estimate before the first step
-            emulating = ring.wait_closed(step, (r.slow_factor - 1) * compute)
+            far_behind = ring.wait_closed(step, (r.slow_factor - 1) * compute)
         if r.pace_s:  # pad forward+backward to the target time, as on a dedicated device
             target = r.pace_s * (r.slow_factor if is_slow(r, self.index, step) else 1.0)
-            emulating = emulating or ring.wait_closed(step, target - compute)
+            ready_at = self._t0 + target
+            if ring.wait_closed(step, target - compute):  # closed before the emulated end
+                far_behind |= ready_at - time.perf_counter() > r.close_grace_s
         if self.fault is not None:
             self.fault.check(step)
         if not ring.closed(step):
             ring.offer(step, grads)
-        elif not emulating:  # ready now, after the close: the ring learns how late
+        elif not far_behind:  # ready (or nearly), after the close: the ring learns it
             ring.late(step)
         ring.wait_close(step)
 
