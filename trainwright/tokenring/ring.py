@@ -760,9 +760,10 @@ class TokenRing:
                 and self._last_tok["ep"]["key"] == list(self.epoch.key)):
             self._retx_done = True
             self.stats.retransmissions += 1
-            last = self._last_tok  # whole: the membership, and the closes known here
-            self._broadcast({**last, "ep": self.epoch.to_json(), "retx": True, "closes": {
-                str(s): c for s, c in self.closes.items() if s > last["step"] - CLOSE_WINDOW}})
+            last = self._last_tok  # relayed whole: the membership, and the closes known here
+            tok = Token(last["step"], last["contribs"], last["holder"], last["hop"], last["idle"])
+            self._broadcast(token_header(tok, self.epoch, self.closes, to_holder=False,
+                                         retx=True))
         holder = self.tok.holder
         if holder == self.index or holder not in self.epoch.members:
             return
