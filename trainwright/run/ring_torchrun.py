@@ -15,7 +15,10 @@ checkpoints and ``model.pt``).
 A node the ring dropped that never exits (frozen) would keep its torchrun agent waiting:
 every node publishes its process identity in the store, and a node that finishes ends the
 dropped nodes of its own machine (same boot id, pid and process start time), so torchrun
-returns (reporting that rank as failed).
+returns (reporting that rank as failed). It does so once every surviving member has said
+in the store that it finished (at most ``close_timeout_s``): torchrun stops every rank
+when one is killed, so ending the frozen node earlier would stop a member still writing
+its report.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
 
 import zmq
@@ -40,6 +44,7 @@ __all__ = ["run_torchrun_node", "torchrun_config", "load_torchrun_config", "proc
 log = logging.getLogger(__name__)
 RDZV_KEY = "tw/ring/rendezvous"
 PROC_KEY = "tw/ring/proc/{}"
+FINISHED_KEY = "tw/ring/finished/{}"
 
 
 def process_identity(pid: int | str = "self") -> dict | None:
@@ -61,13 +66,24 @@ def end_dropped_here(store, node: RingNode) -> list[str]:
         return []
     lost = {e["node"] for g in node.rings for e in g.stats.events if e.get("event") == "lost"}
     me, done = process_identity(), []
+    here = {}
     for idx in sorted(lost - set(ring.epoch.members)):
         key = PROC_KEY.format(idx)
         if me is None or not store.check([key]):
             continue
         them = json.loads(store.get(key))
-        if them["boot"] != me["boot"] or process_identity(them["pid"]) != them:
-            continue  # another machine, or that process is gone
+        if them["boot"] == me["boot"] and process_identity(them["pid"]) == them:
+            here[idx] = them  # not another machine's, nor a process that is gone
+    if here:
+        members = [FINISHED_KEY.format(m) for m in ring.epoch.members]
+        try:  # ending one stops every rank under torchrun: let the others finish first
+            store.wait(members, timedelta(seconds=node.cfg.tokenring.close_timeout_s))
+        except Exception as exc:  # a member died or hangs: end the dropped ones anyway
+            log.warning("not every ring member said it finished (%s); ending the dropped "
+                        "node(s) %s now", exc, sorted(here))
+    for idx, them in here.items():
+        if process_identity(them["pid"]) != them:
+            continue
         try:
             os.kill(them["pid"], signal.SIGKILL)  # also ends a stopped process
         except ProcessLookupError:
@@ -166,6 +182,10 @@ def run_torchrun_node(cfg: Config, resume_dir: Path | None) -> tuple[int, Path, 
     node = RingNode(cfg, run_dir, env.rank, endpoint, "host" if env.rank == 0 else "join",
                     resume=resume_dir is not None, bind=bind)
     code = node.run()
+    try:
+        store.set(FINISHED_KEY.format(env.rank), str(code))
+    except Exception as exc:  # the store's host may be gone already
+        log.warning("could not tell the store this node finished: %s", exc)
     if code == 0:
         try:
             end_dropped_here(store, node)
