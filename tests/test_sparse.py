@@ -31,6 +31,7 @@ from trainwright.sync.sparse import (
     calibrate,
 )
 from trainwright.sync.sparse_cost import (
+    MAD_TO_SE,
     MIN_SAMPLES,
     CostHistory,
     density_moved,
@@ -548,6 +549,17 @@ def test_a_path_not_yet_measured_at_this_size_is_tried_until_measured_when_close
         (first.path, first.band): [1.0] * MIN_SAMPLES}), explore=0.0).explored
 
 
+def test_one_stalled_step_does_not_hold_a_slower_path():
+    # a rank that waited for a core made one step of the held path 6x slower: its factor
+    # (the median) is unmoved, and so is its noise, so a path 30 % cheaper is taken
+    hist = _history({("allgather", 3): [1.0, 1.02, 0.98, 6.0, 1.0],
+                     ("broadcast", 3): [0.7, 0.71, 0.69]})
+    assert hist.noise("allgather", 3) < 0.02 and hist.factor("allgather", 3) == 1.0
+    est = {p: hist.factor(p, 3) for p in ("allgather", "broadcast")}
+    noise = {p: hist.noise(p, 3) for p in ("allgather", "broadcast")}
+    assert sticky_path(est, noise, "allgather") == "broadcast"
+
+
 def test_sticky_choice_keeps_a_path_within_noise_and_leaves_it_beyond():
     # the pure rule, with literal estimates and noise
     assert sticky_path({"a": 1.0, "b": 0.95}, {"a": 0.05, "b": 0.05}, "a") == "a"
@@ -573,7 +585,7 @@ def test_sticky_choice_keeps_a_path_within_noise_and_leaves_it_beyond():
     held = sync._choose(emb.weight, LINK, counts, height, row_bytes, True)
     assert held.estimates_s["broadcast"] < held.estimates_s["allgather"]  # cheaper ...
     assert held.path == "allgather" and not held.explored  # ... only by noise: kept
-    assert held.noise["allgather"] == pytest.approx(0.1)
+    assert held.noise["allgather"] == pytest.approx(MAD_TO_SE * 0.1 / 3 ** 0.5)
     # the same 4 % with quiet measurements is beyond the noise: it moves
     quiet = {k: [statistics.median(v)] * 3 for k, v in samples.items()}
     sync.history = _history(quiet)
@@ -618,16 +630,30 @@ def test_sparse_config_keys_are_validated(tmp_path):
 @pytest.mark.timeout(180)
 def test_bench_sparse_runs_at_tiny_size():
     from trainwright.bench import BENCHMARKS
-    from trainwright.bench.sparse import SYSTEMS, SparseBenchSpec, rule_held, run, summarise
+    from trainwright.bench.sparse import (
+        SYSTEMS,
+        SparseBenchSpec,
+        _steps_for,
+        rule_held,
+        run,
+        summarise,
+    )
 
     assert BENCHMARKS["sparse"] == "trainwright.bench.sparse"
-    spec = SparseBenchSpec(rows=2000, dim=8, world=2, densities=[0.01, 0.5], repeats=2, steps=2)
+    spec = SparseBenchSpec(rows=2000, dim=8, world=2, densities=[0.01, 0.5], repeats=2, steps=2,
+                           round_s=0.0)
     result = run(spec, timeout_s=160)  # the ranks assert that all systems' gradients agree
     rows = result["rows"]
     assert {(r["system"], r["density"]) for r in rows} == {
         (s, d) for s in SYSTEMS for d in (0.01, 0.5)}
     for r in rows:
         assert len(r["sync_s_rounds"]) == 2 and r["sync_s"] == statistics.median(r["sync_s_rounds"])
+        assert r["steps_per_round"] == 2  # round_s = 0: the fewest steps
+    # a round's steps are sized from the pilot's step (fb + sync; DDP: both backwards)
+    pilot = {"fb": [0.004, 0.006, 0.1], "sync": [0.004] * 3, "nosync_fb": []}
+    assert _steps_for(SparseBenchSpec(round_s=1.0), pilot) == 100
+    assert _steps_for(SparseBenchSpec(round_s=1.0, max_steps=50), pilot) == 50
+    assert _steps_for(SparseBenchSpec(round_s=0.01, steps=15), pilot) == 15
     at = {(r["system"], r["density"]): r for r in rows}
     # every forced path at every density, beside auto, from the rows
     assert result["paths"]["0.5"]["broadcast"] == round(at["forced_broadcast", 0.5]["sync_s"], 6)

@@ -84,7 +84,15 @@ class SparseBenchSpec:
     """Measured rounds per density (after one warm-up step of every system), each system's
     steps in ABBA order within a round."""
     steps: int = 15
-    """Timed steps per system per round; a round's figure is their median."""
+    """Fewest timed steps per system per round; a round's figure is their median."""
+    round_s: float = 2.0
+    """Seconds each system's steps should take in one round: a system whose steps are short
+    runs ``round_s / step`` of them (from a 3-step pilot after the warm-up, at most
+    ``max_steps``), so that every round's median rests on enough steps. With 15 steps of a
+    5 ms sync, one step in a few that waits for a core moved a round's median by 10-20 %
+    here, more than the 5 % the targets judge."""
+    max_steps: int = 400
+    """Most timed steps per system per round."""
     seed: int = 0
     """Seed of the table and the ids."""
     network: str = "loopback"
@@ -183,6 +191,18 @@ def _system_steps(name: str, steps: int, ids, gout, world: int, mods) -> dict:
     return out
 
 
+PILOT_STEPS = 3
+"""Steps of each system after the warm-up that size its rounds (see ``round_s``)."""
+
+
+def _steps_for(spec: SparseBenchSpec, pilot: dict) -> int:
+    """Steps per round of a system from its pilot: ``round_s`` over its median step
+    (forward + backward + sync; DDP runs two backwards per step), within ``[steps,
+    max_steps]``. The pilot's times are the slowest rank's, so every rank gets the same."""
+    step_s = sum(statistics.median(pilot[k]) for k in ("fb", "sync", "nosync_fb") if pilot[k])
+    return max(spec.steps, min(spec.max_steps, math.ceil(spec.round_s / max(step_s, 1e-6))))
+
+
 def _round_figure(name: str, got: dict) -> float:
     """One round's sync seconds of a system: the median over its steps."""
     if name == "ddp_sparse":
@@ -216,13 +236,15 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
     ids = _ids(spec, rank, density)
     gout = torch.randn(ids.numel(), spec.dim, generator=torch.Generator().manual_seed(rank))
     _warm_and_check(ids, gout, world, mods)
+    steps = {name: _steps_for(spec, _system_steps(name, PILOT_STEPS, ids, gout, world, mods))
+             for name in SYSTEMS}
     progress(f"density {density:.1%} (warm-up)")
     per_round = {k: [] for k in SYSTEMS}
     fb = {k: [] for k in SYSTEMS}  # forward + backward (DDP: without its sync)
     taken, choice = [], None
     for rnd in range(spec.repeats):
         for name in round_order(SYSTEMS, rnd):
-            got = _system_steps(name, spec.steps, ids, gout, world, mods)
+            got = _system_steps(name, steps[name], ids, gout, world, mods)
             per_round[name].append(_round_figure(name, got))
             fb[name].append(statistics.median(got["nosync_fb"] or got["fb"]))
             if name == "trainwright":
@@ -243,7 +265,7 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
     for name in SYSTEMS:
         row = dict(system=name, density=density, sync_s=statistics.median(per_round[name]),
                    sync_s_rounds=per_round[name], fwd_bwd_s=statistics.median(fb[name]),
-                   fwd_bwd_s_rounds=fb[name])
+                   fwd_bwd_s_rounds=fb[name], steps_per_round=steps[name])
         if name in sent:
             row["bytes_sent_per_rank"] = sent[name]
         rows.append(row)

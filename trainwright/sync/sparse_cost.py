@@ -19,7 +19,8 @@ import torch.distributed as dist
 from trainwright.dist import collective as coll
 
 __all__ = ["ID_BYTES", "CostHistory", "LinkModel", "PathChoice", "calibrate", "all_gather_into",
-           "size_band", "sticky_path", "density_moved", "FACTOR_WINDOW", "MIN_SAMPLES", "MOVE"]
+           "size_band", "sticky_path", "density_moved", "FACTOR_WINDOW", "MIN_SAMPLES", "MAD_TO_SE",
+           "MOVE"]
 
 ID_BYTES = 8
 """Row ids travel as int64."""
@@ -73,11 +74,16 @@ def size_band(nbytes: float) -> int:
 
 FACTOR_WINDOW = 5
 """Measured / predicted ratios kept per (path, size band): their median is the learned
-factor, their spread the path's measurement noise."""
+factor, the median's standard error the path's measurement noise."""
 
 MIN_SAMPLES = 3
-"""Fresh ratios a (path, band) needs before it counts as measured: the fewest whose range
-says anything about the noise."""
+"""Fresh ratios a (path, band) needs before it counts as measured: the fewest whose
+spread says anything about the noise."""
+
+MAD_TO_SE = 1.4826 * math.sqrt(math.pi / 2)
+"""Standard error of a median from the median absolute deviation of ``n`` samples:
+``MAD_TO_SE * MAD / sqrt(n)`` (1.4826 turns a MAD into a standard deviation for normal
+noise, sqrt(pi / 2) is the median's efficiency against the mean)."""
 
 MOVE = 2.0
 """The density *moves* when a table's rows (summed over ranks) leave ``[ref / MOVE, ref *
@@ -88,8 +94,8 @@ class CostHistory:
     """Per (path, size band): the last :data:`FACTOR_WINDOW` measured / predicted ratios.
 
     The median is the path's learned correction (one slow step cannot lock a path out);
-    the ratios' relative half-range is its measurement noise, the margin of
-    :func:`sticky_path`. ``fresh`` counts the ratios taken since the band was last marked
+    the median's relative standard error (from the MAD) is its measurement noise, the
+    margin of :func:`sticky_path`. ``fresh`` counts the ratios taken since the band was last marked
     stale (:meth:`stale`): a stale band keeps its factor but counts as unmeasured, so it is
     explored again. Pure bookkeeping, the same on every rank when fed the same ratios.
     """
@@ -117,11 +123,20 @@ class CostHistory:
         return self.fresh.get((path, band), 0) >= MIN_SAMPLES
 
     def noise(self, path: str, band: int) -> float:
-        """Relative half-range of the ratios of ``path`` at ``band`` (0 below 2 ratios)."""
+        """Relative standard error of the median ratio of ``path`` at ``band`` (0 below 2).
+
+        Taken from the median absolute deviation (:data:`MAD_TO_SE` ``* MAD / sqrt(n) /
+        median``), not the range: on a machine that shares its cores one step in a few is
+        several times slower than the rest (a rank waits for a core), and a range grows with
+        every such step until no path can ever be left, while the median (the factor) does
+        not move. The MAD ignores those steps as the median does.
+        """
         r = self.ratios.get((path, band))
         if not r or len(r) < 2:
             return 0.0
-        return (max(r) - min(r)) / (2 * statistics.median(r))
+        med = statistics.median(r)
+        mad = statistics.median(abs(x - med) for x in r)
+        return MAD_TO_SE * mad / (math.sqrt(len(r)) * med)
 
     def factor(self, path: str, band: int) -> float:
         """The band's own correction, else one learned at a neighbouring band of the same
@@ -143,11 +158,12 @@ class CostHistory:
 def sticky_path(est: dict[str, float], noise: dict[str, float], current: str | None) -> str:
     """Keep ``current`` unless another path is cheaper beyond both paths' noise.
 
-    ``est``: corrected estimate per path; ``noise``: each path's relative half-range of
-    measured / predicted ratios. The cheapest path ``b`` replaces ``current`` only when
-    ``est[b] * (1 + noise[b]) < est[current] * (1 - noise[current])``: the best case of the
-    current path is still slower than the worst case of the other. So a path within its
-    noise of the best is never left for one that is only cheaper by noise.
+    ``est``: corrected estimate per path; ``noise``: each path's relative standard error of
+    its learned factor (:meth:`CostHistory.noise`). The cheapest path ``b`` replaces
+    ``current`` only when ``est[b] * (1 + noise[b]) < est[current] * (1 - noise[current])``:
+    one standard error up, the other is still cheaper than the current path one standard
+    error down. So a path within its noise of the best is never left for one that is only
+    cheaper by noise.
     """
     best = min(est, key=est.get)
     if current is None or current not in est or current == best:
