@@ -131,8 +131,8 @@ class SparseGradSync(GradSync):
         self._counts_s: collections.deque = collections.deque(maxlen=5)
         self._counts_took = 0.0
         self._carried: tuple | None = None
-        """Last step's carried rows: ``((path, band), this rank's measured / predicted)``,
-        learned once gathered (the smallest: the rank that arrived last waited least)."""
+        """Last step's carried rows: ``((path, band), model seconds, this rank's collective
+        seconds, this rank's seconds after it)``, learned once gathered (see :meth:`sync`)."""
         self._seen: dict[int, tuple] = {}
         """Per row-sparse parameter, from last step's gathered counts (the same on every
         rank): ``(counts, any_sparse, row_bytes, height, row_shape, dtype)``."""
@@ -241,9 +241,9 @@ class SparseGradSync(GradSync):
         keys = sorted(self._observed)
         slow = [round(self._observed[k] * 1000) for k in keys]
         # with them, how long this rank's last separate count all-gather took (us; 0: none)
-        # and how the carried rows ran against their prediction (x 1000; 0: none)
-        carried_ratio = round(self._carried[1] * 1000) if self._carried else 0
-        meta = local + kinds + slow + [round(self._counts_took * 1e6), carried_ratio]
+        # and how long the carried rows' collective and the work after it took (us; 0: none)
+        carried_us = [round(t * 1e6) for t in self._carried[2:]] if self._carried else [0, 0]
+        meta = local + kinds + slow + [round(self._counts_took * 1e6), *carried_us]
         ahead, carried = self._ahead(params), None
         fused_started = time.perf_counter()
         if ahead is None:
@@ -257,14 +257,15 @@ class SparseGradSync(GradSync):
                 meta, mine.triple() if fits else None, cap, row_shape=shape, dtype=dtype,
                 group=self.group, device=params[0].device)
             self._counts_took = 0.0
+        gathered = time.perf_counter()
         n = len(params)
         self._learn(keys, counts[:, 2 * n: 2 * n + len(keys)])
         # the last rank to arrive waited least: its times are the collectives' own
-        took, ratio = counts[:, -2][counts[:, -2] > 0], counts[:, -1][counts[:, -1] > 0]
+        took = counts[:, -3][counts[:, -3] > 0]
         if took.numel():
             self._counts_s.append(int(took.min()) / 1e6)
-        if self._carried is not None and ratio.numel():
-            self.history.add(self._carried[0], int(ratio.min()) / 1000)
+        if self._carried is not None and int(counts[:, -2].min()) > 0:
+            self.history.add(self._carried[0], self._carried_ratio(counts[:, -2:]))
         self._carried = None
         dense_params, seen = [], {}
         link = self.model() if self.path == "auto" else None
@@ -312,9 +313,9 @@ class SparseGradSync(GradSync):
             if started is not None:
                 self._observe(choice, started, seen)
             elif choice.estimates_s:
-                took = (time.perf_counter() - fused_started) / _model_s(choice, "allgather")
-                self._carried = (("allgather", choice.band),
-                                 took * choice.factors["allgather"])
+                raw = _model_s(choice, "allgather") / choice.factors["allgather"]
+                self._carried = (("allgather", choice.band), raw, gathered - fused_started,
+                                 time.perf_counter() - gathered)
             if choice.path == "dense":
                 buf = summed.values._base if summed.values._base is not None else summed.values
                 self._buffers[id(p)] = (buf, weakref.ref(p.grad) if local_sparse else None)
@@ -353,6 +354,15 @@ class SparseGradSync(GradSync):
                 return None
         top = max(col)
         return i, top + max(16, math.ceil(CAPACITY_HEADROOM * top)), shape, dtype
+
+    def _carried_ratio(self, times_us: torch.Tensor) -> float:
+        """Measured / predicted time of last step's carried rows, from every rank's
+        ``[collective, after]`` microseconds: the collective's own time is the shortest (the
+        rank that arrived last waited least), the work after it (merge, divide, write) the
+        slowest rank's, as for every other path: ranks that share cores merge one after
+        another, and the sync ends when the last is done."""
+        measured = (int(times_us[:, 0].min()) + int(times_us[:, 1].max())) / 1e6
+        return measured / self._carried[1]
 
     @staticmethod
     def _observe(choice: PathChoice, started: float, seen: dict) -> None:
