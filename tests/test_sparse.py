@@ -649,6 +649,7 @@ def test_bench_sparse_runs_at_tiny_size():
     from trainwright.bench.sparse import (
         SYSTEMS,
         SparseBenchSpec,
+        _step_s,
         _steps_for,
         rule_held,
         run,
@@ -665,11 +666,14 @@ def test_bench_sparse_runs_at_tiny_size():
     for r in rows:
         assert len(r["sync_s_rounds"]) == 2 and r["sync_s"] == statistics.median(r["sync_s_rounds"])
         assert r["steps_per_round"] == 2  # round_s = 0: the fewest steps
-    # a round's steps are sized from the pilot's step (fb + sync; DDP: both backwards)
+    # a round's steps are sized from the pilot's steps (fb + sync; DDP: both backwards)
     pilot = {"fb": [0.004, 0.006, 0.1], "sync": [0.004] * 3, "nosync_fb": []}
-    assert _steps_for(SparseBenchSpec(round_s=1.0), pilot) == 100
-    assert _steps_for(SparseBenchSpec(round_s=1.0, max_steps=50), pilot) == 50
-    assert _steps_for(SparseBenchSpec(round_s=0.01, steps=15), pilot) == 15
+    ddp = {"fb": [0.02] * 3, "sync": [], "nosync_fb": [0.01] * 3}
+    slot = _step_s(pilot) + _step_s(ddp)
+    assert slot == pytest.approx(0.04)
+    assert _steps_for(SparseBenchSpec(round_s=4.0), slot) == 100
+    assert _steps_for(SparseBenchSpec(round_s=4.0, max_steps=50), slot) == 50
+    assert _steps_for(SparseBenchSpec(round_s=0.01, steps=15), slot) == 15
     at = {(r["system"], r["density"]): r for r in rows}
     # every forced path at every density, beside auto, from the rows
     assert result["paths"]["0.5"]["broadcast"] == round(at["forced_broadcast", 0.5]["sync_s"], 6)

@@ -85,12 +85,10 @@ class SparseBenchSpec:
     steps in ABBA order within a round."""
     steps: int = 15
     """Fewest timed steps per system per round; a round's figure is their median."""
-    round_s: float = 2.0
-    """Seconds each system's steps should take in one round: a system whose steps are short
-    runs ``round_s / step`` of them (from a 3-step pilot after the warm-up, at most
-    ``max_steps``), so that every round's median rests on enough steps. With 15 steps of a
-    5 ms sync, one step in a few that waits for a core moved a round's median by 10-20 %
-    here, more than the 5 % the targets judge."""
+    round_s: float = 12.0
+    """Seconds a round should take: where the systems' steps are short, each runs
+    ``round_s`` over the sum of their steps (from a 3-step pilot after the warm-up), at
+    most ``max_steps``."""
     max_steps: int = 400
     """Most timed steps per system per round."""
     seed: int = 0
@@ -195,12 +193,17 @@ PILOT_STEPS = 3
 """Steps of each system after the warm-up that size its rounds (see ``round_s``)."""
 
 
-def _steps_for(spec: SparseBenchSpec, pilot: dict) -> int:
-    """Steps per round of a system from its pilot: ``round_s`` over its median step
-    (forward + backward + sync; DDP runs two backwards per step), within ``[steps,
-    max_steps]``. The pilot's times are the slowest rank's, so every rank gets the same."""
-    step_s = sum(statistics.median(pilot[k]) for k in ("fb", "sync", "nosync_fb") if pilot[k])
-    return max(spec.steps, min(spec.max_steps, math.ceil(spec.round_s / max(step_s, 1e-6))))
+def _step_s(pilot: dict) -> float:
+    """A system's median step in its pilot: forward + backward + sync (DDP runs two
+    backwards a step: with and without its sync)."""
+    return sum(statistics.median(pilot[k]) for k in ("fb", "sync", "nosync_fb") if pilot[k])
+
+
+def _steps_for(spec: SparseBenchSpec, slot_s: float) -> int:
+    """Steps per system per round: ``round_s`` over one step of every system (``slot_s``),
+    within ``[steps, max_steps]``. The pilot's times are the slowest rank's, so every rank
+    gets the same."""
+    return max(spec.steps, min(spec.max_steps, math.ceil(spec.round_s / max(slot_s, 1e-6))))
 
 
 def _round_figure(name: str, got: dict) -> float:
@@ -230,26 +233,38 @@ def _warm_and_check(ids, gout, world: int, mods) -> None:
 
 def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, mods,
                   progress) -> list[dict]:
-    """Every system at one density in ABBA-ordered rounds of ``spec.steps`` steps each."""
+    """Every system at one density: rounds of ``steps`` steps per system, the systems
+    taking one step each in turn, in ABBA order from one turn to the next.
+
+    Interleaved step by step, every system sees the same drift of the machine within a
+    round; in blocks of 15 steps per system (before), each saw its own few seconds, and the
+    same path forced and chosen by ``auto`` differed by 10-20 % from round to round. Each
+    step thus also starts with caches that other work has used, as a step of training
+    does after its forward, backward and update."""
     from trainwright.bench.paired import round_order
 
     ids = _ids(spec, rank, density)
     gout = torch.randn(ids.numel(), spec.dim, generator=torch.Generator().manual_seed(rank))
     _warm_and_check(ids, gout, world, mods)
-    steps = {name: _steps_for(spec, _system_steps(name, PILOT_STEPS, ids, gout, world, mods))
-             for name in SYSTEMS}
+    steps = _steps_for(spec, sum(
+        _step_s(_system_steps(name, PILOT_STEPS, ids, gout, world, mods)) for name in SYSTEMS))
     progress(f"density {density:.1%} (warm-up)")
     per_round = {k: [] for k in SYSTEMS}
     fb = {k: [] for k in SYSTEMS}  # forward + backward (DDP: without its sync)
     taken, choice = [], None
     for rnd in range(spec.repeats):
-        for name in round_order(SYSTEMS, rnd):
-            got = _system_steps(name, steps[name], ids, gout, world, mods)
-            per_round[name].append(_round_figure(name, got))
-            fb[name].append(statistics.median(got["nosync_fb"] or got["fb"]))
-            if name == "trainwright":
-                taken += got["taken"]
-                choice = got["choice"]
+        got = {name: {"fb": [], "sync": [], "nosync_fb": [], "taken": []} for name in SYSTEMS}
+        for turn in range(steps):
+            for name in round_order(SYSTEMS, rnd * steps + turn):
+                one = _system_steps(name, 1, ids, gout, world, mods)
+                for key, values in got[name].items():
+                    values += one[key]
+                if name == "trainwright":
+                    choice = one["choice"]
+        for name in SYSTEMS:
+            per_round[name].append(_round_figure(name, got[name]))
+            fb[name].append(statistics.median(got[name]["nosync_fb"] or got[name]["fb"]))
+        taken += got["trainwright"]["taken"]
         progress(f"density {density:.1%}")
     unique = torch.tensor([ids.unique().numel()], dtype=torch.int64)
     every = [torch.zeros_like(unique) for _ in range(world)]
@@ -265,7 +280,7 @@ def _density_rows(spec: SparseBenchSpec, rank: int, world: int, density: float, 
     for name in SYSTEMS:
         row = dict(system=name, density=density, sync_s=statistics.median(per_round[name]),
                    sync_s_rounds=per_round[name], fwd_bwd_s=statistics.median(fb[name]),
-                   fwd_bwd_s_rounds=fb[name], steps_per_round=steps[name])
+                   fwd_bwd_s_rounds=fb[name], steps_per_round=steps)
         if name in sent:
             row["bytes_sent_per_rank"] = sent[name]
         rows.append(row)
