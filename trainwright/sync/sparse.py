@@ -121,6 +121,8 @@ class SparseGradSync(GradSync):
         self.history = CostHistory()
         """Per (path, size band): measured / predicted times of earlier steps (the same on
         every rank): the learned factors and each path's noise."""
+        self._chosen: dict[int, PathChoice] = {}
+        """Per row-sparse parameter: ``auto``'s last choice (see :meth:`_ahead`)."""
         self._sticky: dict[int, tuple[str, int]] = {}
         """Per row-sparse parameter: the path ``auto`` holds and the rows (summed over
         ranks) it was chosen at; see :func:`~trainwright.sync.sparse_cost.sticky_path`."""
@@ -200,6 +202,7 @@ class SparseGradSync(GradSync):
         if not choice.explored and choice.path != "none":
             kept = held is not None and held[0] == choice.path
             self._sticky[id(p)] = (choice.path, held[1] if kept else total)
+        self._chosen[id(p)] = choice
         return choice
 
     def _free_buffer(self, p: torch.Tensor) -> torch.Tensor | None:
@@ -338,19 +341,18 @@ class SparseGradSync(GradSync):
         last step, when its path is ``allgather`` whatever this step's counts turn out to
         be (forced, or ``auto``'s held path, kept at last step's counts: neither left nor
         set aside to measure another). Should the counts say otherwise after all, that
-        parameter is exchanged again along the chosen path."""
+        parameter is exchanged again along the chosen path.
+
+        ``auto``'s last choice for the parameter says it: asked again at last step's counts,
+        the cost model would answer the same, since what it learns (the ratios gathered with
+        the counts) only arrives with this step's gather."""
         i = next((i for i, p in enumerate(params) if id(p) in self._seen), None)
         if i is None or self.path not in ("auto", "allgather"):
             return None
-        col, any_sparse, row_bytes, height, shape, dtype = self._seen[id(params[i])]
+        col, _, _, _, shape, dtype = self._seen[id(params[i])]
         if self.path == "auto":
-            held = self._sticky.get(id(params[i]))
-            if held is None or held[0] != "allgather" or self.link is None:
-                return None
-            choice = self.link.choose(list(col), height, row_bytes, self.world, any_sparse,
-                                      history=self.history, explore=self.explore,
-                                      current="allgather", allgather_credit_s=self.counts_s)
-            if choice.path != "allgather" or choice.explored:
+            last = self._chosen.get(id(params[i]))
+            if last is None or last.path != "allgather" or last.explored:
                 return None
         top = max(col)
         return i, top + max(16, math.ceil(CAPACITY_HEADROOM * top)), shape, dtype
