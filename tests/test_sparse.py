@@ -26,7 +26,6 @@ from trainwright.errors import ConfigError
 from trainwright.sync.sparse import (
     LinkModel,
     RowSparse,
-    SparseDataParallel,
     SparseGradSync,
     calibrate,
 )
@@ -38,6 +37,7 @@ from trainwright.sync.sparse_cost import (
     size_band,
     sticky_path,
 )
+from trainwright.sync.sparse_ddp import SparseDataParallel
 
 # Constants of the order measured here (DESIGN facts: 1M x 64 fp32, 4 ranks)
 LINK = LinkModel(latency_s=2e-4, bandwidth=1.0e9, allreduce_bandwidth=0.8e9, merge_rate=1.5e9)

@@ -8,7 +8,8 @@ its ``STEP`` action. :func:`make_grad_sync` picks the strategy named by ``sync.s
 * :mod:`~trainwright.sync.base`: the :class:`GradSync` interface and its hooks;
 * :mod:`~trainwright.sync.dense`: bucketed all-reduce (the naive oracle);
 * :mod:`~trainwright.sync.sparse` (+ ``rowsparse``, ``sparse_cost``, ``sparse_exchange``): sparse
-  gradient sync;
+  gradient sync; :mod:`~trainwright.sync.sparse_ddp`: its DDP-like wrapper for plain data
+  parallel;
 * :mod:`~trainwright.sync.hierarchical` (+ ``hier_sync``, ``hier_layout``, ``hier_shards``,
   ``hier_state``): hierarchical sharded sync.
 
