@@ -7,6 +7,7 @@ definition, but the oracle is the real thing: ``dist.all_reduce`` of the dense g
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -552,6 +553,19 @@ def test_a_path_not_yet_measured_at_this_size_is_tried_until_measured_when_close
     assert not last.explored and last.path == min(last.estimates_s, key=last.estimates_s.get)
     assert not LINK.choose(counts, height, row_bytes, world, True, history=_history({
         (first.path, first.band): [1.0] * MIN_SAMPLES}), explore=0.0).explored
+
+
+def test_rows_sent_with_the_counts_are_padded_by_the_measured_growth():
+    # a table whose largest count held still over the window is padded by 16 rows, not
+    # 10 %: every padded row crosses the link from every rank
+    sync = SparseGradSync(None, 2, path="allgather", link=LINK)
+    emb = nn.Embedding(5000, 4, sparse=True)
+    sync._seen[id(emb.weight)] = ((1000, 990), True, 16, 5000, (4,), torch.float32)
+    assert sync._ahead([emb.weight])[1] == 1000 + 100  # too few steps seen: 10 %
+    sync._growth[id(emb.weight)] = collections.deque([0.0] * 8, maxlen=8)
+    assert sync._ahead([emb.weight])[1] == 1000 + 16
+    sync._growth[id(emb.weight)].append(0.03)  # it grew 3 % once in the window
+    assert sync._ahead([emb.weight])[1] == 1000 + 30
 
 
 def test_carried_rows_are_timed_until_the_slowest_rank_has_merged():
