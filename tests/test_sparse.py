@@ -566,6 +566,10 @@ def test_rows_sent_with_the_counts_are_padded_by_the_measured_growth():
     assert sync._ahead([emb.weight])[1] == 1000 + 16
     sync._growth[id(emb.weight)].append(0.03)  # it grew 3 % once in the window
     assert sync._ahead([emb.weight])[1] == 1000 + 30
+    # never above 10 %: a density that jumped 10x is one re-exchange, not 8 steps of 10x
+    # padding (the carried all-gather then measured 3x slow and auto left it for good)
+    sync._growth[id(emb.weight)].append(9.0)
+    assert sync._ahead([emb.weight])[1] == 1000 + 100
 
 
 def test_carried_rows_are_timed_until_the_slowest_rank_has_merged():

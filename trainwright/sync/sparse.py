@@ -82,9 +82,9 @@ a rank with more makes that parameter's exchange run again, after the counts."""
 GROWTH_WINDOW = 8
 """Steps over which a table's largest count is watched: once seen that often, the rows
 sent with the counts are last step's largest count plus its largest step-to-step growth
-in that window (at least 16 rows). Every padded row is sent by every rank: 10 % of
-padding at 1 % density was 1.6 ms of a 19 ms sync over a 1 Gbit/s link, with counts that
-do not move."""
+in that window, at most :data:`CAPACITY_HEADROOM` (at least 16 rows). Every padded row is
+sent by every rank: 10 % of padding at 1 % density was 1.6 ms of a 19 ms sync over a
+1 Gbit/s link, with counts that do not move."""
 
 # --------------------------------------------------------------------------- strategy
 
@@ -367,7 +367,11 @@ class SparseGradSync(GradSync):
             if last is None or last.path != "allgather" or last.explored:
                 return None
         top, growth = max(col), self._growth.get(id(params[i]), ())
-        share = max(growth) if len(growth) == GROWTH_WINDOW else CAPACITY_HEADROOM
+        # never above the 10 %: a density that jumps (x10) is one step's re-exchange, while
+        # a 10x padding for the next 8 steps made the carried all-gather look 3x slower
+        # than it is and auto left it for broadcast at 1 % for good
+        share = min(CAPACITY_HEADROOM, max(growth)) if len(growth) == GROWTH_WINDOW \
+            else CAPACITY_HEADROOM
         return i, top + max(16, math.ceil(share * top)), shape, dtype
 
     def _carried_ratio(self, times_us: torch.Tensor) -> float:
