@@ -31,6 +31,9 @@ def test_llama_examples_train_evaluate_and_export(tmp_path, example):
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "runs" / example
     assert (run_dir / "checkpoints" / "step_000008").is_dir()
+    if example == "llama-hf":  # TensorBoard's event file, written from rank 0
+        assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")), \
+            sorted(p.name for p in run_dir.iterdir())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     names = next(r["layer_names"] for r in rows if r.get("kind") == "run")
     assert names == ["embed", *(f"model.layers.{i}" for i in range(4)), "head"]
@@ -62,6 +65,7 @@ def test_the_hf_example_reads_its_shipped_data_set(monkeypatch):
     assert (cfg.data.name, cfg.train.precision, cfg.train.lr_schedule) == ("hf", "bf16",
                                                                             "cosine")
     assert cfg.train.clip_norm > 0 and cfg.eval.every > 0 and cfg.run.checkpoint_every > 0
+    assert cfg.observe.loggers == ["tensorboard"] and cfg.run.async_checkpoint
     check_data(cfg)
     data = build_data(cfg)
     x, y = data.batch(1, cfg.train.batch_size)

@@ -241,3 +241,22 @@ def test_cpu_ranks_count_as_at_most_the_cores(monkeypatch):
     assert flops.run_peak(cpu, "fp32", 4).flops_per_s == 2e9
     assert flops.run_peak(cpu, "fp32", 1).devices == 1.0
     assert flops.device_peak(cpu, "fp32")[1].startswith("calibrated")
+
+
+def test_a_cpu_slower_in_half_precision_is_measured_against_its_fp32_peak(monkeypatch):
+    """A CPU without bf16 units runs a 1024 bf16 matmul at 0.67 GFLOP/s and fp32 at 80 (the
+    host of docs/bench); the tiny Llama example's bf16 layers reached 3 GFLOP/s a rank, so
+    the bf16 figure gave MFU 4.6. A peak is the most the device does in any precision the
+    run could compute in."""
+    import torch
+
+    from trainwright.observe import flops
+
+    speeds = {"fp32": 80e9, "bf16": 0.67e9}
+    monkeypatch.setattr(flops, "calibrate_matmul", lambda device, precision: speeds[precision])
+    cpu = torch.device("cpu")
+    peak, source = flops.device_peak(cpu, "bf16")
+    assert peak == 80e9 and "fp32" in source and "bf16" in source, source
+    speeds["bf16"] = 160e9  # a CPU with bf16 units: its bf16 figure
+    assert flops.device_peak(cpu, "bf16")[0] == 160e9
+    assert flops.device_peak(cpu, "fp32") == (80e9, flops.device_peak(cpu, "fp32")[1])

@@ -118,6 +118,8 @@ TARGETS: list[Target] = [
            "planning_within_30_s", True),
     _ratio("checkpoint", "a step that saves asynchronously / a quiet step (no save in flight)",
            "async_save_step_over_quiet_step", 1.10),
+    _ratio("checkpoint", "a step beside an async save's write / a quiet step",
+           "async_beside_step_over_quiet_step", 1.10),
     Target("gpu", "every stage within its limit, by the CUDA allocator",
            "bench_memory_cuda/every_stage_within_limit", True),
     _ratio("gpu", "plan without swap / fastest fitting checkpoint rule (H100)",
