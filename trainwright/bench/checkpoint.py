@@ -13,7 +13,8 @@ systems' order (:func:`~trainwright.bench.paired.round_order`). Per run, each st
 timed and marked by whether a save was in flight when it began or ended (the first step,
 unfused, left out):
 
-* ``save_step_s``: the median step that saves;
+* ``save_step_s``: the median step that saves (``first_save_step_s``: the first, which
+  also allocates the host buffers the copies go into from then on);
 * ``quiet_step_s``: the median step that neither saves nor runs beside a save in flight
   (the reference a saving step is judged against, the same run minutes apart at most);
 * ``beside_step_s``: the median step that runs beside an async save's write (none with
@@ -28,10 +29,10 @@ own quiet step; ``async_save_step_over_blocking_quiet_step_judged`` divides it b
 blocking run's quiet step of the same round instead; ``*_mean_step_over_quiet_step`` and
 ``async_mean_step_over_blocking_mean_step`` say what saving costs over a whole run.
 
-A save every 50 steps (``run.checkpoint_every``'s default): the write runs at a low
-priority (:data:`~trainwright.run.ckpt_writer.WRITER_NICE`) and spreads over 20-30 steps
-here (at every 30, 4 of 15 saves waited); a save asked for while the one before is still
-being written waits for it (counted per run as ``saves_that_waited``).
+A save every 50 steps (``run.checkpoint_every``'s default), five a run: the write runs at
+a low priority (:data:`~trainwright.run.ckpt_writer.WRITER_NICE`) and spreads over 10-30
+steps here (at every 30, 4 of 15 saves waited); a save asked for while the one before is
+still being written waits for it (counted per run as ``saves_that_waited``).
 
 ``--steps``, ``--repeats`` and ``--spec KEY=VALUE`` (``d_model``, ``n_blocks``,
 ``batch_size``, ``every``) size it; ``--repeats 1 --steps 6 --spec d_model=64 --spec
@@ -63,7 +64,7 @@ class CheckpointSpec:
     n_blocks: int = 8
     batch_size: int = 64
     every: int = 50
-    steps: int = 151
+    steps: int = 251
     rounds: int = 5
 
 
@@ -114,6 +115,7 @@ def run(system: str, spec: CheckpointSpec) -> dict:
         raise ConfigError(f"bench checkpoint: steps={spec.steps}, every={spec.every} leave no "
                           f"saving step or no quiet step after the first; raise --steps")
     return {"save_step_s": statistics.median(saving), "quiet_step_s": statistics.median(quiet),
+            "first_save_step_s": saving[0],
             "beside_step_s": statistics.median(beside) if beside else None,
             "beside_steps": len(beside),
             "mean_step_s": statistics.mean(timed.values()), "drain_s": drain,

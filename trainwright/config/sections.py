@@ -456,9 +456,9 @@ class RunConfig(Section):
     checkpoint_every: Annotated[NonNegativeInt, Allowed("must be >= 0 (0 = only at the end)")] = 50
     """Write a checkpoint every N steps (0 = only at the end)."""
     async_checkpoint: bool = False
-    """Save checkpoints in the background: the step copies the state to memory (DCP's
-    stager) and goes on while a low-priority thread writes it (``dcp.save``); a save waits
-    for the one before it, and the run for the last one before it ends."""
+    """Save checkpoints in the background: the step copies the state into host buffers kept
+    between saves and goes on while a low-priority thread writes it (``dcp.save``); a save
+    waits for the one before it, and the run for the last one before it ends."""
     profile_every: PositiveInt = 10
     """Every N-th step runs its first micro-batch unfused, measures each layer on it and
     writes the per-layer profile to the metrics (a run with no such step after its first

@@ -2,13 +2,15 @@
 
 With ``run.async_checkpoint`` each save is two parts:
 
-* **Staging**, while the saving step waits: one
-  :class:`~torch.distributed.checkpoint.staging.DefaultStager`, living as long as the
-  writer, copies the state into host memory (tensors copied, the other entries
-  deep-copied). Its buffers are kept, so from the second save on the copy goes into the
-  memory of the first: no fresh pages to fault in (a 268 MB state: 0.07 s the first time,
-  0.02 s after, on the 2-core host of docs/bench; a plain 2-thread ``copy_`` of it takes
-  0.014 s). That copy stays in host memory between saves (pinned where CUDA is).
+* **Staging**, while the saving step waits: each tensor is copied (``Tensor.copy_``) into a
+  host buffer kept for it from one save to the next (pinned on CUDA hosts), every other
+  entry (RNG states, registered objects) through ``pickle``. Kept buffers mean no fresh
+  pages to fault in (a 268 MB state: 0.07 s the first time, 0.017 s after, on the 2-core
+  host of docs/bench). DCP's :class:`~torch.distributed.checkpoint.staging.DefaultStager`
+  does the same with storage copies and a recursive deep copy, and took 0.022 s there:
+  its storage copies run slower than ``Tensor.copy_``, and it walks some 940 Python
+  objects (the Python RNG state alone is 625 integers). That copy stays in host memory
+  between saves.
 * **Writing**, while the next steps run: :func:`torch.distributed.checkpoint.save` of the
   staged copy, on a thread of this writer that runs at nice :data:`WRITER_NICE`,
   coordinating on a gloo group of its own so that its collectives never interleave with
@@ -16,14 +18,14 @@ With ``run.async_checkpoint`` each save is two parts:
   (:func:`~trainwright.run.checkpoint.commit`: manifest and its checksums, rename) on
   the same thread.
 
-Why not :func:`torch.distributed.checkpoint.async_save`, which stages the same way: it
-writes on a thread of its own at the trainer's priority. Writing and checksumming a
-268 MB state takes 0.35 s of CPU; on a host whose cores training keeps busy that thread
-took a core from the steps beside it, and the step after a save took 3-4x a quiet one
-(0.56-0.75 s against 0.18, longer than a blocking save). At the lowest priority the write
-takes only what training leaves idle (the first time 2.3 s there, while the steps beside
-it kept their time); a GPU run's host, mostly waiting on the device, leaves it most.
-Nice is per thread on Linux; elsewhere the thread keeps the trainer's priority.
+Why not :func:`torch.distributed.checkpoint.async_save`: it writes on a thread of its own
+at the trainer's priority. Writing and checksumming a 268 MB state takes 0.35 s of CPU; on
+a host whose cores training keeps busy that thread took a core from the steps beside it,
+and the step after a save took 3-4x a quiet one (0.56-0.75 s against 0.18, longer than a
+blocking save). At nice 10 the write spreads over the next 10-25 steps there, each about
+10 % slower (:data:`WRITER_NICE` has the other values tried); a GPU run's host, mostly
+waiting on the device, leaves the write idle cores. Nice is per thread on Linux;
+elsewhere the thread keeps the trainer's priority.
 
 A save waits for the one before it (then the write has the cores to itself), and
 :meth:`CheckpointWriter.wait` (called before a run ends) waits for the last one, so a run
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +50,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainwright.dist.faults import FaultPoint
 from trainwright.run import checkpoint
@@ -88,9 +90,8 @@ class CheckpointWriter:
         self.group = None
         self._thread = ThreadPoolExecutor(1, "ckpt-writer", initializer=_lower_priority) \
             if asynchronous else None
-        self._stager = (DefaultStager(StagingOptions(
-            use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-            use_async_staging=False, use_non_blocking_copy=False)) if asynchronous else None)
+        self._staging: dict[str, torch.Tensor] = {}
+        """Per tensor entry, the host buffer its copy goes into, kept from save to save."""
         self._pending: Future | None = None
         self._warned = False
         if clean and rank == 0:
@@ -111,8 +112,27 @@ class CheckpointWriter:
         if not self.asynchronous:
             self._write(step, state, meta)
             return
-        staged = self._stager.stage(state)  # the step waits for this copy, not the write
+        staged = self._stage(state)  # the step waits for this copy, not for the write
         self._pending = self._thread.submit(self._write, step, staged, meta)
+
+    @torch.no_grad()
+    def _stage(self, state: dict) -> dict:
+        """A copy of ``state`` the training steps cannot change: each tensor copied into its
+        kept host buffer (pinned for a CUDA tensor), every other entry through pickle."""
+        kept, out = self._staging, {}
+        self._staging = {}
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                out[key] = pickle.loads(pickle.dumps(value, pickle.HIGHEST_PROTOCOL))
+                continue
+            buf = kept.get(key)
+            if buf is None or (buf.shape, buf.dtype) != (value.shape, value.dtype):
+                buf = torch.empty(value.shape, dtype=value.dtype,
+                                  pin_memory=value.device.type == "cuda")
+            out[key] = self._staging[key] = buf.copy_(value, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device-to-host copies are complete
+        return out
 
     def _write(self, step: int, state: dict, meta: dict) -> None:
         checkpoint.write_files(self.run_dir, step, state, group=self.group)
@@ -138,7 +158,6 @@ class CheckpointWriter:
         self.wait()
         if self._thread is not None:
             self._thread.shutdown()
-            self._stager.close()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
             self.group = None
