@@ -58,6 +58,7 @@ from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
+from trainwright.sync.sparse_cost import sticky_path
 
 __all__ = ["SparseBenchSpec", "TARGETS", "run", "main", "summarise", "rule_held", "with_shaped"]
 
@@ -184,7 +185,8 @@ def _system_steps(name: str, steps: int, ids, gout, world: int, mods) -> dict:
             choice = sync.last[0]
             out["taken"].append(dict(path=choice.path, explored=choice.explored,
                                      held=held[0] if held else None,
-                                     estimates_s=choice.estimates_s, noise=choice.noise))
+                                     estimates_s=choice.estimates_s, noise=choice.noise,
+                                     credit_s=choice.credit_s))
             out["choice"] = choice
     return out
 
@@ -413,7 +415,7 @@ def rule_held(taken: list[dict]) -> bool:
     here from the JSON's own numbers, so a choice that left the rule shows as ``False``.
     """
     for t in taken:
-        est, noise = t["estimates_s"], t["noise"]
+        est = t["estimates_s"]
         if t["explored"] or not est:
             continue
         best = min(est, key=est.get)
@@ -422,7 +424,7 @@ def rule_held(taken: list[dict]) -> bool:
         held = t["held"]
         if t["path"] != held or held not in est:
             return False
-        if est[best] * (1 + noise[best]) < est[held] * (1 - noise[held]):
+        if sticky_path(est, t["noise"], held, t.get("credit_s")) != held:
             return False
     return True
 
