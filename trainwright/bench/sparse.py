@@ -58,7 +58,6 @@ from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
-from trainwright.sync.sparse_cost import sticky_path
 
 __all__ = ["SparseBenchSpec", "TARGETS", "run", "main", "summarise", "rule_held", "with_shaped"]
 
@@ -185,8 +184,7 @@ def _system_steps(name: str, steps: int, ids, gout, world: int, mods) -> dict:
             choice = sync.last[0]
             out["taken"].append(dict(path=choice.path, explored=choice.explored,
                                      held=held[0] if held else None,
-                                     estimates_s=choice.estimates_s, noise=choice.noise,
-                                     credit_s=choice.credit_s))
+                                     estimates_s=choice.estimates_s, noise=choice.noise))
             out["choice"] = choice
     return out
 
@@ -415,7 +413,7 @@ def rule_held(taken: list[dict]) -> bool:
     here from the JSON's own numbers, so a choice that left the rule shows as ``False``.
     """
     for t in taken:
-        est = t["estimates_s"]
+        est, noise = t["estimates_s"], t["noise"]
         if t["explored"] or not est:
             continue
         best = min(est, key=est.get)
@@ -424,7 +422,7 @@ def rule_held(taken: list[dict]) -> bool:
         held = t["held"]
         if t["path"] != held or held not in est:
             return False
-        if sticky_path(est, t["noise"], held, t.get("credit_s")) != held:
+        if est[best] * (1 + noise[best]) < est[held] * (1 - noise[held]):
             return False
     return True
 

@@ -155,25 +155,20 @@ class CostHistory:
         return own if self.measured(path, band) else min(own, other)
 
 
-def sticky_path(est: dict[str, float], noise: dict[str, float], current: str | None,
-                credit: dict[str, float] | None = None) -> str:
+def sticky_path(est: dict[str, float], noise: dict[str, float], current: str | None) -> str:
     """Keep ``current`` unless another path is cheaper beyond both paths' noise.
 
     ``est``: corrected estimate per path; ``noise``: each path's relative standard error of
-    its learned factor (:meth:`CostHistory.noise`), so of its whole measured time: for a
-    path with a ``credit`` (what it saves besides its own time, already taken off its
-    estimate) that is ``est + credit``. A path's margin is its noise times that whole time,
-    and the cheapest path ``b`` replaces ``current`` only when ``est[b] + margin[b] <
-    est[current] - margin[current]``: one standard error up, the other is still cheaper
-    than the current path one standard error down. So a path within its noise of the best
-    is never left for one that is only cheaper by noise.
+    its learned factor (:meth:`CostHistory.noise`). The cheapest path ``b`` replaces
+    ``current`` only when ``est[b] * (1 + noise[b]) < est[current] * (1 - noise[current])``:
+    one standard error up, the other is still cheaper than the current path one standard
+    error down. So a path within its noise of the best is never left for one that is only
+    cheaper by noise.
     """
     best = min(est, key=est.get)
     if current is None or current not in est or current == best:
         return best
-    credit = credit or {}
-    margin = {k: noise.get(k, 0.0) * (est[k] + credit.get(k, 0.0)) for k in (best, current)}
-    if est[best] + margin[best] < est[current] - margin[current]:
+    if est[best] * (1 + noise.get(best, 0.0)) < est[current] * (1 - noise.get(current, 0.0)):
         return best
     return current
 
@@ -277,7 +272,7 @@ class LinkModel:
         if force != "auto":
             path = force
         else:
-            path = sticky_path(est, noise, current, credit)
+            path = sticky_path(est, noise, current)
             unmeasured = [k for k in est if k != path and not history.measured(k, band[k])
                           and est[k] <= explore * est[path]]
             if explore > 0 and history.measured(path, band[path]) and unmeasured:
