@@ -664,15 +664,8 @@ def test_sparse_config_keys_are_validated(tmp_path):
 @pytest.mark.timeout(180)
 def test_bench_sparse_runs_at_tiny_size():
     from trainwright.bench import BENCHMARKS
-    from trainwright.bench.sparse import (
-        SYSTEMS,
-        SparseBenchSpec,
-        _step_s,
-        _steps_for,
-        rule_held,
-        run,
-        summarise,
-    )
+    from trainwright.bench.sparse import SparseBenchSpec, rule_held, run, summarise
+    from trainwright.bench.sparse_rank import SYSTEMS, step_s, steps_for
 
     assert BENCHMARKS["sparse"] == "trainwright.bench.sparse"
     spec = SparseBenchSpec(rows=2000, dim=8, world=2, densities=[0.01, 0.5], repeats=2, steps=2,
@@ -687,11 +680,11 @@ def test_bench_sparse_runs_at_tiny_size():
     # a round's steps are sized from the pilot's steps (fb + sync; DDP: both backwards)
     pilot = {"fb": [0.004, 0.006, 0.1], "sync": [0.004] * 3, "nosync_fb": []}
     ddp = {"fb": [0.02] * 3, "sync": [], "nosync_fb": [0.01] * 3}
-    slot = _step_s(pilot) + _step_s(ddp)
+    slot = step_s(pilot) + step_s(ddp)
     assert slot == pytest.approx(0.04)
-    assert _steps_for(SparseBenchSpec(round_s=4.0), slot) == 100
-    assert _steps_for(SparseBenchSpec(round_s=4.0, max_steps=50), slot) == 50
-    assert _steps_for(SparseBenchSpec(round_s=0.01, steps=15), slot) == 15
+    assert steps_for(SparseBenchSpec(round_s=4.0), slot) == 100
+    assert steps_for(SparseBenchSpec(round_s=4.0, max_steps=50), slot) == 50
+    assert steps_for(SparseBenchSpec(round_s=0.01, steps=15), slot) == 15
     at = {(r["system"], r["density"]): r for r in rows}
     # every forced path at every density, beside auto, from the rows
     assert result["paths"]["0.5"]["broadcast"] == round(at["forced_broadcast", 0.5]["sync_s"], 6)
