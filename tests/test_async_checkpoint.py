@@ -142,3 +142,17 @@ def test_a_save_that_waits_for_the_previous_write_says_so_once(tmp_path, monkeyp
     assert len(seen.messages) == 1, seen.messages
     assert "step 2" in seen.messages[0] and "run.checkpoint_every" in seen.messages[0]
     assert manifest.committed_steps(tmp_path / "run")[-2:] == [2, 3]
+
+
+@pytest.mark.filterwarnings("ignore:.*single process")
+def test_a_host_that_refuses_the_lower_priority_still_saves(tmp_path, monkeypatch):
+    """Where setting the writer thread's nice value fails (a sandbox without it), the save
+    goes on at the trainer's priority instead of breaking the writer's thread pool."""
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    writer = CheckpointWriter(tmp_path / "run", 0, asynchronous=True)
+    writer.save(1, {"w": torch.arange(4.0)}, {})
+    writer.close()
+    assert manifest.committed_steps(tmp_path / "run") == [1]

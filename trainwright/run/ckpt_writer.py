@@ -165,6 +165,10 @@ class CheckpointWriter:
 
 def _lower_priority() -> None:
     """Run the calling thread at nice :data:`WRITER_NICE` (Linux, where nice is per
-    thread; elsewhere it would renice the whole process, so nothing changes)."""
+    thread; elsewhere it would renice the whole process, so nothing changes). A sandbox
+    that refuses it leaves the thread at the trainer's priority: saves still work."""
     if sys.platform.startswith("linux"):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except OSError as exc:
+            log.info("checkpoint writer keeps the trainer's priority (%s)", exc)
