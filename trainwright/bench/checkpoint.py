@@ -30,7 +30,7 @@ blocking run's quiet step of the same round instead; ``*_mean_step_over_quiet_st
 ``async_mean_step_over_blocking_mean_step`` say what saving costs over a whole run.
 
 A save every 50 steps (``run.checkpoint_every``'s default), five a run: the write runs at
-a low priority (:data:`~trainwright.run.ckpt_writer.WRITER_NICE`) and spreads over 10-30
+a low priority (:data:`~trainwright.run.ckpt_writer.WRITER_NICE`) and spreads over 15-30
 steps here (at every 30, 4 of 15 saves waited); a save asked for while the one before is
 still being written waits for it (counted per run as ``saves_that_waited``).
 

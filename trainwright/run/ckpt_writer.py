@@ -22,8 +22,8 @@ Why not :func:`torch.distributed.checkpoint.async_save`: it writes on a thread o
 at the trainer's priority. Writing and checksumming a 268 MB state takes 0.35 s of CPU; on
 a host whose cores training keeps busy that thread took a core from the steps beside it,
 and the step after a save took 3-4x a quiet one (0.56-0.75 s against 0.18, longer than a
-blocking save). At nice 10 the write spreads over the next 10-25 steps there, each about
-10 % slower (:data:`WRITER_NICE` has the other values tried); a GPU run's host, mostly
+blocking save). At nice 10 the write spreads over the next 15-30 steps there, each
+10-15 % slower (:data:`WRITER_NICE` has the other values tried); a GPU run's host, mostly
 waiting on the device, leaves the write idle cores. Nice is per thread on Linux;
 elsewhere the thread keeps the trainer's priority.
 
@@ -61,7 +61,7 @@ WRITER_NICE = 10
 """Nice value of the thread that writes and completes background saves. Against training
 threads at nice 0 it gets about a tenth of a busy core, plus whatever training leaves idle
 (measured on the 2-core host, 268 MB a save: nice 0, the step after a save 3-4x a quiet
-one; 4, 1.6x over 12-21 steps; 10, 1.14x over about 19 steps; 19, starved: the write was
+one; 4, 1.6x over 12-21 steps; 10, 1.11-1.14x over 15-30 steps; 19, starved: the write was
 still going 25 steps later and the next save waited for it)."""
 
 log = logging.getLogger(__name__)
