@@ -44,52 +44,20 @@ import json
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainwright.bench.netns import NetnsUnavailable, TwoTierNetwork, emulated, run_ranks
-from trainwright.bench.sparse_rank import FORCED, bench_rank
+from trainwright.bench.sparse_rank import FORCED, SparseBenchSpec, bench_rank
 from trainwright.bench.spec_overrides import spec_overrides
 from trainwright.dist import collective as coll
 from trainwright.dist.testing import run_workers
 from trainwright.errors import ConfigError
 
 __all__ = ["SparseBenchSpec", "TARGETS", "run", "main", "summarise", "rule_held", "with_shaped"]
-
-@dataclass(kw_only=True)
-class SparseBenchSpec:
-    """The benchmark workload."""
-
-    rows: int = 250_000
-    """Embedding rows (1M until the paired rounds: 6 systems x 4 densities x 5 rounds x 15
-    steps over a 1M-row table take over half an hour on a shared 2-core machine)."""
-    dim: int = 64
-    """Embedding width (fp32)."""
-    world: int = 4
-    """Ranks (gloo, one thread each)."""
-    densities: list = field(default_factory=lambda: [0.001, 0.01, 0.1, 0.5])
-    """Expected fraction of rows each rank touches."""
-    repeats: int = 5
-    """Measured rounds per density (after one warm-up step of every system), each system's
-    steps in ABBA order within a round."""
-    steps: int = 15
-    """Fewest timed steps per system per round; a round's figure is their median."""
-    round_s: float = 12.0
-    """Seconds a round should take: where the systems' steps are short, each runs
-    ``round_s`` over the sum of their steps (from a 3-step pilot after the warm-up), at
-    most ``max_steps``."""
-    max_steps: int = 400
-    """Most timed steps per system per round."""
-    seed: int = 0
-    """Seed of the table and the ids."""
-    network: str = "loopback"
-    """``"loopback"`` (127.0.0.1, no shaping) or ``"netns"``: every rank in its own network
-    namespace, its egress shaped to ``link_rate`` (:mod:`trainwright.bench.netns`)."""
-    link_rate: str = "1gbit"
-    """With ``network = "netns"``: each rank's egress rate (``tc`` syntax)."""
 
 
 def _at(rows: list[dict], system: str, density: float) -> dict:

@@ -1,5 +1,6 @@
-"""What each rank of ``trainwright bench sparse`` runs: the systems, their steps, and one
-density's rows (:mod:`trainwright.bench.sparse` orchestrates the ranks and judges the rows).
+"""What each rank of ``trainwright bench sparse`` runs: the workload, the systems, their
+steps, and one density's rows (:mod:`trainwright.bench.sparse` orchestrates the ranks and
+judges the rows).
 
 Every system's gradient is checked against the dense all-reduce's in a warm-up step; then
 the systems take one step each in turn, ABBA from turn to turn, and each step's phases are
@@ -12,9 +13,8 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,15 +22,46 @@ from torch import nn
 
 from trainwright.dist import collective as coll
 
-if TYPE_CHECKING:
-    from trainwright.bench.sparse import SparseBenchSpec
-
-__all__ = ["FORCED", "SYSTEMS", "PILOT_STEPS", "bench_rank", "step_s", "steps_for"]
+__all__ = ["FORCED", "SYSTEMS", "SparseBenchSpec", "PILOT_STEPS", "bench_rank", "step_s",
+           "steps_for"]
 
 FORCED = ("allgather", "broadcast", "dense")
 """Our sync with ``sync.sparse_path`` forced to each path."""
 SYSTEMS = ("trainwright", *(f"forced_{p}" for p in FORCED), "dense_allreduce", "ddp_sparse")
 """``trainwright`` is ours with ``sparse_path = "auto"`` (the cost model chooses)."""
+
+
+@dataclass(kw_only=True)
+class SparseBenchSpec:
+    """The benchmark workload."""
+
+    rows: int = 250_000
+    """Embedding rows (1M until the paired rounds: 6 systems x 4 densities x 5 rounds x 15
+    steps over a 1M-row table take over half an hour on a shared 2-core machine)."""
+    dim: int = 64
+    """Embedding width (fp32)."""
+    world: int = 4
+    """Ranks (gloo, one thread each)."""
+    densities: list = field(default_factory=lambda: [0.001, 0.01, 0.1, 0.5])
+    """Expected fraction of rows each rank touches."""
+    repeats: int = 5
+    """Measured rounds per density (after one warm-up step of every system), each system's
+    steps in ABBA order within a round."""
+    steps: int = 15
+    """Fewest timed steps per system per round; a round's figure is their median."""
+    round_s: float = 12.0
+    """Seconds a round should take: where the systems' steps are short, each runs
+    ``round_s`` over the sum of their steps (from a 3-step pilot after the warm-up), at
+    most ``max_steps``."""
+    max_steps: int = 400
+    """Most timed steps per system per round."""
+    seed: int = 0
+    """Seed of the table and the ids."""
+    network: str = "loopback"
+    """``"loopback"`` (127.0.0.1, no shaping) or ``"netns"``: every rank in its own network
+    namespace, its egress shaped to ``link_rate`` (:mod:`trainwright.bench.netns`)."""
+    link_rate: str = "1gbit"
+    """With ``network = "netns"``: each rank's egress rate (``tc`` syntax)."""
 
 
 def _ids(spec: SparseBenchSpec, rank: int, density: float) -> torch.Tensor:
