@@ -78,15 +78,17 @@ def test_bench_checkpoint_judges_the_saving_step_against_the_same_runs_quiet_ste
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread on Linux")
-def test_background_writes_run_at_the_lowest_cpu_priority(tmp_path):
-    """The thread that writes and checksums a save runs at nice ``WRITER_NICE``: at the
-    trainer's priority the write took a core from the steps beside it (the step after a
-    save took 3-4x a quiet one on the 2-core host of docs/bench)."""
+def test_background_writes_run_at_a_lower_cpu_priority(tmp_path):
+    """The thread that writes and checksums a save runs at nice ``WRITER_NICE`` (or the
+    trainer's own, if that is higher): at the trainer's priority the write took a core from
+    the steps beside it (the step after a save took 3-4x a quiet one on the 2-core host of
+    docs/bench)."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     from trainwright.run.ckpt_writer import WRITER_NICE
 
     seen: dict[str, set] = {"write": set(), "checksum": set()}
+    trainer = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     def probe(kind, real):
         def wrapped(*args, **kwargs):
@@ -100,8 +102,9 @@ def test_background_writes_run_at_the_lowest_cpu_priority(tmp_path):
         mp.setattr(manifest, "_crc32", probe("checksum", manifest._crc32))
         writer.save(1, {"w": torch.arange(8.0)}, {})
         writer.close()
-    assert seen == {"write": {WRITER_NICE}, "checksum": {WRITER_NICE}}
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # the trainer's
+    lower = max(WRITER_NICE, trainer)
+    assert seen == {"write": {lower}, "checksum": {lower}}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == trainer
 
 
 @pytest.mark.filterwarnings("ignore:.*single process")

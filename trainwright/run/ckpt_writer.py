@@ -168,7 +168,9 @@ def _lower_priority() -> None:
     thread; elsewhere it would renice the whole process, so nothing changes). A sandbox
     that refuses it leaves the thread at the trainer's priority: saves still work."""
     if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        me = threading.get_native_id()
+        try:  # never up: a trainer already niced past it keeps its own value
+            os.setpriority(os.PRIO_PROCESS, me, max(WRITER_NICE, os.getpriority(
+                os.PRIO_PROCESS, me)))
         except OSError as exc:
             log.info("checkpoint writer keeps the trainer's priority (%s)", exc)
