@@ -33,7 +33,9 @@ from trainwright.sync.sparse import (
 from trainwright.sync.sparse_cost import (
     MAD_TO_SE,
     MIN_SAMPLES,
+    REMEASURE_STEPS,
     CostHistory,
+    PathChoice,
     density_moved,
     size_band,
     sticky_path,
@@ -553,6 +555,46 @@ def test_a_path_not_yet_measured_at_this_size_is_tried_until_measured_when_close
     assert not last.explored and last.path == min(last.estimates_s, key=last.estimates_s.get)
     assert not LINK.choose(counts, height, row_bytes, world, True, history=_history({
         (first.path, first.band): [1.0] * MIN_SAMPLES}), explore=0.0).explored
+
+
+def test_a_path_left_on_slow_measurements_is_measured_again_after_a_while():
+    # broadcast measured 3x slower than predicted (the machine was busy then): allgather is
+    # held. Were the factor never refreshed, broadcast would stay out however fast it has
+    # become; after REMEASURE_STEPS steps without a measurement it counts as unmeasured
+    # again (its old ratios forgotten), is tried, and wins on its new ratios
+    counts, height, row_bytes, world = [4_000, 2_000, 2_000, 2_000], 1_000_000, 256, 4
+    raw = LINK.estimates(counts, height, row_bytes, world, True)
+    band = {k: size_band(v[1]) for k, v in raw.items()}
+    assert raw["broadcast"][0] < raw["allgather"][0] < 2.0 * raw["broadcast"][0]  # scenario
+    hist = _history({("broadcast", band["broadcast"]): [3.0] * MIN_SAMPLES})
+
+    def step(path: str | None = None) -> PathChoice:
+        choice = LINK.choose(counts, height, row_bytes, world, True, history=hist,
+                             explore=2.0, current=path)
+        hist.add((choice.path, band[choice.path]), 1.0)  # every path now runs as predicted
+        hist.tick()
+        return choice
+
+    held = None
+    for n in range(REMEASURE_STEPS):
+        choice = step(held)
+        held = choice.path if not choice.explored else held
+        assert choice.path == "allgather" or (choice.path == "dense" and choice.explored), n
+    tried = [step(held) for _ in range(MIN_SAMPLES + 2)]
+    assert [c.path for c in tried] == ["broadcast"] * len(tried)
+    assert hist.factor("broadcast", band["broadcast"]) == 1.0 and not tried[-1].explored
+    # a path re-measured and still slower waits twice as long before the next try
+    again = _history({("broadcast", band["broadcast"]): [3.0] * MIN_SAMPLES})
+    for _ in range(REMEASURE_STEPS + 1):
+        again.add(("allgather", band["allgather"]), 1.0)
+        again.tick()
+    assert not again.measured("broadcast", band["broadcast"])
+    for _ in range(MIN_SAMPLES):
+        again.add(("broadcast", band["broadcast"]), 3.0)
+    for _ in range(2 * REMEASURE_STEPS):
+        assert again.measured("broadcast", band["broadcast"])
+        again.tick()
+    assert not again.measured("broadcast", band["broadcast"])
 
 
 def test_rows_sent_with_the_counts_are_padded_by_the_measured_growth():

@@ -24,8 +24,9 @@ learned from measured / predicted times and agreed through the count all-gather,
 model honest at sizes the start-up calibration did not see; a path not yet measured at the
 current size is tried when its estimate is close, and ``auto`` holds a path until another is
 cheaper beyond both paths' measured noise, measuring afresh when the density moves (see
-:func:`~trainwright.sync.sparse_cost.sticky_path`). The triple itself lives in
-:mod:`trainwright.sync.rowsparse`.
+:func:`~trainwright.sync.sparse_cost.sticky_path`) and, for a path not taken, once its
+measurements are old (:data:`~trainwright.sync.sparse_cost.REMEASURE_STEPS`). The triple
+itself lives in :mod:`trainwright.sync.rowsparse`.
 
 :class:`SparseGradSync` is the :class:`~trainwright.sync.GradSync` strategy (pipeline dp
 groups, ``sync.sparse = true``);
@@ -241,6 +242,7 @@ class SparseGradSync(GradSync):
         if self.world == 1 or not params:
             return self.last
         self._device = params[0].device
+        self.history.tick()  # measurements of paths not taken for a while age (CostHistory)
         sparse_idx = [i for i, p in enumerate(params) if self.is_row_sparse(p)]
         local, triples = [-1] * len(params), {}
         for i in sparse_idx:

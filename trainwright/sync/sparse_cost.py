@@ -20,7 +20,7 @@ from trainwright.dist import collective as coll
 
 __all__ = ["ID_BYTES", "CostHistory", "LinkModel", "PathChoice", "calibrate", "all_gather_into",
            "size_band", "sticky_path", "density_moved", "FACTOR_WINDOW", "MIN_SAMPLES", "MAD_TO_SE",
-           "MOVE"]
+           "MOVE", "REMEASURE_STEPS", "REMEASURE_MAX_STEPS"]
 
 ID_BYTES = 8
 """Row ids travel as int64."""
@@ -85,6 +85,15 @@ MAD_TO_SE = 1.4826 * math.sqrt(math.pi / 2)
 ``MAD_TO_SE * MAD / sqrt(n)`` (1.4826 turns a MAD into a standard deviation for normal
 noise, sqrt(pi / 2) is the median's efficiency against the mean)."""
 
+REMEASURE_STEPS = 100
+"""Steps after which a path's measurements at a size band are old: a path not taken since
+counts as unmeasured again (its old ratios forgotten), so ``auto`` tries it once more if
+its estimate is close (``sync.sparse_explore``). Each time a band ages its wait doubles, up
+to :data:`REMEASURE_MAX_STEPS`, so a path that stays slower costs ever fewer tries."""
+
+REMEASURE_MAX_STEPS = 1600
+"""The longest wait before a path's measurements age (see :data:`REMEASURE_STEPS`)."""
+
 MOVE = 2.0
 """The density *moves* when a table's rows (summed over ranks) leave ``[ref / MOVE, ref *
 MOVE]`` of where its sticky path was chosen: the paths are then measured afresh."""
@@ -103,11 +112,32 @@ class CostHistory:
     def __init__(self):
         self.ratios: dict[tuple[str, int], collections.deque] = {}
         self.fresh: dict[tuple[str, int], int] = {}
+        self.step = 0
+        """Steps counted by :meth:`tick`."""
+        self.last: dict[tuple[str, int], int] = {}
+        """Per (path, band): the step of its latest ratio."""
+        self.wait: dict[tuple[str, int], int] = {}
+        """Per (path, band): steps without a ratio after which it ages (see :meth:`tick`)."""
+
+    def tick(self) -> None:
+        """One step has passed (every rank calls it once per sync, so every rank ages the
+        same bands): a measured band without a new ratio for its wait
+        (:data:`REMEASURE_STEPS`, doubling each time up to :data:`REMEASURE_MAX_STEPS`)
+        forgets its ratios and counts as unmeasured, so a path left on measurements taken
+        while the machine was busier is tried again when its estimate is close."""
+        self.step += 1
+        for key, last in self.last.items():
+            wait = self.wait.get(key, REMEASURE_STEPS)
+            if self.measured(*key) and self.step - last >= wait:
+                self.ratios.pop(key, None)
+                self.fresh[key] = 0
+                self.wait[key] = min(2 * wait, REMEASURE_MAX_STEPS)
 
     def add(self, key: tuple[str, int], ratio: float) -> None:
         """Record one measured / predicted ratio of ``key = (path, band)``."""
         self.ratios.setdefault(key, collections.deque(maxlen=FACTOR_WINDOW)).append(ratio)
         self.fresh[key] = self.fresh.get(key, 0) + 1
+        self.last[key] = self.step
 
     def stale(self, keys) -> None:
         """Count ``keys`` as unmeasured until they have :data:`MIN_SAMPLES` new ratios."""
