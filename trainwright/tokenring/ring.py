@@ -438,6 +438,7 @@ class TokenRing:
             log.warning("token ring node %d: %d message(s) from node %d lost in transit",
                         self.index, lost, src)
         with self.cv:
+            seen = self._waited_on()
             if kind == "grad":
                 self._on_grad(header, tensors)
             elif kind == "sum":
@@ -467,7 +468,16 @@ class TokenRing:
                 if ep.key > self.epoch.key and self.index not in ep.members:
                     self._set_status("left", f"node {src} says epoch {ep.key} has members "
                                      f"{ep.order} without this node")
-            self.cv.notify_all()
+            if self._waited_on() != seen:
+                self.cv.notify_all()
+
+    def _waited_on(self) -> tuple:
+        """What the trainer's waits read (closes, sums, gradients, finished members,
+        membership, status): a message that changes none of it wakes nobody. Woken at
+        every message, each node's trainer thread took the interpreter and the lock from
+        this thread once per chunk of a pass."""
+        return (len(self.closes), len(self.sums), len(self.grads), len(self._done),
+                self.epoch.key, self.status)
 
     def _set_status(self, status: str, reason: str) -> None:
         if self.status == "running":
