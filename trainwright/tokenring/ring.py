@@ -55,6 +55,7 @@ from trainwright.tokenring.membership import Epoch, Rendezvous, announce_delay, 
 from trainwright.tokenring.sumpass import (
     CHUNK_BYTES,
     SumAssembly,
+    SumBuffers,
     chunk_plan,
     chunk_tensor,
     fold,
@@ -154,6 +155,11 @@ class TokenRing:
         self.sums: dict[int, list[torch.Tensor]] = {}
         """Closed steps' sums (received in the pass, or closed here)."""
         self._asm: dict[int, SumAssembly] = {}
+        self._buffers = SumBuffers()
+        """Tensors of sums assembled here and since dropped, for the next assemblies."""
+        self._assembled: set[int] = set()
+        """Steps whose sum in :attr:`sums` was assembled here (its tensors are this node's
+        alone: they go back to :attr:`_buffers` when the sum is dropped)."""
         self._acc: tuple[int, tuple[int, ...], list[torch.Tensor]] | None = None
         """The running sum this node holds: (step, contributors in order, tensors)."""
         self._fetch_sum: list[int] = []
@@ -293,9 +299,12 @@ class TokenRing:
             for key in [k for k in self.grads if k[0] <= step - RETAIN_STEPS]:
                 del self.grads[key]
             for old in [k for k in self.sums if k <= step - RETAIN_STEPS]:
-                del self.sums[old]
+                tensors = self.sums.pop(old)
+                if old in self._assembled:
+                    self._assembled.discard(old)
+                    self._buffers.give(tensors)
             for old in [k for k in self._asm if k <= step]:
-                del self._asm[old]
+                self._buffers.give(self._asm.pop(old).tensors)
             if (weights is not None and admit_every and step % admit_every == 0
                     and step < self.total and self.rdzv is not None
                     and self.epoch.first() == self.index and self.rdzv.standby):
@@ -449,7 +458,10 @@ class TokenRing:
                 have = self.sums.get(header["step"])
                 addr = self.epoch.members.get(src)
                 if have is not None and addr is not None:
-                    self._pass_sum(header["step"], have, [(src, 0, src)], origin=-1)
+                    # a copy: the answer may wait in a queue after the sum's tensors went
+                    # back to the buffers for a later step's sum
+                    self._pass_sum(header["step"], [t.clone() for t in have], [(src, 0, src)],
+                                   origin=-1)
             elif kind == "fetch":
                 have = self.grads.get((header["step"], header["node"]))
                 addr = self.epoch.members.get(src)
@@ -527,7 +539,9 @@ class TokenRing:
         step, k, origin = h["step"], h["k"], h["origin"]
         if step in self.sums or step <= self.applied:
             return
-        asm = self._asm.setdefault(step, SumAssembly(h["layout"], CHUNK_BYTES))
+        asm = self._asm.get(step)
+        if asm is None:
+            asm = self._asm[step] = SumAssembly(h["layout"], CHUNK_BYTES, self._buffers)
         if not asm.add(k, tensors[0]):
             return
         nxt = (self.epoch.successor(self.index) if h["way"] > 0
@@ -537,6 +551,7 @@ class TokenRing:
             self._send(nxt, self.epoch.members[nxt], h, tensors)
         if asm.complete:
             self.sums[step] = asm.tensors
+            self._assembled.add(step)
             del self._asm[step]
 
     def _on_tok(self, h: dict, tensors: list[torch.Tensor] = ()) -> None:
