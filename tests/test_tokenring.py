@@ -695,30 +695,45 @@ def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
     for step, spread in ((1, 0.010), (2, 0.030), (3, 0.020)):
         g.ready(step, 0, 10.0)
         g.ready(step, 1, 10.0 + spread)
-        assert g.measure(step, 2) == pytest.approx(spread)
-        assert g.measure(step, 2) is None  # once per step
+        assert g.measure(2, 2, 10.0 + spread) == [pytest.approx(spread)]  # both ready
+        assert g.measure(2, 2, 10.0 + spread) == []  # once per step
     assert g.grace_s() == pytest.approx(0.040)  # 2 x median(10, 30, 20 ms)
     for step in (4, 5, 6):  # a slower host: the spread grows, the window forgets the old
         g.ready(step, 0, 0.0)
         g.ready(step, 1, 1.0)
-        g.measure(step, 2)
-    assert g.grace_s() == 0.5  # 2 s, capped
+        g.measure(2, 2, 1.0)
+    assert g.grace_s() == 0.5  # 2 s to the quorum, capped
+
+    # on-time nodes arrive staggered (they start when the closed sum reaches them, hop after
+    # hop): the last one, 30 ms after the first, counts, not the quorum's second at 10 ms;
+    # one 3x slower (0.4 s) does not
+    g = AdaptiveGrace(cap_s=0.1, factor=2.0, window=3)
+    for node, at in ((0, 0.0), (1, 0.010), (2, 0.020), (3, 0.030)):
+        g.ready(7, node, at)
+    assert g.measure(4, 2, 0.030) == [pytest.approx(0.030)]
+    for node, at in ((0, 1.0), (1, 1.010), (2, 1.020)):
+        g.ready(8, node, at)
+    assert g.measure(4, 2, 1.05) == []  # node 3 may still come within the cap
+    g.ready(8, 3, 1.4)
+    assert g.measure(4, 2, 1.4) == [pytest.approx(0.020)]
+    assert g.grace_s() == pytest.approx(0.050)
 
     ctx, pull, clock, ring = _four_node_ring(close_grace_s=1.0)
     try:
-        for step in (1, 2):  # on-time nodes ready 4 ms apart: the grace becomes 8 ms
+        for step in (1, 2):  # on-time nodes ready 4 ms apart: the grace becomes 24 ms
             for node in range(4):
                 ring.grace.ready(step, node, clock.now + node * 0.004)
+            clock.advance(0.012)
             assert ring._may_close(Token(step, [0, 1, 2, 3], 0, 1))  # all in: at once
-        assert ring.grace.grace_s() == pytest.approx(0.008)
+        assert ring.grace.grace_s() == pytest.approx(0.024)
         half = Token(3, [0, 1], 0, 1)
         ring.grace.ready(3, 0, clock.now)
         ring.grace.ready(3, 1, clock.now + 0.004)
         assert not ring._may_close(half)  # the quorum: the grace starts
-        clock.advance(0.007)
-        assert not ring._may_close(half)
+        clock.advance(0.023)
+        assert not ring._may_close(half)  # the last on-time node would still make it
         clock.advance(0.001)
-        assert ring._may_close(half)  # 8 ms, not the 1 s cap
+        assert ring._may_close(half)  # 24 ms, not the 1 s cap
         late = Token(4, [0, 1], 0, 1)
         for node in (0, 1, 3):  # node 3 said it is ready: never cut off
             ring.grace.ready(4, node, clock.now)
@@ -759,7 +774,7 @@ def test_a_node_far_behind_in_step_after_step_costs_no_grace():
             t = Token(step, [0, 1], 0, 1)
             assert not ring._may_close(t)  # 3 not known late yet: the grace runs
             t.contribs.append(2)
-            clock.advance(0.01)  # past the 8 ms grace
+            clock.advance(0.02)  # past the grace: 2 x the on-time spread, 8 ms
             assert ring._may_close(t)
             ring.grace.closed(step, clock.now, missing={3})
             clock.advance(2.0)

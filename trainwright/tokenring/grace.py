@@ -6,8 +6,16 @@ and its shard waits a step). The grace is instead read from the step's own arriv
 
 * every node announces when its gradient for a step is ready (a ``want`` message, a few
   bytes), so every member sees the readiness times of all the others on its own clock;
-* the *spread* of a step is the time from the first readiness to the one that completed the
-  quorum (``contributors_needed`` of them): how far apart nodes that are on time arrive;
+* the *spread* of a step is the time from its first readiness to the last one within
+  ``cap_s`` of it, or to the one that completed the quorum (``contributors_needed`` of
+  them) if that came later: how far apart the nodes that are on time arrive. It is
+  measured once every member is ready, or ``cap_s`` after the first readiness; until the
+  first step is, the spread to the quorum of the steps seen so far stands for it. (It was the
+  time to the quorum alone until 2026-12-07: nodes start a step when the closed sum reaches
+  them, one hop after another, so on-time nodes arrive staggered by the pass; the quorum's
+  first two, 3-4 ms apart at 4 nodes, made a grace that cut off the last on-time node,
+  12 ms behind, in 4-7 of 50 steps with no straggler at all, and its shard went to a later
+  step: 31-33 steps to the target against DDP's 31);
 * the grace is ``factor x`` the median spread of the last ``window`` steps, at most
   ``cap_s`` (``tokenring.close_grace_s``); before any step was measured it is ``cap_s``.
 
@@ -61,6 +69,8 @@ class AdaptiveGrace:
         self.spreads: deque[float] = deque(maxlen=window)
         self._ready: dict[int, dict[int, float]] = {}
         self._measured: set[int] = set()
+        self._provisional: float | None = None
+        """Before any spread is recorded: the largest spread to the quorum seen so far."""
         self._closed: dict[int, tuple[float, frozenset[int]]] = {}
         """Per closed step: when it closed here, and the members missing from it."""
 
@@ -73,24 +83,33 @@ class AdaptiveGrace:
         """Whether ``node`` reported its gradient of ``step`` ready."""
         return node in self._ready.get(step, {})
 
-    def measure(self, step: int, quorum: int) -> float | None:
-        """Record ``step``'s spread once ``quorum`` nodes were ready (once per step).
+    def measure(self, members: int, quorum: int, now: float) -> list[float]:
+        """Record the spread of every step whose on-time arrivals are all in: each of its
+        ``members`` is ready, or ``cap_s`` has passed since its first readiness and
+        ``quorum`` nodes are ready (once per step, in step order).
 
         Returns:
-            The spread in seconds, or None (fewer than ``quorum`` ready, or measured already).
+            The spreads recorded by this call, in seconds.
         """
-        times = sorted(self._ready.get(step, {}).values())
-        if step in self._measured or len(times) < quorum:
-            return None
-        self._measured.add(step)
-        spread = times[quorum - 1] - times[0]
-        self.spreads.append(spread)
-        return spread
+        got = []
+        for step in sorted(s for s in self._ready if s not in self._measured):
+            times = sorted(self._ready[step].values())
+            if len(times) >= quorum:
+                self._provisional = max(self._provisional or 0.0,
+                                        times[quorum - 1] - times[0])
+            if len(times) < members and (now - times[0] < self.cap_s or len(times) < quorum):
+                continue
+            self._measured.add(step)
+            on_time = max(t for t in times if t - times[0] <= self.cap_s)
+            got.append(max(on_time, times[quorum - 1]) - times[0])
+        self.spreads.extend(got)
+        return got
 
     def grace_s(self) -> float:
         """The grace for the next close: ``factor x`` median spread, at most ``cap_s``."""
         if not self.spreads:
-            return self.cap_s
+            return self.cap_s if self._provisional is None else min(
+                self.cap_s, self.factor * self._provisional)
         return min(self.cap_s, self.factor * statistics.median(self.spreads))
 
     def closed(self, step: int, at: float, missing) -> None:

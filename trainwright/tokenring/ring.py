@@ -722,9 +722,9 @@ class TokenRing:
         members = len(self.epoch.members)
         now = self.clock()
         needed = contributors_needed(self.close_fraction, members)
+        self.grace.measure(members, needed, now)
         if len(t.contribs) < needed:
             return False
-        self.grace.measure(t.step, needed)
         if len(t.contribs) >= members:
             return True
         since = self._quorum_at.setdefault(t.step, now)
