@@ -303,18 +303,21 @@ def run(spec: StragglerSpec, repeats: int = 5, runs: tuple = RUNS,
     benchmark JSON (ratios whose two runs were not measured are left out). With
     ``partial``, the summary of the rounds done so far is written there after each round."""
     from trainwright.bench.paired import round_order
-    from trainwright.observe.progress import StepProgress
+    from trainwright.observe.progress import RunProgress
     from trainwright.observe.telemetry import atomic_write_text
 
     got: dict[tuple[str, str], list[dict]] = {k: [] for k in runs}
-    bar = StepProgress(repeats * len(runs))
+    bar = RunProgress(f"bench straggler ({spec.nodes} nodes)", repeats * len(runs))
     done = 0
     with tempfile.TemporaryDirectory(prefix="tw-straggler-") as tmp:
         for rnd in range(repeats):
             for key in round_order(runs, rnd):
                 got[key].append(_one_run(spec, *key, Path(tmp)))
                 done += 1
-                bar.update(done, None, 0.0)
+                t = got[key][-1]["time_to_target_s"]
+                bar.update(done, f"{key[0]} {key[1]}: " + (
+                    f"{t:.2f} s to {spec.target_accuracy:.0%}" if t is not None
+                    else f"never reached {spec.target_accuracy:.0%}"))
             if partial is not None:
                 atomic_write_text(partial, json.dumps(summarise(got, spec, rnd + 1), indent=1))
     bar.close()
