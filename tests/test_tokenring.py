@@ -113,7 +113,7 @@ def test_sum_pass_chunks_cover_the_sum_and_a_rebuilt_sum_is_the_tokens_bit_for_b
     from trainwright.tokenring.sumpass import (
         SumAssembly,
         chunk_plan,
-        chunk_tensor,
+        chunk_tensors,
         fold,
         layout_of,
     )
@@ -128,15 +128,20 @@ def test_sum_pass_chunks_cover_the_sum_and_a_rebuilt_sum_is_the_tokens_bit_for_b
     assert all(torch.equal(a, b) for a, b in zip(hop, rebuilt, strict=True))
     layout = layout_of(hop)
     plan = chunk_plan(layout, chunk_bytes=64)  # 16 floats a chunk
-    assert [p for p in plan if p[0] == 0][-1] == (0, 400, 407) and (2, 0, 0) in plan
+    # (407 + 5) floats in 26 chunks: the small tensors share the last one with the large
+    # one's end (each tensor in chunks of its own took 28)
+    assert len(plan) == 26 and plan[0] == [(0, 0, 16)]
+    assert plan[-1] == [(0, 400, 407), (1, 0, 5), (2, 0, 0)]
+    assert chunk_plan([[[3], "float32"], [[4], "float32"]], chunk_bytes=8) == [
+        [(0, 0, 2)], [(0, 2, 3), (1, 0, 1)], [(1, 1, 3)], [(1, 3, 4)]]
     asm = SumAssembly(layout, chunk_bytes=64)
     for k in reversed(range(len(plan))):  # any order, duplicates ignored
-        assert asm.add(k, chunk_tensor(hop, plan[k]).clone())
-        assert not asm.add(k, chunk_tensor(hop, plan[k]))
+        assert asm.add(k, [t.clone() for t in chunk_tensors(hop, plan[k])])
+        assert not asm.add(k, chunk_tensors(hop, plan[k]))
         assert asm.complete == (k == 0)
     assert all(torch.equal(a, b) for a, b in zip(asm.tensors, hop, strict=True))
     with pytest.raises(ValueError, match="disagree on the chunk plan"):
-        SumAssembly(layout, chunk_bytes=64).add(0, torch.zeros(3))
+        SumAssembly(layout, chunk_bytes=64).add(0, [torch.zeros(3)])
 
 
 @pytest.mark.timeout(30)
@@ -275,7 +280,7 @@ def test_a_dropped_sums_tensors_take_the_place_of_fresh_ones_and_a_fetch_answer_
     next sum it assembles is written into them. A fetch's answer, which may wait in a
     queue that long, is sent as a copy."""
     from trainwright.tokenring.ring import RETAIN_STEPS
-    from trainwright.tokenring.sumpass import chunk_plan, chunk_tensor, layout_of
+    from trainwright.tokenring.sumpass import chunk_plan, chunk_tensors, layout_of
 
     ctx, pull, clock, ring = _four_node_ring(close_grace_s=0.25)
     sq = iter(range(1, 1000))
@@ -286,9 +291,9 @@ def test_a_dropped_sums_tensors_take_the_place_of_fresh_ones_and_a_fetch_answer_
 
     def pass_sum(step: int, total: list[torch.Tensor]) -> None:  # node 1 closed, 0 is last
         layout = layout_of(total)
-        for k, piece in enumerate(chunk_plan(layout, 64)):
+        for k, pieces in enumerate(chunk_plan(layout, 64)):
             deliver({"t": "sum", "step": step, "k": k, "origin": 1, "way": 1, "last": 0,
-                     "layout": layout}, [chunk_tensor(total, piece)])
+                     "layout": layout}, chunk_tensors(total, pieces))
 
     sent = []
     ring._send = lambda idx, addr, header, tensors=(): sent.append((header, list(tensors)))

@@ -57,7 +57,7 @@ from trainwright.tokenring.sumpass import (
     SumAssembly,
     SumBuffers,
     chunk_plan,
-    chunk_tensor,
+    chunk_tensors,
     fold,
     layout_of,
     pass_routes,
@@ -530,8 +530,8 @@ class TokenRing:
         member)``, :func:`~trainwright.tokenring.sumpass.pass_routes`), a chunk to each
         route in turn; ``origin`` is the closer (-1: a fetch's answer, not forwarded)."""
         layout = layout_of(tensors)
-        for k, piece in enumerate(chunk_plan(layout, CHUNK_BYTES)):
-            chunk = [chunk_tensor(tensors, piece)]
+        for k, pieces in enumerate(chunk_plan(layout, CHUNK_BYTES)):
+            chunk = chunk_tensors(tensors, pieces)
             for first, way, last in routes:
                 self._send(first, self.epoch.members[first],
                            {"t": "sum", "step": step, "k": k, "origin": origin,
@@ -546,7 +546,7 @@ class TokenRing:
         asm = self._asm.get(step)
         if asm is None:
             asm = self._asm[step] = SumAssembly(h["layout"], CHUNK_BYTES, self._buffers)
-        if not asm.add(k, tensors[0]):
+        if not asm.add(k, tensors):
             return
         nxt = (self.epoch.successor(self.index) if h["way"] > 0
                else self.epoch.predecessor(self.index))
