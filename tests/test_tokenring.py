@@ -723,6 +723,15 @@ def test_adaptive_grace_follows_the_arrival_spread_and_waits_for_a_ready_node():
     assert g.measure(4, 2, 1.4) == [pytest.approx(0.020)]
     assert g.grace_s() == pytest.approx(0.050)
 
+    # before any step's spread is recorded, every on-time arrival lengthens the grace
+    # (members start the first step as their welcome arrives, up to 15 ms apart)
+    g = AdaptiveGrace(cap_s=0.1, factor=2.0)
+    g.ready(1, 0, 0.0)
+    g.ready(1, 1, 0.002)
+    assert g.measure(4, 2, 0.002) == [] and g.grace_s() == pytest.approx(0.004)
+    g.ready(1, 2, 0.010)
+    assert g.measure(4, 2, 0.010) == [] and g.grace_s() == pytest.approx(0.020)
+
     ctx, pull, clock, ring = _four_node_ring(close_grace_s=1.0)
     try:
         for step in (1, 2):  # on-time nodes ready 4 ms apart: the grace becomes 24 ms

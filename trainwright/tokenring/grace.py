@@ -10,7 +10,10 @@ and its shard waits a step). The grace is instead read from the step's own arriv
   ``cap_s`` of it, or to the one that completed the quorum (``contributors_needed`` of
   them) if that came later: how far apart the nodes that are on time arrive. It is
   measured once every member is ready, or ``cap_s`` after the first readiness; until the
-  first step is, the spread to the quorum of the steps seen so far stands for it. (It was the
+  first step is, the spread of the arrivals so far stands for it (each on-time node that
+  arrives lengthens the first step's grace: nodes start the first step as their welcome
+  arrives, up to 15 ms apart, and the spread to the quorum alone cut one off there in the
+  benchmark's first round). (It was the
   time to the quorum alone until 2026-12-07: nodes start a step when the closed sum reaches
   them, one hop after another, so on-time nodes arrive staggered by the pass; the quorum's
   first two, 3-4 ms apart at 4 nodes, made a grace that cut off the last on-time node,
@@ -70,7 +73,8 @@ class AdaptiveGrace:
         self._ready: dict[int, dict[int, float]] = {}
         self._measured: set[int] = set()
         self._provisional: float | None = None
-        """Before any spread is recorded: the largest spread to the quorum seen so far."""
+        """Before any spread is recorded: the largest spread of the arrivals so far (each
+        on-time arrival after the quorum lengthens the first step's grace)."""
         self._closed: dict[int, tuple[float, frozenset[int]]] = {}
         """Per closed step: when it closed here, and the members missing from it."""
 
@@ -94,14 +98,15 @@ class AdaptiveGrace:
         got = []
         for step in sorted(s for s in self._ready if s not in self._measured):
             times = sorted(self._ready[step].values())
-            if len(times) >= quorum:
-                self._provisional = max(self._provisional or 0.0,
-                                        times[quorum - 1] - times[0])
-            if len(times) < members and (now - times[0] < self.cap_s or len(times) < quorum):
+            if len(times) < quorum:
+                continue
+            spread = max(max(t for t in times if t - times[0] <= self.cap_s),
+                         times[quorum - 1]) - times[0]
+            self._provisional = max(self._provisional or 0.0, spread)  # so far
+            if len(times) < members and now - times[0] < self.cap_s:
                 continue
             self._measured.add(step)
-            on_time = max(t for t in times if t - times[0] <= self.cap_s)
-            got.append(max(on_time, times[quorum - 1]) - times[0])
+            got.append(spread)
         self.spreads.extend(got)
         return got
 
