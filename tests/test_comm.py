@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -231,3 +232,16 @@ def test_watchdog_thread_declares_a_silent_rank_over_a_tcp_store():
     assert verdict is not None and verdict[0] == 1 and "no heartbeat" in verdict[1], verdict
     dogs[0].stop()
     del server
+
+
+def test_a_free_port_lies_outside_the_range_the_kernel_hands_out():
+    # a port the kernel hands out on bind(0) or as a connection's source port can be taken
+    # between free_port() and the rendezvous's bind (CI: 'Address already in use')
+    from trainwright.dist.ports import ephemeral_range, free_port
+
+    lo, hi = ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert not lo <= port <= hi, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
