@@ -1,5 +1,7 @@
 """The paired-round helpers every benchmark uses."""
 
+from pathlib import Path
+
 import pytest
 
 from trainwright.bench import paired
@@ -33,6 +35,18 @@ def test_paired_refuses_unequal_rounds():
 def test_host_info_names_cpu_and_versions():
     info = paired.host_info()
     assert info["cpus"] >= 1 and info["torch"] and info["cpu_model"]
+
+
+def test_host_info_tells_apart_cpus_that_share_a_model_name():
+    # a VM's CPU reads "AMD EPYC" whatever its generation: family, model and stepping do not
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or "cpu family" not in cpuinfo.read_text():
+        pytest.skip("no /proc/cpuinfo with a cpu family here")
+    first = cpuinfo.read_text().split("\n\n")[0]
+    fields = {k.strip(): v.strip() for k, v in
+              (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+    want = f"family {fields['cpu family']} model {fields['model']} stepping {fields['stepping']}"
+    assert paired.host_info()["cpu_id"] == want
 
 
 def test_interval_is_the_range_of_few_rounds_and_a_bootstrap_of_many():

@@ -117,24 +117,32 @@ def slowest_rank_step_s(per_rank: list[dict], warmup: int) -> float:
     return statistics.median(max(ts) for ts in zip(*per, strict=True))
 
 
-def _cpu_model() -> str:
+def _first_cpu() -> dict[str, str]:
+    """``/proc/cpuinfo``'s fields for the first processor (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            first = f.read().split("\n\n")[0]
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return {}
+    return {k.strip(): v.strip() for k, v in
+            (line.split(":", 1) for line in first.splitlines() if ":" in line)}
 
 
 def host_info() -> dict:
-    """The machine a benchmark ran on: CPU model, cores and library versions."""
+    """The machine a benchmark ran on: CPU model, cores and library versions.
+
+    ``cpu_id`` (family, model and stepping, where ``/proc/cpuinfo`` has them) tells apart
+    CPUs that a virtual machine names alike (every generation here reads "AMD EPYC")."""
     import numpy
     import torch
-    info = {"cpu_model": _cpu_model(), "cpus": os.cpu_count(),
+    cpu = _first_cpu()
+    info = {"cpu_model": cpu.get("model name") or platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "numpy": numpy.__version__, "platform": platform.platform()}
+    if "cpu family" in cpu:
+        info["cpu_id"] = (f"family {cpu['cpu family']} model {cpu.get('model')} "
+                          f"stepping {cpu.get('stepping')}")
     try:
         import deepspeed
         info["deepspeed"] = deepspeed.__version__

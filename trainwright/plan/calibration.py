@@ -334,7 +334,7 @@ def default_path() -> Path:
 
 
 def _same_host(a: Mapping, b: Mapping) -> bool:
-    keys = ("cpu_model", "cpus", "platform", "torch")
+    keys = ("cpu_model", "cpu_id", "cpus", "platform", "torch")
     return all(a.get(k) == b.get(k) for k in keys)
 
 
