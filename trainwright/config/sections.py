@@ -373,8 +373,9 @@ class TokenRingConfig(Section):
     contributions meet ``close_fraction`` it waits for the rest twice the on-time nodes'
     measured arrival spread (median of recent steps), at most this many seconds, and never
     cuts off a node that said its gradient is ready (0 = close at the fraction at once, the
-    token ring's plain rule). Before any step was measured the grace is this cap. No grace
-    for a member that missed each of the last 3 closes by more than this (known late)."""
+    token ring's plain rule). Before any step's spread is recorded the grace is twice the
+    spread of the arrivals so far. No grace for a member that missed each of the last 3
+    closes by more than this (known late)."""
     slow_probability: Annotated[UNIT, Allowed("must be in [0, 1] (0 = no transient "
                                               "stragglers)")] = 0.0
     """Emulation (benchmarks): in every step every node is independently ``slow_factor``
