@@ -39,14 +39,12 @@ def free_port() -> int:
     connect to itself), so it is drawn from 10000-65535 less that range.
     """
     lo, hi = ephemeral_range()
+    outside = [*range(10000, lo), *range(hi + 1, 65536)]
     pick = random.SystemRandom()  # not the seeded module state: processes draw apart
-    candidates = [r for r in (range(10000, lo), range(hi + 1, 65536)) if len(r)]
-    for _ in range(200):
-        if not candidates:
-            break
-        port = pick.choice(pick.choice(candidates))
+    for _ in range(200 if outside else 0):
+        port = pick.choice(outside)
         if _bindable(port):
             return port
-    with socket.socket() as s:  # the range covers every port: the kernel's choice
+    with socket.socket() as s:  # nothing free outside the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
