@@ -17,10 +17,11 @@ and its shard waits a step). The grace is instead read from the step's own arriv
   time to the quorum alone until 2026-12-07: nodes start a step when the closed sum reaches
   them, one hop after another, so on-time nodes arrive staggered by the pass; the quorum's
   first two, 3-4 ms apart at 4 nodes, made a grace that cut off the last on-time node,
-  12 ms behind, in 4-7 of 50 steps with no straggler at all, and its shard went to a later
+  12 ms behind, in 1-7 of 40-50 steps with no straggler at all, and its shard went to a later
   step: 31-33 steps to the target against DDP's 31);
 * the grace is ``factor x`` the median spread of the last ``window`` steps, at most
-  ``cap_s`` (``tokenring.close_grace_s``); before any step was measured it is ``cap_s``.
+  ``cap_s`` (``tokenring.close_grace_s``); before any step was measured it is ``factor x``
+  the spread of the arrivals so far (``cap_s`` until a quorum is ready).
 
 A node that is ready but not yet added (it announced itself, the token is on its way) is
 never cut off: the close rule waits for it whatever the grace
