@@ -48,7 +48,10 @@ class ForecastSpec:
     micro_batch_size: int = 4
     steps: int = 12
     warmup: int = 2
-    repeats: int = 2
+    repeats: int = 3
+    """Rounds of every configuration; its measured step is their median. Three, so that
+    one run far off the others (a run of pp 4 ZB-H1 x 8 took 523 ms where its other two
+    took 280 and 248, 2026-12-08) does not move it: with two, the median is their mean."""
     profile_repeats: int = 5
     configs: list = field(default_factory=lambda: [list(c) for c in DEFAULT_CONFIGS])
     calibration: str = ""

@@ -341,9 +341,10 @@ def run(spec: PlannerBenchSpec, repeats: int = 3, big: bool = True,
 def main(args: argparse.Namespace) -> dict:
     """CLI entry: ``trainwright bench planner [--repeats N] [--steps N]``.
 
-    ``--repeats`` sets the rounds of the forecast's configurations (default 2: the sweep
-    has 28, and with ``bench memory`` must finish within 40 minutes) and of the policy
-    families (default 3) alike; ``--stages`` keeps the configurations of that depth.
+    ``--repeats`` sets the rounds of the forecast's configurations (default 3,
+    :attr:`ForecastSpec.repeats`: the sweep has 28, and with ``bench memory`` must finish
+    within 40 minutes) and of the policy families (default 3) alike; ``--stages`` keeps
+    the configurations of that depth.
     """
     spec = PlannerBenchSpec()
     forecast = ForecastSpec(n_blocks=spec.n_blocks, d_model=spec.d_model, n_heads=spec.n_heads,
