@@ -63,6 +63,10 @@ def test_bench_planner_forecast_runs_and_keys_come_from_its_rows(tmp_path):
         "met" if r["predict_step_error_max"] <= 0.15 else "missed")
     assert v["planned_stages"]["verdict"] == "missed"  # 2 stages planned, the target is 40
     assert len(r["paired_ratios"]) == 2 and "ratio_spread" in r and r["host"]["cpus"] >= 1
+    probes = r["contention"]["2"]  # each contention run's rounds, and their median fitted
+    assert [len(t) for t in probes["measured_step_s_per_round"]] == [2] * len(probes["configs"])
+    assert probes["measured_step_s"] == pytest.approx(
+        [statistics.median(t) for t in probes["measured_step_s_per_round"]], abs=1e-5)
     assert r["profile"]["latency_s"] > 0 and len(r["profile"]["layers"]) == 4
     fams = r["families"]
     assert fams["host"]["fits"] and fams["recompute"]["fits"]

@@ -300,9 +300,12 @@ def run(spec: ForecastSpec, progress=None) -> dict:
     # the model's compute and copies under shared cores, fitted to its contention runs alone
     contention: dict[int, dict] = {}
     for k in probes:
-        c = contention.setdefault(k[0], {"configs": [], "measured_step_s": []})
+        c = contention.setdefault(k[0], {"configs": [], "measured_step_s": [],
+                                         "measured_step_s_per_round": []})
         c["configs"].append(list(k))
-        c["measured_step_s"].append(statistics.median(x["step_s"] for x in runs.pop(k)))
+        times = [x["step_s"] for x in runs.pop(k)]
+        c["measured_step_s"].append(statistics.median(times))
+        c["measured_step_s_per_round"].append([round(t, 5) for t in times])
     for c in contention.values():
         c.update(fit_inflation(profile, spec, cal, c["configs"], c["measured_step_s"]))
     preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal,
