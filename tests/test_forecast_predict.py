@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from trainwright.bench.forecast_model import (
+    COPY_INFLATION_FLOOR,
     ForecastSpec,
     Profile,
     contention_configs,
@@ -119,6 +120,12 @@ def test_the_models_inflation_is_fitted_to_its_own_contention_run(profile):
     assert one == {"inflation": pytest.approx(1.4, abs=1e-3), "copy_inflation": 1.0}
     assert fit_inflation(prof, spec, Calibration({}, 2), configs, at[1.4, 2.5]) == \
         {"inflation": 1.0, "copy_inflation": 1.0}
+    # an all-swap run that took less than its copies alone would cost is noise: the copies
+    # are fitted no cheaper than alone
+    quick = predict(prof, spec, *configs[2], cal, 1.4, 0.6)["step_s"]
+    assert quick < at[1.4, 1.0][2]
+    floor = fit_inflation(prof, spec, cal, configs, [*at[1.4, 2.5][:2], quick])
+    assert floor["copy_inflation"] == COPY_INFLATION_FLOOR == 1.0
 
 
 def test_the_contention_runs_are_never_ones_the_sweep_judges():

@@ -22,7 +22,7 @@ from trainwright.errors import ConfigError
 
 __all__ = ["DEFAULT_CONFIGS", "ForecastSpec", "Profile", "merged", "layer_policies",
            "predict", "predicted_peaks", "plan_limit", "CONTENTION_RUNS",
-           "contention_configs", "fit_inflation", "inflations_of"]
+           "contention_configs", "fit_inflation", "inflations_of", "COPY_INFLATION_FLOOR"]
 
 DEFAULT_CONFIGS = [  # (pp, micro-batches, schedule, policy)
     (2, 2, "gpipe", "keep"), (2, 4, "1f1b", "keep"), (2, 8, "1f1b", "recompute"),
@@ -312,6 +312,12 @@ def contention_configs(spec: ForecastSpec, keys: list[tuple]) -> list[tuple]:
     return probes
 
 
+COPY_INFLATION_FLOOR = 1.0
+"""The least ``copy_inflation`` :func:`fit_inflation` fits: a host copy in a pipeline of
+ranks sharing the host takes at least its single-process time (until 2026-12-08 the floor
+was 0.5, and one all-swap run in the keep runs' noise reached it)."""
+
+
 def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list],
                   measured_s: list[float]) -> dict:
     """The model's terms under shared cores, fitted to its contention runs ``configs``
@@ -319,13 +325,14 @@ def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list]
     the processor-sharing replay of the runs that keep every layer takes what they took
     (their geometric means equal); then, with that, ``copy_inflation``, its host-swap
     copies' time over the single-process swap rate, from the runs that swap every layer
-    (1.0 without one). Both 1.0 when ``cal`` did not measure the replay's terms."""
+    (1.0 without one; never below :data:`COPY_INFLATION_FLOOR`). Both 1.0 when ``cal`` did
+    not measure the replay's terms."""
     from trainwright.plan.calibration import fit_increasing
 
     if cal is None or cal.sharing() is None:
         return {"inflation": 1.0, "copy_inflation": 1.0}
 
-    def fitted(policy: str, at) -> float | None:
+    def fitted(policy: str, at, lowest: float) -> float | None:
         runs = [(c, m) for c, m in zip(configs, measured_s, strict=True) if c[3] == policy]
         if not runs:
             return None
@@ -334,9 +341,12 @@ def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list]
             return statistics.geometric_mean(
                 predict(profile, spec, *c, cal, *at(x))["step_s"] for c, _ in runs)
         return fit_increasing(predicted, statistics.geometric_mean(m for _, m in runs),
-                              0.5, 8.0)
-    inflation = fitted("keep", lambda x: (x, 1.0)) or 1.0
-    copies = fitted("swap", lambda x: (inflation, x)) or 1.0
+                              lowest, 8.0)
+    inflation = fitted("keep", lambda x: (x, 1.0), 0.5) or 1.0
+    # copies sharing the memory with other ranks' work run no faster than alone: an
+    # all-swap run within the keep runs' noise (113 / 122 / 105 ms against 108-127,
+    # 2026-12-08) fitted 0.5, the old floor, and made every swap plan at pp 4 too cheap
+    copies = fitted("swap", lambda x: (inflation, x), COPY_INFLATION_FLOOR) or 1.0
     return {"inflation": round(inflation, 4), "copy_inflation": round(copies, 4)}
 
 
