@@ -67,6 +67,11 @@ def test_bench_planner_forecast_runs_and_keys_come_from_its_rows(tmp_path):
     assert [len(t) for t in probes["measured_step_s_per_round"]] == [2] * len(probes["configs"])
     assert probes["measured_step_s"] == pytest.approx(
         [statistics.median(t) for t in probes["measured_step_s_per_round"]], abs=1e-5)
+    # the all-swap run's copies over the profile's, per round; their median is the term
+    assert len(probes["copy_ratio_per_round"]) == 2 and r["profile"]["copy_cpu_s_per_byte"] > 0
+    assert probes["copy_inflation"] == pytest.approx(
+        statistics.median(probes["copy_ratio_per_round"]), rel=1e-3)
+    assert "copy_inflation_fitted" in probes
     assert r["profile"]["latency_s"] > 0 and len(r["profile"]["layers"]) == 4
     fams = r["families"]
     assert fams["host"]["fits"] and fams["recompute"]["fits"]

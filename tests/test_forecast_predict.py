@@ -126,6 +126,24 @@ def test_the_models_inflation_is_fitted_to_its_own_contention_run(profile):
     assert quick < at[1.4, 1.0][2]
     floor = fit_inflation(prof, spec, cal, configs, [*at[1.4, 2.5][:2], quick])
     assert floor["copy_inflation"] == COPY_INFLATION_FLOOR == 1.0
+    # where the all-swap run measured its copies, that ratio is the copies' term; the fit
+    # to its step time is kept beside it
+    measured = fit_inflation(prof, spec, cal, configs, at[1.4, 2.5], copies_measured=1.7)
+    assert measured["copy_inflation"] == 1.7
+    assert measured["copy_inflation_fitted"] == pytest.approx(2.5, abs=1e-3)
+    assert measured["inflation"] == fit["inflation"]
+
+
+def test_a_runs_copies_over_the_profiles_are_the_median_of_its_rounds(profile):
+    from dataclasses import replace
+
+    from trainwright.bench.planner_forecast import copy_ratio
+
+    _, prof = profile
+    rounds = [{"swap_copy_cpu_s_per_byte": x} for x in (2e-10, 3e-10, 9e-10)]
+    assert copy_ratio(replace(prof, copy_cpu_s_per_byte=1e-10), rounds) == pytest.approx(3.0)
+    assert copy_ratio(prof, rounds) is None  # the profile did not measure its copies
+    assert copy_ratio(replace(prof, copy_cpu_s_per_byte=1e-10), [{}]) is None
 
 
 def test_the_contention_runs_are_never_ones_the_sweep_judges():

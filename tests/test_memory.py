@@ -71,6 +71,15 @@ def test_every_policy_mix_equals_keep_and_planned_stages_fit(tiny, world, tmp_pa
             check_against_reference(cfg, run_dir)
         except AssertionError as exc:
             raise AssertionError(f"{label}: {exc}") from exc
+        # the host copies' thread CPU time and bytes, per stage, where layers are swapped
+        pols = list(cfg.memory.policies or [])
+        for row in step_rows(run_dir):
+            copied = [st.get("swap_copied_bytes", 0) > 0 and st["swap_copy_cpu_s"] > 0
+                      for st in row["stages"]]
+            if pols == ["swap"]:
+                assert all(copied), (label, row["stages"])
+            elif "swap" not in pols and not cfg.memory.limit:
+                assert not any(copied), (label, row["stages"])
     for cfg, run_dir in zip(limited, dirs[-2:], strict=True):
         plans = _plans(run_dir)
         assert {p["stage"] for p in plans} >= {0}, "stage 0 must have been planned"

@@ -110,3 +110,19 @@ def test_swap_copies_memory_saved_twice_to_the_host_once():
         grads[policy] = [p.grad for p in stage.parameters()]
     for a, b in zip(grads["keep"], grads["swap"], strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_swap_counts_its_copies_thread_cpu_time_and_bytes_per_window():
+    # a run's copies over the same copies in one process are the planner's copy inflation
+    stage, store = _stage([nn.Sequential(nn.Linear(256, 256), nn.Tanh())], last=False)
+    store.set_policies({0: "swap"})
+    for mb in range(2):
+        stage.forward(mb, (torch.randn(512, 256),))
+    cpu_s, copied = store.swap.take_copies()
+    # tanh's output (the stage's input is not the layer's to copy; weights stay put)
+    assert copied == 2 * 512 * 256 * 4 == store.host_bytes and cpu_s > 0
+    assert store.swap.take_copies() == (0.0, 0)  # a new window
+    stage2, store2 = _stage([_SavesOneRegionTwice()], last=False)
+    store2.set_policies({0: "swap"})
+    stage2.forward(0, (torch.randn(6, 8),))
+    assert store2.swap.take_copies()[1] == 6 * 8 * 4  # memory saved twice is copied once

@@ -106,6 +106,10 @@ class Profile:
     :func:`plan_limit` use; None: the simulator's activation-store peak instead."""
     takes_ms: list = field(default_factory=list)
     """Per take of a :func:`merged` profile, its layers' forward + backward, summed (ms)."""
+    copy_cpu_s_per_byte: float = 0.0
+    """Thread CPU seconds per byte of the host-swap copies in one process (the swap's
+    forward copies, :meth:`~trainwright.pipeline.swap.HostSwap.take_copies`); 0: not
+    measured. A run's own over this is its copies' inflation (:func:`fit_inflation`)."""
 
     def summary(self) -> dict:
         """JSON view (per-layer times and bytes, links)."""
@@ -117,7 +121,7 @@ class Profile:
                 "opt_step_s": self.opt_step_s, "latency_s": self.latency_s,
                 "bandwidth_Bps": self.bandwidth_Bps,
                 "host_bandwidth_Bps": self.host_bandwidth_Bps, "wall_s": self.wall_s,
-                "takes_ms": self.takes_ms}
+                "takes_ms": self.takes_ms, "copy_cpu_s_per_byte": self.copy_cpu_s_per_byte}
 
 
 def merged(takes: list[Profile]) -> Profile:
@@ -136,7 +140,8 @@ def merged(takes: list[Profile]) -> Profile:
                    med(t.latency_s for t in takes), med(t.bandwidth_Bps for t in takes),
                    med(t.host_bandwidth_Bps for t in takes), sum(t.wall_s for t in takes),
                    last.table, [round(1e3 * sum(r.forward_s + r.backward_s for r in t.rows), 2)
-                                for t in takes])
+                                for t in takes],
+                   med(t.copy_cpu_s_per_byte for t in takes))
 
 
 def _layout(spec: ForecastSpec, pp: int, schedule: str):
@@ -319,14 +324,19 @@ was 0.5, and one all-swap run in the keep runs' noise reached it)."""
 
 
 def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list],
-                  measured_s: list[float]) -> dict:
-    """The model's terms under shared cores, fitted to its contention runs ``configs``
-    (which took ``measured_s``): ``inflation``, its compute time over its profile, at which
-    the processor-sharing replay of the runs that keep every layer takes what they took
-    (their geometric means equal); then, with that, ``copy_inflation``, its host-swap
-    copies' time over the single-process swap rate, from the runs that swap every layer
-    (1.0 without one; never below :data:`COPY_INFLATION_FLOOR`). Both 1.0 when ``cal`` did
-    not measure the replay's terms."""
+                  measured_s: list[float], copies_measured: float | None = None) -> dict:
+    """The model's terms under shared cores, from its contention runs ``configs`` (which
+    took ``measured_s``): ``inflation``, its compute time over its profile, at which the
+    processor-sharing replay of the runs that keep every layer takes what they took (their
+    geometric means equal); then ``copy_inflation``, its host-swap copies' time over the
+    single-process swap rate: ``copies_measured`` where the runs that swap every layer
+    measured it (their copies' thread CPU per byte over the profile's,
+    :func:`~trainwright.bench.planner_forecast.copy_ratio`), the fitted value beside it as
+    ``copy_inflation_fitted``; else fitted, with that inflation, to those runs' step times
+    (1.0 without one; never below :data:`COPY_INFLATION_FLOOR`). A fit is ill-conditioned
+    where the copies are a small share of the step: fits of 0.5 to 4.76 came out of the
+    same sweep on one day, where the measured ratio of four runs read 1.44-1.84. Both 1.0
+    when ``cal`` did not measure the replay's terms."""
     from trainwright.plan.calibration import fit_increasing
 
     if cal is None or cal.sharing() is None:
@@ -347,7 +357,10 @@ def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list]
     # all-swap run within the keep runs' noise (113 / 122 / 105 ms against 108-127,
     # 2026-12-08) fitted 0.5, the old floor, and made every swap plan at pp 4 too cheap
     copies = fitted("swap", lambda x: (inflation, x), COPY_INFLATION_FLOOR) or 1.0
-    return {"inflation": round(inflation, 4), "copy_inflation": round(copies, 4)}
+    if copies_measured is None:
+        return {"inflation": round(inflation, 4), "copy_inflation": round(copies, 4)}
+    return {"inflation": round(inflation, 4), "copy_inflation": round(copies_measured, 4),
+            "copy_inflation_fitted": round(copies, 4)}
 
 
 def inflations_of(contention: dict | None) -> tuple[float, float]:

@@ -28,12 +28,13 @@ overhead, the delivery of messages among ranks sharing the host, and ranks shari
 host's cores (the processor-sharing replay, :mod:`~trainwright.plan.sharing`, with the
 transport threads' CPU per message). One term is the model's, not the machine's: its
 compute under shared cores runs ``inflation`` times its profile (caches evicted by the
-other ranks), and its host-swap copies ``copy_inflation`` times their single-process time
-(the memory shared with the other ranks' work), fitted per rank count to runs of the model
-the sweep does not judge (:data:`~trainwright.bench.forecast_model.CONTENTION_RUNS`: 1F1B
-and GPipe with 3 micro-batches and every layer kept for the compute; 1F1B swapping every
-layer for the copies), timed in every round with the others
-(:func:`~trainwright.bench.forecast_model.fit_inflation`). Per-stage peaks come from one
+other ranks), fitted per rank count to runs of the model the sweep does not judge
+(:data:`~trainwright.bench.forecast_model.CONTENTION_RUNS`: 1F1B and GPipe with 3
+micro-batches and every layer kept), timed in every round with the others
+(:func:`~trainwright.bench.forecast_model.fit_inflation`); and its host-swap copies
+``copy_inflation`` times their single-process time (the memory shared with the other
+ranks' work), measured in the third such run, 1F1B swapping every layer: the copies' thread
+CPU per byte there over the profile's (:func:`copy_ratio`). Per-stage peaks come from one
 call, :func:`~trainwright.bench.forecast_model.predicted_peaks`: the footprint model
 (:mod:`~trainwright.plan.footprint`), device and host apart, from the same profile's
 working-set terms; limits are planned as a run's ``memory.limit`` plans them
@@ -126,8 +127,10 @@ SWAP_TIMED_MBS = 24
 """Micro-batch pairs (kept, swapped) timed by :func:`_swap_bandwidth`, after 4 untimed."""
 
 
-def _swap_bandwidth(layers, x, y) -> float:
-    """Bytes/s of host swap as the runtime does it: the model's layers in a
+def _swap_bandwidth(layers, x, y) -> tuple[float, float]:
+    """Bytes/s of host swap as the runtime does it, and the thread CPU seconds per byte of
+    its forward copies (:meth:`~trainwright.pipeline.swap.HostSwap.take_copies`; what
+    :func:`copy_ratio` compares a run's with): the model's layers in a
     :class:`~trainwright.pipeline.stage.Stage`, each its own segment, forward and backward
     of one micro-batch with every layer kept, then with every layer swapped, alternating;
     twice the bytes the swap held on the host (out in forward, back in backward) over the
@@ -159,14 +162,17 @@ def _swap_bandwidth(layers, x, y) -> float:
         return took, host
 
     kept, swapped = stage("keep"), stage("swap")
-    diffs, host = [], 0
+    diffs, host, copies = [], 0, []
     for mb in range(SWAP_TIMED_MBS + 4):
         k, _ = once(kept, mb)
         s, host = once(swapped, mb)
+        cpu_s, copied = swapped.store.swap.take_copies()
         if mb >= 4:
             diffs.append(s - k)
+            copies.append(cpu_s / copied if copied else 0.0)
     extra = statistics.median(diffs)
-    return 2 * host / extra if extra > 0 and host else _host_bandwidth()
+    return (2 * host / extra if extra > 0 and host else _host_bandwidth(),
+            statistics.median(copies))
 
 
 def _opt_step_times(layers) -> list[float]:
@@ -204,14 +210,15 @@ def take_profile(spec: ForecastSpec) -> Profile:
             r.forward_s = statistics.median(run[i].forward_s for run in runs)
             r.backward_s = statistics.median(run[i].backward_s for run in runs)
         opt = _opt_step_times(layers)
-        host = _swap_bandwidth(layers, x, y)
+        host, copy_cpu = _swap_bandwidth(layers, x, y)
         table = profile_model(cfg, layers)  # the footprint terms, same micro-batch size
         for r, c in zip(rows, table, strict=True):  # W's measured share of each backward
             r.weight_s = r.backward_s * c.weight_s / c.backward_s if c.backward_s else 0.0
     finally:
         torch.set_num_threads(threads)
     latency, bandwidth = _measure_links()
-    return Profile(rows, opt, latency, bandwidth, host, time.perf_counter() - t0, table)
+    return Profile(rows, opt, latency, bandwidth, host, time.perf_counter() - t0, table,
+                   copy_cpu_s_per_byte=copy_cpu)
 
 
 def run_config(spec: ForecastSpec, config: list, work: Path, tag: str,
@@ -221,7 +228,9 @@ def run_config(spec: ForecastSpec, config: list, work: Path, tag: str,
     ``policies``: per-layer policies (a limit's plan) in place of the configuration's.
     Returns the median telemetry step time after warm-up, the store's per-stage peak, and
     the live-storage meter's per-stage peak (metered during the warm-up steps only;
-    ``metered_host_peak_bytes`` too when the meter reports host copies apart).
+    ``metered_host_peak_bytes`` too when the meter reports host copies apart); where layers
+    were swapped to the host, ``swap_copy_cpu_s_per_byte``: the copies' thread CPU seconds
+    over their bytes after warm-up, every stage's together.
     """
     pp, mbs, schedule, policy = config
     name = f"{tag}-pp{pp}-m{mbs}-{schedule}-{policy}"
@@ -247,7 +256,23 @@ def run_config(spec: ForecastSpec, config: list, work: Path, tag: str,
            "metered_peak_bytes": [m["peak_bytes"] for m in meter]}
     if all("host_peak_bytes" in m for m in meter):
         out["metered_host_peak_bytes"] = [m["host_peak_bytes"] for m in meter]
+    copied = [st for r in steps[spec.warmup:] for st in r["stages"] if "swap_copied_bytes" in st]
+    if copied:
+        out["swap_copy_cpu_s_per_byte"] = (sum(st["swap_copy_cpu_s"] for st in copied)
+                                           / sum(st["swap_copied_bytes"] for st in copied))
     return out
+
+
+def copy_ratio(profile: Profile, runs: list[dict]) -> float | None:
+    """A contention run's host-swap copies over the same copies in one process: the median
+    over its rounds of their thread CPU per byte, over the profile's (None where either
+    did not measure it). Thread CPU time leaves out the moments other ranks held the
+    cores (the replay's processor sharing adds those), and keeps what sharing the memory
+    costs the copies themselves."""
+    per_byte = [r["swap_copy_cpu_s_per_byte"] for r in runs if "swap_copy_cpu_s_per_byte" in r]
+    if not per_byte or not profile.copy_cpu_s_per_byte:
+        return None
+    return statistics.median(per_byte) / profile.copy_cpu_s_per_byte
 
 
 def _err(pred: float, meas: float) -> float:
@@ -299,15 +324,23 @@ def run(spec: ForecastSpec, progress=None) -> dict:
     say("done", done, total)
     # the model's compute and copies under shared cores, fitted to its contention runs alone
     contention: dict[int, dict] = {}
+    copies: dict[int, float | None] = {}
     for k in probes:
         c = contention.setdefault(k[0], {"configs": [], "measured_step_s": [],
                                          "measured_step_s_per_round": []})
         c["configs"].append(list(k))
-        times = [x["step_s"] for x in runs.pop(k)]
+        probe = runs.pop(k)
+        times = [x["step_s"] for x in probe]
         c["measured_step_s"].append(statistics.median(times))
         c["measured_step_s_per_round"].append([round(t, 5) for t in times])
-    for c in contention.values():
-        c.update(fit_inflation(profile, spec, cal, c["configs"], c["measured_step_s"]))
+        if k[3] == "swap":
+            copies[k[0]] = copy_ratio(profile, probe)
+            c["copy_ratio_per_round"] = [
+                round(x["swap_copy_cpu_s_per_byte"] / profile.copy_cpu_s_per_byte, 4)
+                for x in probe if "swap_copy_cpu_s_per_byte" in x and profile.copy_cpu_s_per_byte]
+    for pp, c in contention.items():
+        c.update(fit_inflation(profile, spec, cal, c["configs"], c["measured_step_s"],
+                               copies.get(pp)))
     preds = {k: {**predict(profile, spec, k[0], k[1], k[2], pols[k], cal,
                            *inflations_of(contention.get(k[0]))),
                  "uncalibrated_step_s": predict(profile, spec, *k[:3], pols[k])["step_s"],

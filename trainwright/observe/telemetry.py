@@ -81,6 +81,11 @@ def step_record(stats: list, samples: int) -> dict:
             "held_microbatches_peak": max(s.held_microbatches_peak for s in mine),
         })
         stages[-1]["host_peak_bytes"] = max(s.host_peak_bytes for s in mine)
+        copied = [s for s in mine if s.swap_copied_bytes]
+        if copied:  # host-swap copies on the CPU: their thread CPU time (mean over replicas)
+            stages[-1]["swap_copy_cpu_s"] = statistics.fmean(s.swap_copy_cpu_s for s in copied)
+            stages[-1]["swap_copied_bytes"] = round(
+                statistics.fmean(s.swap_copied_bytes for s in copied))
         resident = [s.process_peak_bytes for s in mine if s.process_peak_bytes]
         if resident:
             stages[-1]["process_peak_bytes"] = max(resident)

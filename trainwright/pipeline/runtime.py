@@ -60,6 +60,11 @@ class StepStats:
     held_microbatches_peak: int
     host_peak_bytes: int = 0
     """Activations swapped to host memory, at most, during the step."""
+    swap_copy_cpu_s: float = 0.0
+    """Thread CPU seconds of the step's host-swap copies (CPU only; see
+    :meth:`~trainwright.pipeline.swap.HostSwap.take_copies`)."""
+    swap_copied_bytes: int = 0
+    """Bytes of those copies."""
     memory_plan: list | None = None
     """Per-layer rows of a memory plan made just before this step (None: unchanged)."""
     cuda_max_allocated_bytes: int | None = None
@@ -177,6 +182,7 @@ class Runtime(ABC):
         t_step = time.perf_counter_ns()
         compute_ns = self._before_step(step, events, trace)
         view.store.reset_peaks()
+        view.store.swap.take_copies()  # a new window, like the peaks
         params = view.parameters()
         cuda = bool(params) and params[0].is_cuda
         self._cuda, self._updates = (params[0].device if cuda else None), []
@@ -189,6 +195,7 @@ class Runtime(ABC):
         wall = (time.perf_counter_ns() - t_step) / 1e9
         view.profiler.end_step()
         losses = self._losses()
+        copy_cpu_s, copied = view.store.swap.take_copies()
         if not view.fast:  # a fast step fuses layers unmeasured: report the last measured peak
             self._measured_peak = view.store.peak_bytes
         return StepStats(step=step, stage=self.stage_index, replica=self.replica, wall_s=wall,
@@ -197,6 +204,7 @@ class Runtime(ABC):
                          activation_peak_bytes=self._measured_peak,
                          held_microbatches_peak=view.store.peak_microbatches, events=events,
                          host_peak_bytes=view.store.peak_host_bytes,
+                         swap_copy_cpu_s=copy_cpu_s, swap_copied_bytes=copied,
                          **(allocator_figures(torch.cuda.max_memory_allocated(self._cuda), params,
                                               cuda_start, self._updates) if cuda else {}),
                          migration=self._migration_stats(migration))
