@@ -29,6 +29,9 @@ def test_bench_planner_forecast_runs_and_keys_come_from_its_rows(tmp_path):
     cal = r["calibration"]
     assert (tmp_path / "cal.json").exists() and cal["slowdown"]["1"] == 1.0
     assert set(cal["slowdown"]) == {"1", "2"} and cal["host"] == r["host"]
+    # three takes between the profile's, each term their median
+    assert cal["recv_s"] == statistics.median(t["recv_s"] for t in r["calibration_takes"])
+    assert len(r["calibration_takes"]) == 3
     errs = []
     for c in rows:
         assert len(c["measured_step_s_per_round"]) == 2

@@ -247,3 +247,20 @@ def test_fit_transport_is_a_line_through_the_two_sizes_never_below_zero():
     assert fit_transport({1024: 8e-4, 262144: 7e-4}) == (8e-4, 0.0)  # noise: not cheaper
     with pytest.raises(PlanError, match="two message sizes"):
         fit_transport({1024: 8e-4})
+
+
+def test_takes_merge_term_by_term_so_one_slow_take_moves_nothing():
+    def take(recv, slow4, transport, host="h"):
+        return Calibration({"cpu": host}, 2, action_s=1e-5, segment_s=2e-5, send_s=1e-4,
+                           recv_s=recv, slowdown={1: 1.0, 2: 1.1, 4: slow4},
+                           delivery_s={2: 1e-3}, transport_s=transport)
+
+    got = Calibration.median_of([take(1.2e-3, 2.0, 7e-4), take(1.1e-4, 2.2, None),
+                                 take(1.3e-4, 2.1, 8e-4, host="last")])
+    assert got.recv_s == 1.3e-4 and got.slowdown == {1: 1.0, 2: 1.1, 4: 2.1}
+    assert got.transport_s == pytest.approx(7.5e-4)  # of the takes that measured it
+    assert got.host == {"cpu": "last"} and got.send_s == 1e-4 and got.delivery_s == {2: 1e-3}
+    one = take(1e-4, 2.0, None)
+    assert Calibration.median_of([one]) == one
+    with pytest.raises(ValueError):
+        Calibration.median_of([])

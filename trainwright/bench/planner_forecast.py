@@ -22,8 +22,9 @@ per-layer policies).
 Prediction (:mod:`~trainwright.bench.forecast_model`):
 :func:`~trainwright.plan.simulate.simulate` over the schedule's action lists,
 with stage costs from the profile (:func:`~trainwright.plan.stage_inputs.stage_costs`) and the
-machine's calibration (:mod:`~trainwright.plan.calibration`, measured once by
-:mod:`~trainwright.bench.calibrate` and cached): per-action, per-segment, send and receive
+machine's calibration (:mod:`~trainwright.plan.calibration`, measured by
+:mod:`~trainwright.bench.calibrate` three times between the profile's takes, the median of
+each term, and cached): per-action, per-segment, send and receive
 overhead, the delivery of messages among ranks sharing the host, and ranks sharing the
 host's cores (the processor-sharing replay, :mod:`~trainwright.plan.sharing`, with the
 transport threads' CPU per message). One term is the model's, not the machine's: its
@@ -66,6 +67,7 @@ from trainwright.bench.forecast_model import (
     predict,
     predicted_peaks,
 )
+from trainwright.bench.noise_floor import noise_floor
 from trainwright.bench.paired import host_info, paired, round_order, seconds, verdict
 
 __all__ = ["take_profile", "run_config", "run"]
@@ -280,33 +282,41 @@ def _err(pred: float, meas: float) -> float:
 
 
 PROFILE_TAKES = 3
-"""Takes of the profile the forecast's one profile is the median of (:func:`merged`)."""
+"""Takes of the profile the forecast's one profile is the median of (:func:`merged`), and
+of the calibration likewise (:meth:`~trainwright.plan.calibration.Calibration.median_of`):
+profile, calibration, profile, calibration, ..."""
 
 
-def _calibration(spec: ForecastSpec, max_ranks: int):
-    """Measured afresh in this run (the machine's state now is the one the runs see; a
-    cache from a loaded hour would skew the sweep), and cached for ``trainwright plan``."""
-    from trainwright.bench.calibrate import calibrate
+def _calibration(spec: ForecastSpec, takes: list):
+    """The median of ``takes``, measured afresh in this run (the machine's state now is
+    the one the runs see; a cache from a loaded hour would skew the sweep), and cached for
+    ``trainwright plan``."""
+    from trainwright.plan.calibration import Calibration, default_path, save
 
-    return calibrate(Path(spec.calibration) if spec.calibration else None, refresh=True,
-                     max_ranks=max_ranks)
+    cal = Calibration.median_of(takes)
+    save(Path(spec.calibration) if spec.calibration else default_path(), cal)
+    return cal
 
 
 def run(spec: ForecastSpec, progress=None) -> dict:
-    """Profile (three takes, before the calibration and after it, merged into one:
-    :func:`merged`), calibrate, plan the limits, predict every configuration, run each in
-    rounds (alternating order), compare; the JSON's fields.
+    """Profile and calibrate (three takes of each, alternating, each merged into one by
+    the median of its terms: :func:`merged`), plan the limits, predict every
+    configuration, run each in rounds (alternating order), compare; the JSON's fields
+    (``calibration_takes``: each take's receive, send and transport terms).
 
     ``progress(description, done, total)`` is told each run as it starts."""
+    from trainwright.bench.calibrate import measure
+
     say = progress or (lambda *_: None)
     keys = [tuple(c) for c in spec.configs]
     total = spec.repeats * len(keys)
-    say("profile (one process, one micro-batch)", 0, total)
-    takes = [take_profile(spec)]  # before the calibration and after it: see merged
-    say("calibrate the machine", 0, total)
-    cal = _calibration(spec, max(k[0] for k in keys))
-    say("profile again", 0, total)
-    profile = merged([*takes, *(take_profile(spec) for _ in range(PROFILE_TAKES - 1))])
+    takes, cals = [], []
+    for i in range(PROFILE_TAKES):
+        say(f"profile (one process, one micro-batch), take {i + 1}/{PROFILE_TAKES}", 0, total)
+        takes.append(take_profile(spec))
+        say(f"calibrate the machine, take {i + 1}/{PROFILE_TAKES}", 0, total)
+        cals.append(measure(max_ranks=max(k[0] for k in keys)))
+    profile, cal = merged(takes), _calibration(spec, cals)
     plans = {k: plan_limit(profile, spec, k[0], k[1], k[2], int(k[3][5:]) / 100)
              for k in keys if k[3].startswith("limit")}
     pols = {k: plans[k]["policies"] if k in plans else k[3] for k in keys}
@@ -347,6 +357,8 @@ def run(spec: ForecastSpec, progress=None) -> dict:
                  "peaks": predicted_peaks(profile, spec, *k[:3], pols[k])} for k in keys}
     out = _result(spec, profile, cal, keys, preds, plans, runs)
     out["contention"] = {str(pp): c for pp, c in sorted(contention.items())}
+    out["calibration_takes"] = [{"recv_s": c.recv_s, "send_s": c.send_s,
+                                 "transport_s": c.transport_s} for c in cals]
     return out
 
 
@@ -446,6 +458,7 @@ def _result(spec, profile, cal, keys, preds, plans, runs) -> dict:
         "ratio_spread": pr["ratio_spread"],
         "ratio_note": "per round, the median over configurations of measured / predicted "
                       "step time (all configurations run in that round, ABBA order)",
+        "step_error_noise_floor": noise_floor([meas[k] for k in keys]),
         "host": host_info(),
     }
     if host_errs:

@@ -138,6 +138,32 @@ class Calibration:
         return d
 
     @classmethod
+    def median_of(cls, takes: Sequence[Calibration]) -> Calibration:
+        """One calibration from several takes at different moments: every term the median
+        of the takes' (per rank count for ``slowdown`` and ``delivery_s``; a count some
+        take lacks, of those that have it); the host and method of the last. One take of
+        the receive overhead read 1.15 ms in a planner sweep (2026-12-08) where takes a
+        few minutes apart read 0.09-0.21 ms, and every two-chunk schedule's prediction,
+        with many receives per step, moved with it."""
+        if not takes:
+            raise ValueError("median_of needs at least one calibration")
+        med = statistics.median
+        last = takes[-1]
+
+        def per_count(name: str) -> dict:
+            keys = sorted({k for t in takes for k in getattr(t, name)})
+            return {k: med(getattr(t, name)[k] for t in takes if k in getattr(t, name))
+                    for k in keys}
+
+        moved = [t.transport_s for t in takes if t.transport_s is not None]
+        return dataclasses.replace(
+            last, **{name: med(getattr(t, name) for t in takes)
+               for name in ("action_s", "segment_s", "send_s", "recv_s",
+                            "transport_s_per_byte")},
+            slowdown=per_count("slowdown"), delivery_s=per_count("delivery_s"),
+            transport_s=med(moved) if moved else None)
+
+    @classmethod
     def from_dict(cls, d: Mapping) -> Calibration:
         """Inverse of :meth:`to_dict`."""
         d = dict(d)
