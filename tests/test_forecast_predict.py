@@ -134,16 +134,17 @@ def test_the_models_inflation_is_fitted_to_its_own_contention_run(profile):
     assert measured["inflation"] == fit["inflation"]
 
 
-def test_a_runs_copies_over_the_profiles_are_the_median_of_its_rounds(profile):
+def test_a_runs_copies_are_compared_with_the_profiles_round_by_round(profile):
     from dataclasses import replace
 
-    from trainwright.bench.planner_forecast import copy_ratio
+    from trainwright.bench.planner_forecast import copy_ratios
 
     _, prof = profile
     rounds = [{"swap_copy_cpu_s_per_byte": x} for x in (2e-10, 3e-10, 9e-10)]
-    assert copy_ratio(replace(prof, copy_cpu_s_per_byte=1e-10), rounds) == pytest.approx(3.0)
-    assert copy_ratio(prof, rounds) is None  # the profile did not measure its copies
-    assert copy_ratio(replace(prof, copy_cpu_s_per_byte=1e-10), [{}]) is None
+    measured = replace(prof, copy_cpu_s_per_byte=1e-10)
+    assert copy_ratios(measured, rounds) == pytest.approx([2.0, 3.0, 9.0])
+    assert copy_ratios(prof, rounds) == []  # the profile did not measure its copies
+    assert copy_ratios(measured, [{}, *rounds[:1]]) == pytest.approx([2.0])
 
 
 def test_the_contention_runs_are_never_ones_the_sweep_judges():

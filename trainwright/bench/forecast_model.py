@@ -331,7 +331,7 @@ def fit_inflation(profile: Profile, spec: ForecastSpec, cal, configs: list[list]
     geometric means equal); then ``copy_inflation``, its host-swap copies' time over the
     single-process swap rate: ``copies_measured`` where the runs that swap every layer
     measured it (their copies' thread CPU per byte over the profile's,
-    :func:`~trainwright.bench.planner_forecast.copy_ratio`), the fitted value beside it as
+    :func:`~trainwright.bench.planner_forecast.copy_ratios`), the fitted value beside it as
     ``copy_inflation_fitted``; else fitted, with that inflation, to those runs' step times
     (1.0 without one; never below :data:`COPY_INFLATION_FLOOR`). A fit is ill-conditioned
     where the copies are a small share of the step: fits of 0.5 to 4.76 came out of the

@@ -35,7 +35,7 @@ micro-batches and every layer kept), timed in every round with the others
 (:func:`~trainwright.bench.forecast_model.fit_inflation`); and its host-swap copies
 ``copy_inflation`` times their single-process time (the memory shared with the other
 ranks' work), measured in the third such run, 1F1B swapping every layer: the copies' thread
-CPU per byte there over the profile's (:func:`copy_ratio`). Per-stage peaks come from one
+CPU per byte there over the profile's (:func:`copy_ratios`). Per-stage peaks come from one
 call, :func:`~trainwright.bench.forecast_model.predicted_peaks`: the footprint model
 (:mod:`~trainwright.plan.footprint`), device and host apart, from the same profile's
 working-set terms; limits are planned as a run's ``memory.limit`` plans them
@@ -132,7 +132,7 @@ SWAP_TIMED_MBS = 24
 def _swap_bandwidth(layers, x, y) -> tuple[float, float]:
     """Bytes/s of host swap as the runtime does it, and the thread CPU seconds per byte of
     its forward copies (:meth:`~trainwright.pipeline.swap.HostSwap.take_copies`; what
-    :func:`copy_ratio` compares a run's with): the model's layers in a
+    :func:`copy_ratios` compares a run's with): the model's layers in a
     :class:`~trainwright.pipeline.stage.Stage`, each its own segment, forward and backward
     of one micro-batch with every layer kept, then with every layer swapped, alternating;
     twice the bytes the swap held on the host (out in forward, back in backward) over the
@@ -265,16 +265,16 @@ def run_config(spec: ForecastSpec, config: list, work: Path, tag: str,
     return out
 
 
-def copy_ratio(profile: Profile, runs: list[dict]) -> float | None:
-    """A contention run's host-swap copies over the same copies in one process: the median
-    over its rounds of their thread CPU per byte, over the profile's (None where either
-    did not measure it). Thread CPU time leaves out the moments other ranks held the
-    cores (the replay's processor sharing adds those), and keeps what sharing the memory
-    costs the copies themselves."""
-    per_byte = [r["swap_copy_cpu_s_per_byte"] for r in runs if "swap_copy_cpu_s_per_byte" in r]
-    if not per_byte or not profile.copy_cpu_s_per_byte:
-        return None
-    return statistics.median(per_byte) / profile.copy_cpu_s_per_byte
+def copy_ratios(profile: Profile, runs: list[dict]) -> list[float]:
+    """A contention run's host-swap copies over the same copies in one process, per round:
+    their thread CPU per byte over the profile's (none where either did not measure it).
+    Thread CPU time leaves out the moments other ranks held the cores (the replay's
+    processor sharing adds those), and keeps what sharing the memory costs the copies
+    themselves; the median over the rounds is the copies' inflation."""
+    if not profile.copy_cpu_s_per_byte:
+        return []
+    return [r["swap_copy_cpu_s_per_byte"] / profile.copy_cpu_s_per_byte for r in runs
+            if "swap_copy_cpu_s_per_byte" in r]
 
 
 def _err(pred: float, meas: float) -> float:
@@ -332,7 +332,8 @@ def run(spec: ForecastSpec, progress=None) -> dict:
                                           plans[k]["policies"] if k in plans else None))
                 done += 1
     say("done", done, total)
-    # the model's compute and copies under shared cores, fitted to its contention runs alone
+    # the model's compute under shared cores fitted to its contention runs alone, and its
+    # copies measured in the one that swaps every layer
     contention: dict[int, dict] = {}
     copies: dict[int, float | None] = {}
     for k in probes:
@@ -343,11 +344,10 @@ def run(spec: ForecastSpec, progress=None) -> dict:
         times = [x["step_s"] for x in probe]
         c["measured_step_s"].append(statistics.median(times))
         c["measured_step_s_per_round"].append([round(t, 5) for t in times])
-        if k[3] == "swap":
-            copies[k[0]] = copy_ratio(profile, probe)
-            c["copy_ratio_per_round"] = [
-                round(x["swap_copy_cpu_s_per_byte"] / profile.copy_cpu_s_per_byte, 4)
-                for x in probe if "swap_copy_cpu_s_per_byte" in x and profile.copy_cpu_s_per_byte]
+        ratios = copy_ratios(profile, probe) if k[3] == "swap" else []
+        if ratios:
+            copies[k[0]] = statistics.median(ratios)
+            c["copy_ratio_per_round"] = [round(x, 4) for x in ratios]
     for pp, c in contention.items():
         c.update(fit_inflation(profile, spec, cal, c["configs"], c["measured_step_s"],
                                copies.get(pp)))

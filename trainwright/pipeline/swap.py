@@ -67,7 +67,9 @@ class HostSwap:
         """Bytes of those copies."""
 
     def take_copies(self) -> tuple[float, int]:
-        """``(thread CPU seconds, bytes)`` of the CPU copies since the last call."""
+        """``(thread CPU seconds, bytes)`` of the CPU copies since the last call. The
+        calling thread's CPU only: with several intra-op threads a large copy's share on the
+        others is not counted (the planner's runs and profile use one thread per rank)."""
         out = (self.copy_cpu_s, self.copied_bytes)
         self.copy_cpu_s, self.copied_bytes = 0.0, 0
         return out
