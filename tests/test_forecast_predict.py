@@ -18,7 +18,7 @@ from trainwright.bench.forecast_model import (
     predict,
     predicted_peaks,
 )
-from trainwright.bench.planner_forecast import _layers_and_batch
+from trainwright.bench.forecast_profile import _layers_and_batch
 from trainwright.errors import ConfigError
 from trainwright.plan.calibration import Calibration
 

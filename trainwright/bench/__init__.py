@@ -7,7 +7,8 @@ pipelining, DeepSpeed, DDP, FSDP) as their users would set them up (:mod:`.peers
 
 * benchmarks: ``pipeline`` (+ ``pipeline_figures``, ``stage_overhead``), ``rebalance``,
   ``memory`` (+ ``memory_cuda``, its GPU variant), ``planner`` (+ ``planner_forecast``,
-  the sweep it runs, ``forecast_model``, what the sweep predicts from one profile,
+  the sweep it runs, ``forecast_profile``, the one profile it takes, ``forecast_model``,
+  what the sweep predicts from that profile,
   ``planner_predict``, ``calibrate``: the machine's step-time terms, ``noise_floor``:
   what a perfect predictor scores against the sweep's noisy rounds), ``sparse`` (+
   ``sparse_rank``, what each of its ranks runs),
